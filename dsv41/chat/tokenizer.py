@@ -1,0 +1,198 @@
+"""The V4.1 tokenizer: ids <-> text, tokenization with and without special-token matching, and an incremental,
+UTF-8-safe detokenizer.
+
+Two encoders are built from one tokenizer.json:
+- `full`: the `tokenizers` object as shipped. Added tokens (`<｜User｜>`, `</think>`, `｜DSML｜`, ...) are matched
+  anywhere in the text, the way DeepSeek's reference tokenizes a rendered prompt.
+- `plain`: the same normalizer, pre-tokenizer and BPE model with the added-token table removed, so text is only ever
+  byte-level BPE. Client text goes through it (the prompt shield).
+
+`tokenizers` splits a string at added-token matches first and encodes each piece between them independently, so
+"split at specials, encode the runs between them with `plain`" gives exactly the ids of `full.encode(whole)`; the
+chat encoder relies on that to tokenize template text (specials matched) and client text (never) in one pass.
+"""
+from __future__ import annotations
+
+import codecs
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from dsv41 import BUILTIN_TOKENIZER_DIR
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2 byte-level alphabet: the printable character standing for each byte, inverted (char -> byte)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class Tokenizer:
+    """ids <-> text for one tokenizer.json (see module docstring for the two encoders)."""
+
+    def __init__(self, tokenizer_json: str, source: str = "<memory>"):
+        spec = json.loads(tokenizer_json)
+        self.source = source
+        self.full = _HFTokenizer.from_str(tokenizer_json)
+        added = spec.get("added_tokens", [])
+        plain_spec = dict(spec, added_tokens=[])
+        self.plain = _HFTokenizer.from_str(json.dumps(plain_spec))
+        self.added: dict[str, int] = {a["content"]: a["id"] for a in added}
+        # tokenizers matches non-normalized added tokens first, then normalized ones in the remaining pieces, each
+        # leftmost-longest; two regexes (alternatives longest first) reproduce that order.
+        by_len = lambda toks: sorted(toks, key=len, reverse=True)  # noqa: E731
+        raw = [a["content"] for a in added if not a.get("normalized", False)]
+        norm = [a["content"] for a in added if a.get("normalized", False)]
+        self._raw_re = re.compile("|".join(map(re.escape, by_len(raw)))) if raw else None
+        self._norm_re = re.compile("|".join(map(re.escape, by_len(norm)))) if norm else None
+        self.special_ids: frozenset[int] = frozenset(a["id"] for a in added if a.get("special", False))
+        # id -> bytes, the way the ByteLevel decoder maps a token: every char through the byte alphabet, or the
+        # token's own UTF-8 when one char is outside it (added tokens such as <｜User｜>).
+        byte_of = _byte_level_table()
+        vocab: dict[str, int] = dict(spec["model"]["vocab"])
+        vocab.update(self.added)
+        self.vocab_size = max(vocab.values()) + 1
+        table: list[bytes | None] = [None] * self.vocab_size
+        for text, i in vocab.items():
+            try:
+                table[i] = bytes(byte_of[c] for c in text)
+            except KeyError:
+                table[i] = text.encode("utf-8")
+        self._bytes = table
+        self.bos_id = self.added[BOS]
+        self.eos_id = self.added[EOS]
+        self.think_start_id = self.added[THINK_START]
+        self.think_end_id = self.added[THINK_END]
+        self.image_id = self.added[IMAGE_PLACEHOLDER]
+
+    @classmethod
+    def from_dir(cls, path: str | Path | None = None) -> "Tokenizer":
+        """tokenizer.json from a checkpoint folder (or the file itself); None = the built-in kit/tokenizer."""
+        p = Path(path) if path is not None else BUILTIN_TOKENIZER_DIR
+        f = p / "tokenizer.json" if p.is_dir() else p
+        if not f.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {p}")
+        return cls(f.read_text(encoding="utf-8"), source=str(f))
+
+    @staticmethod
+    @lru_cache(maxsize=1)
+    def builtin() -> "Tokenizer":
+        """The built-in tokenizer, loaded once per process (about 1 s)."""
+        return Tokenizer.from_dir(None)
+
+    # ---- encoding ----
+    def encode(self, text: str, special: bool) -> list[int]:
+        """Token ids of `text`. special=True matches added tokens anywhere (the reference); False: plain BPE only."""
+        if not text:
+            return []
+        enc = self.full if special else self.plain
+        return enc.encode(text, add_special_tokens=False).ids
+
+    def split_specials(self, text: str) -> list[tuple[str, int | None]]:
+        """`text` cut into (piece, None) plain pieces and (token text, id) added-token matches, in order, as the
+        `tokenizers` added vocabulary cuts it."""
+        out: list[tuple[str, int | None]] = []
+        for piece, tid in self._split(text, self._raw_re):
+            if tid is not None:
+                out.append((piece, tid))
+            else:
+                out.extend(self._split(piece, self._norm_re))
+        return out
+
+    def _split(self, text: str, rx: re.Pattern | None) -> Iterable[tuple[str, int | None]]:
+        if rx is None:
+            if text:
+                yield text, None
+            return
+        pos = 0
+        for m in rx.finditer(text):
+            if m.start() > pos:
+                yield text[pos:m.start()], None
+            yield m.group(), self.added[m.group()]
+            pos = m.end()
+        if pos < len(text):
+            yield text[pos:], None
+
+    def encode_pieces(self, pieces: Sequence[tuple[str, bool]], shield: bool) -> list[int]:
+        """Ids of the concatenation of `pieces` = (text, is_client_text).
+
+        Template text has its added tokens matched; client text too when shield is False (the reference way:
+        equal to `encode(joined, special=True)`), never when it is True. Text between two matched specials is one
+        run, encoded once with the plain BPE, so ids across a template/client boundary are what the whole string
+        gives.
+        """
+        items: list[str | int] = []  # str = a plain run being built, int = a special id
+        run: list[str] = []
+        for text, client in pieces:
+            if client and shield:
+                run.append(text)
+                continue
+            for piece, tid in self.split_specials(text):
+                if tid is None:
+                    run.append(piece)
+                else:
+                    if run:
+                        items.append("".join(run))
+                        run = []
+                    items.append(tid)
+        if run:
+            items.append("".join(run))
+        runs = [it for it in items if isinstance(it, str) and it]
+        encoded = iter(self.plain.encode_batch(runs, add_special_tokens=False)) if runs else iter(())
+        ids: list[int] = []
+        for it in items:
+            if isinstance(it, int):
+                ids.append(it)
+            elif it:
+                ids.extend(next(encoded).ids)
+        return ids
+
+    # ---- decoding ----
+    def token_bytes(self, tid: int) -> bytes:
+        if not 0 <= tid < self.vocab_size or self._bytes[tid] is None:
+            raise ValueError(f"token id {tid} is not in the vocabulary (size {self.vocab_size})")
+        return self._bytes[tid]  # type: ignore[return-value]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`, special tokens kept, invalid UTF-8 as U+FFFD (as `tokenizers` decodes)."""
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def id_to_text(self, tid: int) -> str:
+        return self.token_bytes(tid).decode("utf-8", errors="replace")
+
+
+class IncrementalDetokenizer:
+    """Token ids in, text out, one id at a time. Bytes of a character split over several tokens are held until the
+    character is complete, so no broken UTF-8 is ever emitted; the text joined over any split of the ids equals
+    `tok.decode(ids)` once `finish()` is called."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, tid: int) -> str:
+        return self._dec.decode(self.tok.token_bytes(tid))
+
+    def push_many(self, ids: Iterable[int]) -> str:
+        return self._dec.decode(b"".join(self.tok.token_bytes(i) for i in ids))
+
+    def finish(self) -> str:
+        """Flush: bytes of an unfinished character come out as U+FFFD."""
+        return self._dec.decode(b"", final=True)
