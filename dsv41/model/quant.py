@@ -48,11 +48,12 @@ def pow2_ceil(v: torch.Tensor) -> torch.Tensor:
 
 
 def float_to_e8m0(pow2: torch.Tensor) -> torch.Tensor:
-    """A float32 power of two -> its E8M0 code (torch.float8_e8m0fnu)."""
-    bits = pow2.to(F32).view(torch.int32)
-    if bool(((bits & 0x7FFFFF) != 0).any()) or bool((pow2 <= 0).any()):
-        raise ValueError("E8M0 can only hold positive normal powers of two")
-    return ((bits >> 23) & 0xFF).to(torch.uint8).view(torch.float8_e8m0fnu)
+    """A float32 power of two -> its E8M0 code e (value 2^(e-127)), as torch.float8_e8m0fnu."""
+    mant, exp = torch.frexp(pow2.to(F32))  # pow2 = 0.5 * 2^exp, subnormals (2^-127) included
+    code = exp.to(torch.int32) + 126
+    if bool((mant != 0.5).any()) or bool(((code < 0) | (code > 254)).any()):
+        raise ValueError("E8M0 can only hold powers of two 2^-127 .. 2^127")
+    return code.to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 # --------------------------------------------------------------------------------------------------------------
