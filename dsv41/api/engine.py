@@ -1,0 +1,145 @@
+"""Engine: what the routes need once the server is up (config, tokenizer, scheduler, limits), and how it is built.
+
+`load_engine` runs in a worker thread at start-up (the routes answer 503 "loading" meanwhile): resolve the
+checkpoint (the built-in tiny one when none is given), load the tokenizer and the model, size the state budget and
+the context, and build the runner and the scheduler. `builtin_checkpoint` makes the tiny checkpoint once with
+dsv41.tools.make_tiny and caches it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsv41 import BUILTIN_TOKENIZER_DIR, REPO_ROOT, __version__
+from dsv41.serve_config import ServeConfig
+
+log = logging.getLogger("dsv41.server")
+
+
+class StartError(RuntimeError):
+    """The server cannot start with these settings (bad checkpoint path, no GPU for --device cuda, ...)."""
+
+
+@dataclass
+class Engine:
+    cfg: ServeConfig
+    name: str
+    tok: object                      # dsv41.chat Tokenizer
+    sched: object                    # dsv41.sched.scheduler.Scheduler
+    context_len: int
+    vocab_size: int
+    eos_ids: frozenset[int]
+    bos_id: int
+    think_end_id: int | None         # `</think>`: reasoning tokens are counted through it
+    checkpoint: str
+    device: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv41"
+
+
+def builtin_checkpoint() -> Path:
+    """The built-in small checkpoint (random weights, the real V4.1 tokenizer), made once and cached."""
+    try:
+        from dsv41.tools import make_tiny
+        version = str(getattr(make_tiny, "VERSION", __version__))
+    except ImportError as e:
+        raise StartError(f"no --model given and dsv41.tools.make_tiny is unavailable ({e})") from None
+    out = cache_root() / f"tiny-{version}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"dsv41: making the built-in tiny checkpoint in {out} (once)", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{version}-", dir=out.parent))
+    cmd = [sys.executable, "-m", "dsv41.tools.make_tiny", "--out", str(tmp), "--seed", "0",
+           "--tokenizer", str(BUILTIN_TOKENIZER_DIR)]
+    res = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise StartError(f"making the tiny checkpoint failed: {' '.join(cmd)}\n{res.stderr[-2000:]}")
+    try:
+        os.replace(tmp, out)             # atomic: another server racing us leaves one complete folder
+    except OSError:
+        if not (out / "config.json").is_file():
+            raise
+    return out
+
+
+def pick_device(want: str) -> str:
+    import torch
+    if want == "cuda" and not torch.cuda.is_available():
+        raise StartError("--device cuda: no CUDA device is visible")
+    if want == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return want
+
+
+def free_memory_bytes(device: str) -> int:
+    if device == "cuda":
+        import torch
+        free, _ = torch.cuda.mem_get_info()
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def load_engine(cfg: ServeConfig, metrics=None) -> Engine:
+    import torch
+
+    from dsv41.chat.tokenizer import Tokenizer
+    from dsv41.model.model import Model
+    from dsv41.sched.memory import MemoryBudget, state_cost
+    from dsv41.sched.runner import ModelRunner
+    from dsv41.sched.scheduler import Scheduler
+
+    ckpt = Path(cfg.model) if cfg.model else builtin_checkpoint()
+    if not (ckpt / "config.json").is_file():
+        raise StartError(f"--model {ckpt}: no config.json there")
+    raw = json.loads((ckpt / "config.json").read_text())
+    text = raw.get("text_config", raw)
+    device = pick_device(cfg.device)
+    tok_dir = Path(cfg.tokenizer) if cfg.tokenizer else (ckpt if (ckpt / "tokenizer.json").is_file()
+                                                           else BUILTIN_TOKENIZER_DIR)
+    tok = Tokenizer.from_dir(tok_dir)
+    t0 = time.monotonic()
+    model = Model.load(str(ckpt), device=device, dtype=torch.float32)
+    log.info("model loaded from %s on %s in %.1f s", ckpt, device, time.monotonic() - t0)
+
+    cost = state_cost(text, elem_bytes=4)
+    budget_bytes = int(cfg.state_budget_gib * (1 << 30)) if cfg.state_budget_gib > 0 else \
+        free_memory_bytes(device) // 2
+    budget = MemoryBudget(budget_bytes, cost)
+    model_max = int(text.get("max_position_embeddings", 1 << 20))
+    context = min(cfg.context or model_max, model_max, cost.max_positions(budget_bytes))
+    if context < 2:
+        raise StartError(f"the state budget ({budget_bytes} bytes) does not hold even one short sequence; raise "
+                         f"--state-budget-gib")
+    runner = ModelRunner(model)
+    sched = Scheduler(runner, budget, max_streams=cfg.max_streams, max_waiting=cfg.max_waiting,
+                      prefill_chunk=cfg.prefill_chunk, metrics=metrics)
+    eos = raw.get("eos_token_id", text.get("eos_token_id", 1))
+    eos_ids = frozenset(eos if isinstance(eos, list) else [eos])
+    think_end = None
+    try:
+        ids = tok.encode("</think>", special=True)
+        if len(ids) == 1:
+            think_end = ids[0]
+    except Exception:  # noqa: BLE001 - a tokenizer without the token simply has no reasoning to count
+        think_end = None
+    return Engine(cfg=cfg, name=cfg.name or ckpt.name, tok=tok, sched=sched, context_len=context,
+                  vocab_size=int(text["vocab_size"]), eos_ids=eos_ids, bos_id=int(raw.get("bos_token_id", 0)),
+                  think_end_id=think_end, checkpoint=str(ckpt), device=device)

@@ -1,0 +1,100 @@
+"""`python -m dsv41 serve`: uvicorn on uvloop (one loop for HTTP and the scheduler), model loaded in a worker thread.
+
+Start-up prints where it listens at once (/health answers 503 "loading" until the model is up) and `ready` when
+requests are served. SIGTERM / SIGINT: stop admitting (new requests get 503), let running replies finish for
+--shutdown-grace-s, cancel what is left, then exit. A second signal exits at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import uvicorn
+
+from dsv41.api.app import create_app
+from dsv41.api.engine import load_engine
+from dsv41.api.metrics import Metrics
+from dsv41.serve_config import ServeConfig
+
+log = logging.getLogger("dsv41.server")
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state, grace_s: float):
+        super().__init__(config)
+        self.dsv41 = state
+        self.grace_s = grace_s
+        self._drain_started = False
+        self._drain_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self._drain_started and self._loop is not None and self.dsv41.engine is not None:
+            self._drain_started = True
+            print(f"dsv41: draining (grace {self.grace_s:g} s)", flush=True)
+            self._loop.call_soon_threadsafe(self._start_drain)
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self.dsv41.engine.sched.drain(self.grace_s))
+
+
+async def _serve(cfg: ServeConfig) -> int:
+    metrics = Metrics()
+    exit_code = 0
+    server: _Server | None = None
+
+    async def load(state) -> None:
+        nonlocal exit_code
+        loop = asyncio.get_running_loop()
+        try:
+            eng = await loop.run_in_executor(None, load_engine, cfg, metrics)
+        except Exception as e:  # noqa: BLE001 - report and stop: the server cannot serve without a model
+            log.exception("start-up failed")
+            state.load_error = f"{type(e).__name__}: {e}"
+            print(f"dsv41: start-up failed: {state.load_error}", file=sys.stderr, flush=True)
+            exit_code = 1
+            server.should_exit = True
+            return
+        eng.sched.start()
+        metrics.scheduler = eng.sched
+        state.engine = eng
+        print(f"dsv41: ready: model {eng.name!r} ({eng.checkpoint}) on {eng.device}, context {eng.context_len}, "
+              f"{cfg.max_streams} streams", flush=True)
+
+    async def on_startup(state) -> None:
+        server._loop = asyncio.get_running_loop()
+        state.load_task = asyncio.ensure_future(load(state))
+
+    async def on_shutdown(state) -> None:
+        if state.engine is not None:
+            await state.engine.sched.stop()
+
+    app, state = create_app(cfg, metrics, on_startup, on_shutdown)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, http="h11", lifespan="on", access_log=False,
+                            log_level=cfg.log_level, timeout_graceful_shutdown=int(cfg.shutdown_grace_s) + 5,
+                            timeout_keep_alive=30)
+    server = _Server(config, state, cfg.shutdown_grace_s)
+
+    async def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.02)
+        for s in server.servers:
+            for sock in s.sockets:
+                host, port = sock.getsockname()[:2]
+                print(f"dsv41: listening on http://{host}:{port} (loading the model; /health answers 200 when "
+                      f"ready)", flush=True)
+
+    ann = asyncio.ensure_future(announce())
+    await server.serve()
+    ann.cancel()
+    return exit_code
+
+
+def serve(cfg: ServeConfig) -> int:
+    import uvloop
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return uvloop.run(_serve(cfg))

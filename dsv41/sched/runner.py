@@ -1,0 +1,85 @@
+"""ModelRunner: turns a StepPlan (dsv41.comm.plan) into one batched Model.forward call and samples the rows whose
+logits the plan asks for.
+
+The runner is the only caller of Model.forward. It owns the sequence table (seq id -> SeqState, SamplingParams) and
+applies the plan's state ops before the forward. It runs in a worker thread (the scheduler's executor), never on the
+event loop. A follower rank runs the same code on the plans it receives, so it samples alike.
+"""
+from __future__ import annotations
+
+import time
+
+import msgspec
+import torch
+
+from dsv41.comm.plan import FreeSeq, NewSeq, StepPlan
+from dsv41.sched.sampler import Sample, SamplingParams, sample_row
+
+_params_decoder = msgspec.msgpack.Decoder(SamplingParams)
+
+
+def encode_params(p: SamplingParams) -> bytes:
+    """SamplingParams as the opaque bytes NewSeq carries."""
+    return msgspec.msgpack.encode(p)
+
+
+class PlanError(RuntimeError):
+    """The plan does not match the runner's sequence table (a scheduler bug, or ranks out of step)."""
+
+
+class RoundResult(msgspec.Struct, array_like=True, gc=False):
+    round: int
+    samples: list[tuple[int, Sample]]      # (seq, drawn token), in plan row order
+    seconds: float                         # wall time of the forward + sampling
+
+
+class ModelRunner:
+    def __init__(self, model, seq_input_cls=None):
+        self.model = model
+        if seq_input_cls is None:
+            from dsv41.model.model import SeqInput as seq_input_cls  # noqa: N813
+        self.SeqInput = seq_input_cls
+        self.states: dict[int, object] = {}
+        self.params: dict[int, SamplingParams] = {}
+
+    def execute(self, plan: StepPlan) -> RoundResult:
+        t0 = time.perf_counter()
+        for op in plan.ops:
+            if isinstance(op, FreeSeq):
+                self.states.pop(op.seq, None)
+                self.params.pop(op.seq, None)
+            elif isinstance(op, NewSeq):
+                if op.seq in self.states:
+                    raise PlanError(f"round {plan.round}: sequence {op.seq} opened twice")
+                self.states[op.seq] = self.model.new_state()
+                self.params[op.seq] = _params_decoder.decode(op.params)
+            else:
+                raise PlanError(f"round {plan.round}: state op {type(op).__name__} is not served yet")
+        inputs = []
+        for r in plan.rows:
+            st = self.states.get(r.seq)
+            if st is None:
+                raise PlanError(f"round {plan.round}: rows for unknown sequence {r.seq}")
+            if st.length != r.start:
+                raise PlanError(f"round {plan.round}: sequence {r.seq} holds {st.length} tokens, plan starts at "
+                                f"{r.start}")
+            if r.logits and r.logits != [len(r.ids) - 1]:
+                raise PlanError(f"round {plan.round}: sequence {r.seq}: only the last row's logits are served")
+            inputs.append(self.SeqInput(state=st, ids=torch.tensor(r.ids, dtype=torch.long), logits="last"))
+        samples = []
+        if inputs:
+            with torch.no_grad():
+                outs = self.model.forward(inputs)
+            for r, out in zip(plan.rows, outs):
+                if r.logits:
+                    samples.append((r.seq, sample_row(out[-1], r.start + len(r.ids), self.params[r.seq])))
+        return RoundResult(plan.round, samples, time.perf_counter() - t0)
+
+    def drop(self, seqs: list[int]) -> None:
+        """Forget sequences whose state may be half-advanced (a failed forward)."""
+        for s in seqs:
+            self.states.pop(s, None)
+            self.params.pop(s, None)
+
+    def state_bytes(self) -> int:
+        return sum(int(st.nbytes()) for st in self.states.values())

@@ -1,0 +1,265 @@
+"""The scheduler: continuous batching on the event loop.
+
+One task (`run`) loops over rounds. Each round:
+1. `plan_round` (on the loop, pure bookkeeping): drop cancelled requests (their memory is released and their state
+   closed in this very plan), admit waiting requests in arrival order while a stream is free and their state fits the
+   memory budget, give every decoding sequence one row, then fill prompt rows up to `prefill_chunk` (a long prompt
+   takes the whole chunk and goes on next round; short ones share it);
+2. the runner executes the plan in a worker thread (one batched Model.forward + sampling) while the loop keeps
+   serving sockets and keepalives;
+3. `commit_round` appends the drawn tokens to their requests, which emit events; finished requests release their
+   memory and are closed in the next plan.
+
+Every round carries all decode rows, so a running reply waits at most one prompt chunk between its tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from dsv41.comm.plan import FreeSeq, NewSeq, SeqRows, StepPlan
+from dsv41.sched.memory import MemoryBudget
+from dsv41.sched.request import FinishEvent, Phase, Request, TokenEvent
+from dsv41.sched.runner import RoundResult, encode_params
+
+log = logging.getLogger("dsv41.sched")
+
+
+class SchedulerError(Exception):
+    """Base of the errors `submit` raises; the API maps each to a status code."""
+
+
+class QueueFull(SchedulerError):
+    """The waiting queue is at its bound (HTTP 503)."""
+
+
+class ShuttingDown(SchedulerError):
+    """The server is draining (HTTP 503)."""
+
+
+class TooLarge(SchedulerError):
+    """The request's state can never fit the memory budget (HTTP 400)."""
+
+
+class Scheduler:
+    def __init__(self, runner, budget: MemoryBudget, *, max_streams: int = 32, max_waiting: int = 1024,
+                 prefill_chunk: int = 2048, metrics=None):
+        self.runner = runner
+        self.budget = budget
+        self.max_streams = max_streams
+        self.max_waiting = max_waiting
+        self.prefill_chunk = prefill_chunk
+        self.metrics = metrics
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []          # admitted, in admission order
+        self._to_close: list[int] = []
+        self._round = 0
+        self._wake = asyncio.Event()
+        self._draining = False
+        self._stopped = False
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-round")
+        self._task: asyncio.Task | None = None
+        self._prompt_rows: dict[int, int] = {}    # this round's prompt rows per sequence
+        self._plan_has_decode = False
+        # figures for /metrics and /health
+        self.rounds_total = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.worst_round_s = 0.0             # longest round that carried decode rows: the worst stall of a reply
+        self.last_round_s = 0.0
+
+    # --- API side ------------------------------------------------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        """Queue a request (non-blocking). Raises QueueFull / ShuttingDown / TooLarge."""
+        if self._draining or self._stopped:
+            raise ShuttingDown("the server is shutting down; retry on another instance")
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFull("the engine is busy; retry shortly")
+        if not self.budget.fits_ever(req.prompt_len + req.max_tokens):
+            raise TooLarge(f"prompt + max_tokens = {req.prompt_len + req.max_tokens} positions need "
+                           f"{self.budget.need(req.prompt_len + req.max_tokens)} bytes of state, more than the "
+                           f"server's budget of {self.budget.budget}; lower max_tokens or shorten the prompt")
+        self.waiting.append(req)
+        self._wake.set()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Drop a request at the next round boundary (client disconnected)."""
+        if not req.finished:
+            req.cancel()
+            self._wake.set()
+
+    async def stream(self, req: Request):
+        """Async iterator over a submitted request's events, ending with its FinishEvent."""
+        while True:
+            ev = await req.events.get()
+            yield ev
+            if isinstance(ev, FinishEvent):
+                return
+
+    @property
+    def n_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self.waiting)
+
+    # --- life cycle ----------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run(), name="dsv41-scheduler")
+
+    def begin_drain(self) -> None:
+        """Stop admitting new requests; queued and running ones go on."""
+        self._draining = True
+        self._wake.set()
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting, wait up to grace_s for all requests to finish, then cancel the rest and stop."""
+        self.begin_drain()
+        deadline = time.monotonic() + grace_s
+        while (self.running or self.waiting) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for r in list(self.waiting) + list(self.running):
+            r.cancel()
+        self._wake.set()
+        while self.running or self.waiting:
+            await asyncio.sleep(0.01)
+        await self.stop()
+
+    async def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout=30)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # --- the round loop ------------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            plan = self.plan_round()
+            if not plan.rows:
+                if plan.ops:                        # only frees: still tell the runner
+                    await loop.run_in_executor(self._executor, self.runner.execute, plan)
+                if self._stopped:
+                    return
+                self._wake.clear()
+                if self._work_pending():
+                    continue
+                await self._wake.wait()
+                continue
+            t0 = time.perf_counter()
+            try:
+                result = await loop.run_in_executor(self._executor, self.runner.execute, plan)
+            except Exception as e:  # noqa: BLE001 - a failed forward fails its requests, not the server
+                log.exception("round %d failed", plan.round)
+                self._fail_round(plan, e)
+                continue
+            self.last_round_s = time.perf_counter() - t0
+            if self._plan_has_decode:
+                self.worst_round_s = max(self.worst_round_s, self.last_round_s)
+            self.commit_round(plan, result)
+
+    def _work_pending(self) -> bool:
+        return any(r.cancelled for r in self.waiting) or any(r.cancelled for r in self.running) or (
+            bool(self.waiting) and len(self.running) < self.max_streams and self._head_fits())
+
+    def _head_fits(self) -> bool:
+        head = self.waiting[0]
+        return self.budget.used + self.budget.need(head.prompt_len + head.max_tokens) <= self.budget.budget
+
+    def plan_round(self) -> StepPlan:
+        """Build the next round's plan from the queues (no I/O; mutates bookkeeping only).
+
+        ops: FreeSeq for every sequence finished or cancelled since the last plan, NewSeq for each admitted one;
+        rows: one decode row per decoding sequence (logits of its row wanted), then prompt chunks (logits wanted only
+        on a prompt's last row, whose draw is the reply's first token)."""
+        self._round += 1
+        # cancelled requests: finish them, release memory, close their states in this plan
+        for r in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(r)
+            self._finish(r, FinishEvent("cancelled"), admitted=False)
+        for r in [r for r in self.running if r.cancelled]:
+            self._finish(r, FinishEvent("cancelled"))
+        close, self._to_close = self._to_close, []
+        # admission: arrival order; the head waits if its state does not fit yet (no overtaking: no starvation)
+        opened = []
+        while self.waiting and len(self.running) < self.max_streams:
+            head = self.waiting[0]
+            got = self.budget.try_reserve(head.prompt_len + head.max_tokens)
+            if got is None:
+                break
+            self.waiting.popleft()
+            head.reserved_bytes = got
+            head.phase = Phase.PROMPT
+            head.admit_time = time.monotonic()
+            self.running.append(head)
+            opened.append(NewSeq(head.id, encode_params(head.params)))
+        rows = []
+        self._prompt_rows = {}
+        for r in self.running:
+            if r.phase is Phase.DECODE:
+                rows.append(SeqRows(r.id, r.position - 1, [r.output_ids[-1]], [0]))
+        self._plan_has_decode = bool(rows)
+        room = self.prefill_chunk
+        for r in self.running:
+            if room == 0:
+                break
+            if r.phase is Phase.PROMPT:
+                n = min(r.prompt_len - r.filled, room)
+                last = r.filled + n == r.prompt_len
+                rows.append(SeqRows(r.id, r.filled, r.prompt_ids[r.filled:r.filled + n], [n - 1] if last else []))
+                self._prompt_rows[r.id] = n
+                room -= n
+        ops = [FreeSeq(s) for s in close] + opened
+        return StepPlan(self._round, ops=ops, rows=rows)
+
+    def commit_round(self, plan: StepPlan, result: RoundResult) -> None:
+        by_id = {r.id: r for r in self.running}
+        self.rounds_total += 1
+        for seq, n in self._prompt_rows.items():
+            req = by_id.get(seq)
+            if req is None:
+                continue
+            req.filled += n
+            self.prompt_tokens_total += n
+            if req.filled == req.prompt_len:
+                req.phase = Phase.DECODE
+                req.prompt_done_time = time.monotonic()
+        for seq, sample in result.samples:
+            req = by_id.get(seq)
+            if req is None or req.finished:
+                continue
+            self.generation_tokens_total += 1
+            ev = req.commit(sample)
+            if ev is not None:
+                self._finish(req, ev)
+
+    def _finish(self, req: Request, ev: FinishEvent, admitted: bool = True) -> None:
+        req.finish(ev)
+        if admitted:
+            self.running.remove(req)
+            self.budget.release(req.reserved_bytes)
+            req.reserved_bytes = 0
+            self._to_close.append(req.id)
+        if self.metrics is not None:
+            self.metrics.request_finished(req)
+
+    def _fail_round(self, plan: StepPlan, err: Exception) -> None:
+        """A forward raised: its sequences' states may be half-advanced, so every request in it fails."""
+        seqs = {r.seq for r in plan.rows} | {o.seq for o in plan.ops if isinstance(o, NewSeq)}
+        self.runner.drop(sorted(seqs))
+        for req in [r for r in self.running if r.id in seqs]:
+            self._finish(req, FinishEvent("error", error=f"the engine failed: {type(err).__name__}: {err}"))
+        self._to_close = [s for s in self._to_close if s not in seqs]
+
+
+__all__ = ["Scheduler", "SchedulerError", "QueueFull", "ShuttingDown", "TooLarge", "Request", "TokenEvent",
+           "FinishEvent"]

@@ -1,0 +1,181 @@
+"""ServeConfig: every server knob in one msgspec Struct, read from CLI flags and DSV41_* environment variables.
+
+Precedence: CLI flag > DSV41_<NAME> env > default. The flag for field `max_streams` is `--max-streams`, its env
+variable `DSV41_MAX_STREAMS`. Booleans take `--x` / `--no-x` and env `1/0/true/false/yes/no/on/off`; list fields
+repeat the flag and take a comma-separated env value. docs/server.md documents each knob; `FIELD_HELP` below is the
+single source of those texts.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import typing
+from typing import Literal
+
+import msgspec
+
+
+class ServeConfigError(ValueError):
+    """A knob has a bad value; the message names the flag and the env variable."""
+
+
+class ServeConfig(msgspec.Struct, kw_only=True):
+    # what to serve
+    model: str = ""                      # checkpoint dir; "" = the built-in tiny checkpoint (made once, cached)
+    name: str = ""                       # served model id; "" = the checkpoint folder's name
+    tokenizer: str = ""                  # tokenizer dir; "" = the checkpoint's tokenizer.json, else kit/tokenizer
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # where to listen
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: list[str] = []
+    metrics_open: bool = False
+    # shape of the engine
+    context: int = 0                     # positions per sequence; 0 = the model's max_position_embeddings
+    max_streams: int = 32                # sequences in a round at once
+    max_waiting: int = 1024              # queued requests beyond the streams; more get 503
+    prefill_chunk: int = 2048            # prompt rows per round (one or several prompts)
+    state_budget_gib: float = 0.0        # bytes for sequence states; 0 = auto (a share of free memory)
+    # request defaults
+    max_tokens: int = 32768
+    temperature: float = 1.0
+    top_p: float = 0.95
+    top_k: int = 20
+    min_p: float = 0.0
+    thinking: bool = True
+    reasoning_effort: Literal["minimal", "low", "medium", "high", "xhigh", "max"] = "high"
+    seed_random: bool = False            # no seed in the request: draw a random one instead of the prompt-derived one
+    seed_salt: str = "0"
+    # streaming and life cycle
+    keepalive_s: float = 10.0
+    shutdown_grace_s: float = 30.0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> ServeConfigError:
+            return ServeConfigError(f"--{field.replace('_', '-')} (DSV41_{field.upper()}): {why}")
+
+        if not (0 <= self.port <= 65535):
+            raise bad("port", f"{self.port} is not a TCP port")
+        for f in ("max_streams", "prefill_chunk", "max_tokens"):
+            if getattr(self, f) < 1:
+                raise bad(f, "must be at least 1")
+        for f in ("context", "max_waiting", "top_k"):
+            if getattr(self, f) < 0:
+                raise bad(f, "must not be negative")
+        if self.state_budget_gib < 0:
+            raise bad("state_budget_gib", "must not be negative")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", "must be in (0, 1]")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", "must be in [0, 1]")
+        if self.temperature < 0:
+            raise bad("temperature", "must not be negative")
+        if self.keepalive_s <= 0:
+            raise bad("keepalive_s", "must be positive")
+        if self.shutdown_grace_s < 0:
+            raise bad("shutdown_grace_s", "must not be negative")
+
+
+FIELD_HELP: dict[str, str] = {
+    "model": "checkpoint folder (config.json + safetensors); empty = the built-in tiny checkpoint, made once by "
+             "dsv41.tools.make_tiny with the real tokenizer and cached under ${XDG_CACHE_HOME:-~/.cache}/dsv41/",
+    "name": "model id served in /v1/models and echoed in replies; empty = the checkpoint folder's name",
+    "tokenizer": "tokenizer folder (tokenizer.json); empty = the checkpoint's own, else kit/tokenizer",
+    "device": "auto (cuda when there is a GPU, else cpu), cpu or cuda",
+    "host": "address to listen on",
+    "port": "TCP port to listen on (0 = any free port; the chosen one is printed)",
+    "api_key": "accepted API key (repeat the flag; env: comma-separated). Set = every route but /health needs "
+               "'Authorization: Bearer K' or 'x-api-key: K'",
+    "metrics_open": "serve /metrics without a key even when keys are set",
+    "context": "positions one sequence may hold (prompt + reply); 0 = the model's max_position_embeddings, lowered "
+               "to what the state budget holds for one sequence",
+    "max_streams": "sequences decoded together in one round",
+    "max_waiting": "requests queued beyond the running ones; a request past this bound gets 503",
+    "prefill_chunk": "prompt rows per round; several short prompts share one chunk, a long one spans rounds with "
+                     "decode rows in each, so running replies never stall behind it for more than one chunk",
+    "state_budget_gib": "memory for sequence states (KV, compressed KV, indexer keys, Engram history), reserved at "
+                        "admission for prompt + max_tokens; 0 = auto: half the free memory after the weights load",
+    "max_tokens": "reply-length default when a request gives none (capped to the room left in the context)",
+    "temperature": "default temperature (T <= 0 = greedy)",
+    "top_p": "default nucleus mass",
+    "top_k": "default top-k (0 = off; always clamped to the sampler's candidate width, 1024)",
+    "min_p": "default min-p (0 = off)",
+    "thinking": "chat requests think unless they say otherwise",
+    "reasoning_effort": "default reasoning effort while thinking",
+    "seed_random": "a request without a seed draws a fresh random seed (default: derived from its prompt ids, so "
+                   "identical conversations sample identically)",
+    "seed_salt": "salt mixed into the prompt-derived seed",
+    "keepalive_s": "seconds between ': keepalive' SSE comments while a streamed request waits or its prompt fills",
+    "shutdown_grace_s": "on SIGTERM: stop admitting, let running replies finish for this long, then cancel them",
+    "log_level": "server log level",
+}
+
+
+def _env_name(field: str) -> str:
+    return "DSV41_" + field.upper()
+
+
+def _parse_bool(text: str, field: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off", ""):
+        return False
+    raise ServeConfigError(f"{_env_name(field)}={text!r}: expected 1/0/true/false")
+
+
+def _field_types() -> dict[str, object]:
+    return typing.get_type_hints(ServeConfig)
+
+
+def from_env_and_args(argv: list[str] | None = None, env: dict[str, str] | None = None) -> ServeConfig:
+    """Build the config: defaults, then DSV41_* env, then CLI flags. Bad values raise ServeConfigError."""
+    env = os.environ if env is None else env
+    hints = _field_types()
+    values: dict[str, object] = {}
+    for field, tp in hints.items():
+        raw = env.get(_env_name(field))
+        if raw is None:
+            continue
+        if tp is bool:
+            values[field] = _parse_bool(raw, field)
+        elif typing.get_origin(tp) is list:
+            values[field] = [p.strip() for p in raw.split(",") if p.strip()]
+        else:
+            values[field] = raw
+    parser = build_arg_parser()
+    ns = parser.parse_args(argv or [])
+    for field in hints:
+        v = getattr(ns, field, None)
+        if v is not None:
+            values[field] = v
+    try:
+        return msgspec.convert(values, ServeConfig, strict=False)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        # "Expected `int`, got `str` - at `$.port`" -> name the flag and env variable
+        field = msg.rsplit("$.", 1)[-1].rstrip("`") if "$." in msg else ""
+        where = f" (--{field.replace('_', '-')} / {_env_name(field)})" if field in hints else ""
+        raise ServeConfigError(f"bad server setting{where}: {msg}") from None
+    except ServeConfigError:
+        raise
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """`python -m dsv41 serve` flags, one per ServeConfig field (all default to None = not given)."""
+    p = argparse.ArgumentParser(prog="python -m dsv41 serve", description="dsv41 OpenAI-compatible server",
+                                argument_default=None)
+    defaults = ServeConfig()
+    for field, tp in _field_types().items():
+        flag = "--" + field.replace("_", "-")
+        h = f"{FIELD_HELP[field]} [env {_env_name(field)}; default {getattr(defaults, field)!r}]"
+        if tp is bool:
+            p.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction, default=None, help=h)
+        elif typing.get_origin(tp) is list:
+            p.add_argument(flag, dest=field, action="append", default=None, help=h)
+        elif typing.get_origin(tp) is Literal:
+            p.add_argument(flag, dest=field, choices=list(typing.get_args(tp)), default=None, help=h)
+        else:
+            p.add_argument(flag, dest=field, type=str, default=None, help=h)
+    return p
