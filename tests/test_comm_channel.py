@@ -1,0 +1,260 @@
+"""The control channel with real processes: plans round-trip, digests catch a divergent rank, a killed or silent
+rank is named within the heartbeat timeout, either rank may start first. Each test is bounded by timeouts."""
+import multiprocessing as mp
+import socket
+import time
+
+import pytest
+import zmq
+
+from dsv41.comm import plan
+from dsv41.comm.channel import Follower, Leader, round_digest
+from dsv41.comm.plan import (
+    Digest, DigestMismatch, Hello, NewSeq, ProtocolError, RankLost, RemoteError, Rollback, SaveState, SeqRows,
+    StartTimeout, StepPlan,
+)
+
+HB = dict(heartbeat_interval=0.1, heartbeat_timeout=1.0)
+CTX = mp.get_context("spawn")
+
+
+def free_master() -> str:
+    """A loopback HOST:PORT whose PORT..PORT+2 are free now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p > 65530:
+            continue
+        try:
+            socks = []
+            for q in (p, p + 1, p + 2):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", q))
+            return f"127.0.0.1:{p}"
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port triple")
+
+
+def plan_digest(p: StepPlan) -> bytes:
+    """What a follower 'computes' for a plan in these tests: a digest of everything it was told."""
+    return round_digest([t for r in p.rows for t in [r.seq, r.start, *r.ids, *r.logits]] + [len(p.ops)])
+
+
+def follower_main(master, q, delay=0.0, diverge_at=-1, hang_at=-1):
+    """Rank 1: receive plans until shutdown, answer digests; report what happened on q."""
+    time.sleep(delay)
+    try:
+        with Follower(master, 1, 2, start_timeout=20, **HB) as f:
+            q.put(("session", f.session, f.same_host))
+            while True:
+                p = f.recv()
+                if p is None:
+                    q.put(("bye",))
+                    return
+                q.put(("plan", plan.encode(p)))
+                if p.round == hang_at:
+                    time.sleep(60)                  # busy in a 'forward'; the test kills us here
+                d = plan_digest(p)
+                if p.round == diverge_at:
+                    d = bytes(16)
+                f.reply(p.round, d)
+    except Exception as e:
+        q.put(("error", type(e).__name__, str(e), getattr(e, "rank", None)))
+
+
+def leader_main(master, q, rounds, delay=0.0):
+    time.sleep(delay)
+    try:
+        with Leader(master, 2, start_timeout=20, **HB) as lead:
+            q.put(("session", lead.session, lead.same_host))
+            for r in range(rounds):
+                p = StepPlan(r, rows=[SeqRows(1, r, [r], [0])])
+                lead.send(p)
+                lead.verify(r, plan_digest(p))
+            q.put(("ran",))
+            time.sleep(60)                   # the test kills us here
+    except Exception as e:
+        q.put(("error", type(e).__name__, str(e), getattr(e, "rank", None)))
+
+
+def get(q, timeout=20):
+    return q.get(timeout=timeout)
+
+
+def plans():
+    yield StepPlan(0, ops=[NewSeq(1, b"params"), NewSeq(2)], rows=[SeqRows(1, 0, list(range(40)), [39]),
+                                                                 SeqRows(2, 0, [7, 8], [0, 1])])
+    yield StepPlan(1, rows=[SeqRows(1, 40, [11], [0]), SeqRows(2, 2, [12, 13, 14], [0, 1, 2], draft=2)],
+                   after=[SaveState(1, b"key")])
+    yield StepPlan(2, ops=[Rollback(2, 2)], rows=[SeqRows(2, 3, [15], [0])])
+    yield StepPlan(3)
+
+
+def run_leader_rounds(lead, q):
+    sent = []
+    for p in plans():
+        lead.send(p)
+        lead.verify(p.round, plan_digest(p))
+        got = plan.decode(get(q)[1])
+        sent.append((p, got))
+    return sent
+
+
+def test_follower_first_plans_round_trip_and_shutdown():
+    master = free_master()
+    q = CTX.Queue()
+    fp = CTX.Process(target=follower_main, args=(master, q))
+    fp.start()                                # rank 1 before rank 0
+    try:
+        time.sleep(0.5)
+        with Leader(master, 2, start_timeout=20, **HB) as lead:
+            assert get(q) == ("session", lead.session, True)
+            assert lead.same_host and len(lead.session) == 16
+            for p, got in run_leader_rounds(lead, q):
+                # what arrived is the plan, plus rank 0's digest of the round before (for the follower's check)
+                want_prev = None if p.round == 0 else Digest(p.round - 1, plan_digest(
+                    next(x for x in plans() if x.round == p.round - 1)))
+                assert got.prev == want_prev
+                assert plan.encode(got) == plan.encode(plan.msgspec.structs.replace(p, prev=want_prev))
+            lead.shutdown()
+        assert get(q) == ("bye",)
+        fp.join(10)
+        assert fp.exitcode == 0
+    finally:
+        fp.kill()
+
+
+def test_leader_first_and_divergent_rank_is_caught():
+    master = free_master()
+    q = CTX.Queue()
+    fp = CTX.Process(target=follower_main, args=(master, q, 1.0, 2))   # rank 0 first; rank 1 lies at round 2
+    fp.start()
+    try:
+        t0 = time.monotonic()
+        with Leader(master, 2, start_timeout=20, **HB) as lead:
+            assert time.monotonic() - t0 > 0.5          # it waited for rank 1
+            get(q)
+            with pytest.raises(DigestMismatch) as e:
+                for p in plans():
+                    lead.send(p)
+                    get(q)
+                    lead.verify(p.round, plan_digest(p))
+            assert e.value.round == 2 and e.value.rank == 1
+            assert "round 2: rank 1 digest 00000000000000000000000000000000" in str(e.value)
+            lead.fail(str(e.value))
+        kind, name, msg, rank = get(q)
+        assert (kind, name, rank) == ("error", "RemoteError", 0) and "diverged" in msg
+        fp.join(10)
+    finally:
+        fp.kill()
+
+
+def test_follower_checks_rank0_digest_too():
+    master = free_master()
+    q = CTX.Queue()
+    fp = CTX.Process(target=follower_main, args=(master, q))
+    fp.start()
+    try:
+        with Leader(master, 2, start_timeout=20, **HB) as lead:
+            get(q)
+            p0 = StepPlan(0, rows=[SeqRows(1, 0, [1], [0])])
+            lead.send(p0)
+            lead.verify(0, plan_digest(p0))
+            get(q)
+            lead.send(StepPlan(1, prev=Digest(0, b"\x01" * 16)))   # rank 0 claims another result for round 0
+            kind, name, msg, rank = get(q)
+            assert (kind, name, rank) == ("error", "DigestMismatch", 1) and "round 0" in msg
+            with pytest.raises(RemoteError, match="rank 1 failed: DigestMismatch") as e:
+                lead.collect(1)
+            assert e.value.rank == 1
+    finally:
+        fp.kill()
+
+
+@pytest.mark.parametrize("when", ["in_step", "between_steps"])
+def test_killed_follower_is_named_within_heartbeat_timeout(when):
+    """in_step: rank 0 waits for round 2's digest when rank 1 dies (the heartbeat finds it);
+    between_steps: rank 1 dies after answering round 2, rank 0 finds it when it sends round 3 (or by heartbeat)."""
+    master = free_master()
+    q = CTX.Queue()
+    fp = CTX.Process(target=follower_main, args=(master, q, 0.0, -1, 2 if when == "in_step" else -1))
+    fp.start()
+    try:
+        with pytest.raises(RankLost) as e:
+            with Leader(master, 2, start_timeout=20, **HB) as lead:
+                get(q)
+                for p in plans():
+                    lead.send(p)
+                    get(q)
+                    if p.round == 2 and when == "between_steps":
+                        lead.verify(p.round, plan_digest(p))
+                    if p.round == 2:
+                        fp.kill()                    # SIGKILL mid-stream: no goodbye
+                        fp.join(5)
+                        t0 = time.monotonic()
+                        if when == "between_steps":
+                            continue
+                    lead.verify(p.round, plan_digest(p))
+        took = time.monotonic() - t0
+        assert e.value.rank == 1 and str(e.value).startswith("rank 1 lost: ")
+        if when == "in_step":
+            assert "no heartbeat for 1 s" in str(e.value)
+        assert took < HB["heartbeat_timeout"] + 1.0, took
+    finally:
+        fp.kill()
+
+
+def test_killed_leader_is_named_by_the_follower():
+    master = free_master()
+    q = CTX.Queue()
+    lp = CTX.Process(target=leader_main, args=(master, q, 2))
+    lp.start()
+    try:
+        with Follower(master, 1, 2, start_timeout=20, **HB) as f:
+            assert get(q)[0] == "session"
+            for _ in range(2):
+                p = f.recv()
+                f.reply(p.round, plan_digest(p))
+            assert get(q) == ("ran",)
+            lp.kill()
+            t0 = time.monotonic()
+            with pytest.raises(RankLost, match="rank 0 lost: no heartbeat") as e:
+                f.recv()
+            assert e.value.rank == 0
+            assert time.monotonic() - t0 < HB["heartbeat_timeout"] + 1.0
+    finally:
+        lp.kill()
+
+
+def test_start_timeouts_name_the_missing_rank():
+    master = free_master()
+    t0 = time.monotonic()
+    with pytest.raises(StartTimeout, match=r"rank\(s\) \[1\] did not connect"):
+        Leader(master, 2, start_timeout=0.5, **HB)
+    with pytest.raises(StartTimeout, match="rank 0 did not answer"):
+        Follower(master, 1, 2, start_timeout=0.5, **HB)
+    assert time.monotonic() - t0 < 5
+
+
+def test_wrong_wire_version_is_refused():
+    master = free_master()
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.IDENTITY, b"rank1")
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect("tcp://" + master)
+    s.send(plan.encode(Hello(plan.WIRE_VERSION + 1, 1, 2, "h", 1)))
+    try:
+        with pytest.raises(ProtocolError, match="wire version"):
+            Leader(master, 2, start_timeout=5, **HB)
+        assert s.poll(2000)
+        assert isinstance(plan.decode(s.recv()), plan.Error)     # and rank 1 is told why
+    finally:
+        s.close()
+        ctx.term()
