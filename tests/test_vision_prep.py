@@ -171,6 +171,23 @@ def test_five_sizes_token_counts():
         assert set(out.tokens[start:start + p.n_tokens]) == {IMAGE_TOKEN_ID}
 
 
+@pytest.mark.parametrize("w,h,offset", [(300, 226, (0, 0)), (300, 213, (4, 0)), (41, 43, None), (900, 333, None)])
+def test_pad_is_pillows_imageops_pad_with_half_even_offsets(w, h, offset):
+    from PIL import ImageOps
+
+    rgb = Image.fromarray(np.random.default_rng(w * h).integers(0, 256, size=(h, w, 3), dtype=np.uint8))
+    plan = plan_image_grid(w, h)
+    padded, placement = resize_to_plan(rgb, plan)
+    size = (plan.best_width, plan.best_height)
+    assert np.array_equal(np.asarray(padded), np.asarray(ImageOps.pad(rgb, size, color=(127, 127, 127))))
+    if offset is not None:
+        # 1 px of margin goes to the bottom (round(0.5) = 0); 7 px split 4 left / 3 right (round(3.5) = 4).
+        assert (placement.offset_x, placement.offset_y) == offset
+    a = np.asarray(padded)
+    assert (a[:placement.pad_top] == 127).all() and (a[a.shape[0] - placement.pad_bottom:] == 127).all()
+    assert (a[:, :placement.pad_left] == 127).all() and (a[:, a.shape[1] - placement.pad_right:] == 127).all()
+
+
 def test_placeholder_count_mismatch_is_an_image_error():
     with pytest.raises(ImageError, match="2 image placeholders but 1 images"):
         expand_image_placeholders([IMAGE_TOKEN_ID, 3, IMAGE_TOKEN_ID], [(1, 1)], IMAGE_TOKEN_ID)
