@@ -47,9 +47,9 @@ def _byte_level_table() -> dict[str, int]:
 class Tokenizer:
     """ids <-> text for one tokenizer.json (see module docstring for the two encoders)."""
 
-    def __init__(self, tokenizer_json: str, source: str = "<memory>"):
+    def __init__(self, tokenizer_json: str, path: Path | None = None):
         spec = json.loads(tokenizer_json)
-        self.source = source
+        self.path = path  # the tokenizer.json it came from (None when built from a string)
         self.full = _HFTokenizer.from_str(tokenizer_json)
         added = spec.get("added_tokens", [])
         plain_spec = dict(spec, added_tokens=[])
@@ -89,7 +89,7 @@ class Tokenizer:
         f = p / "tokenizer.json" if p.is_dir() else p
         if not f.is_file():
             raise FileNotFoundError(f"no tokenizer.json at {p}")
-        return cls(f.read_text(encoding="utf-8"), source=str(f))
+        return cls(f.read_text(encoding="utf-8"), path=f)
 
     @staticmethod
     @lru_cache(maxsize=1)
