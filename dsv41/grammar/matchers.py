@@ -1,0 +1,171 @@
+"""Per-sequence grammar state, batched bitmask fills, and applying a bitmask to logits.
+
+The scheduler's side of structured output:
+    m = spec.matcher()                      # one per sequence
+    bitmask = allocate_bitmask(rows)        # int32 [rows, 4040], pinned when CUDA is present
+    fill_masks([m0, None, m2, ...], bitmask)  # row i <- matcher i (None: every token allowed); GIL released
+    apply_mask(logits, bitmask)             # logits [rows, V] on CPU or GPU, in place
+    m.consume(token)                        # every sampled token, reasoning included
+"""
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import llguidance as llg
+import llguidance.torch as llg_torch
+import torch
+
+from dsv41.grammar.compile import EOS_ID, THINK_CLOSE_ID
+
+VOCAB = 129280
+
+
+class Matcher:
+    """Grammar state of one sequence. Every sampled token must be passed to `consume`, in order."""
+
+    def __init__(self, m: llg.LLMatcher, thinking: bool = False):
+        self._m = m
+        # Per consumed token: whether llguidance counted it. EOS taken by a matcher that is already stopped is not
+        # counted by llguidance's rollback (serving.md §8 "rollback trap"), so rollback(n) must skip it.
+        self._counted: list[bool] = []
+        self._think_close_at: int | None = None if thinking else 0
+
+    # -- state ----------------------------------------------------------------------------------------------------
+    def is_accepting(self) -> bool:
+        """The reply may end here (EOS is allowed)."""
+        return self._m.is_accepting()
+
+    def is_stopped(self) -> bool:
+        """Nothing but EOS can follow (grammar complete), or the matcher is in error."""
+        return self._m.is_stopped()
+
+    def is_error(self) -> bool:
+        """A token outside the grammar was consumed, or the grammar dead-ended: end the stream with an error."""
+        return self._m.is_error()
+
+    @property
+    def error(self) -> str:
+        return self._m.get_error()
+
+    def in_reasoning(self) -> bool:
+        """Thinking grammars: `</think>` not consumed yet (the constraint has not started)."""
+        return self._think_close_at is None
+
+    def __len__(self) -> int:
+        return len(self._counted)
+
+    # -- advancing ------------------------------------------------------------------------------------------------
+    def consume(self, token: int) -> bool:
+        """Advance by one sampled token. False: the token breaks the grammar and the matcher is now in error."""
+        token = int(token)
+        counted = not (token == EOS_ID and self._m.is_stopped())
+        ok = self._m.consume_token(token)
+        if ok:
+            self._counted.append(counted)
+            if token == THINK_CLOSE_ID and self._think_close_at is None:
+                self._think_close_at = len(self._counted)
+        return ok
+
+    def consume_many(self, tokens: Sequence[int]) -> bool:
+        for t in tokens:
+            if not self.consume(t):
+                return False
+        return True
+
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` consumed tokens (rejected drafts)."""
+        if n < 0 or n > len(self._counted):
+            raise ValueError(f"cannot roll back {n} of {len(self._counted)} tokens")
+        if n == 0:
+            return
+        k = sum(self._counted[-n:])
+        del self._counted[-n:]
+        if k and not self._m.rollback(k):
+            raise RuntimeError(f"llguidance rollback failed: {self._m.get_error()}")
+        if self._think_close_at is not None and self._think_close_at > len(self._counted):
+            self._think_close_at = None
+
+    def cut_draft(self, tokens: Sequence[int]) -> list[int]:
+        """The longest prefix of `tokens` the grammar allows from here (drafts are cut before verify)."""
+        tokens = [int(t) for t in tokens]
+        return tokens[: self._m.validate_tokens(tokens)]
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
+        """This matcher's allowed tokens into `bitmask[row]` (CPU int32)."""
+        if self._m.is_error():
+            _eos_only(bitmask, row)
+        else:
+            llg_torch.fill_next_token_bitmask(self._m, bitmask, row)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Batches.
+
+_EXECUTOR: llg.LLExecutor | None = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor() -> llg.LLExecutor:
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = llg.LLExecutor()
+        return _EXECUTOR
+
+
+def allocate_bitmask(rows: int, vocab: int = VOCAB) -> torch.Tensor:
+    """int32 [rows, ceil(vocab/32)], all tokens allowed; pinned when CUDA is present (fast copy to the GPU)."""
+    return llg_torch.allocate_token_bitmask(rows, vocab)
+
+
+def _eos_only(bitmask: torch.Tensor, row: int) -> None:
+    # A matcher in error allows nothing; EOS keeps the row finite while the server ends the stream with an error.
+    bitmask[row].zero_()
+    bitmask[row, EOS_ID // 32] = 1 << (EOS_ID % 32)
+
+
+def fill_masks(matchers: Sequence[Matcher | None], bitmask: torch.Tensor) -> None:
+    """Row i of `bitmask` <- the allowed tokens of `matchers[i]`; rows whose matcher is None allow every token.
+
+    Runs the grammar work on llguidance's thread pool with the GIL released; safe to call from a worker thread
+    (one call per batch; a matcher must not be used by two calls at once)."""
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or not bitmask.is_cpu or not bitmask.is_contiguous():
+        raise ValueError("bitmask must be a contiguous CPU int32 tensor [rows, words]")
+    if len(matchers) > bitmask.shape[0]:
+        raise ValueError(f"{len(matchers)} matchers for a bitmask of {bitmask.shape[0]} rows")
+    work = []
+    for i, m in enumerate(matchers):
+        if m is None:
+            bitmask[i].fill_(-1)
+        elif m.is_error():
+            _eos_only(bitmask, i)
+        else:
+            work.append((m._m, i))
+    if work:
+        llg_torch.fill_next_token_bitmask_par(_executor(), work, bitmask)
+
+
+_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set disallowed logits to -inf in place. `logits` [rows, V] (CPU or GPU, any float dtype); `bitmask` [rows, W]
+    int32 from `fill_masks` (copied to the logits' device). Columns past the mask's 32*W are disallowed."""
+    if logits.dim() == 1:
+        logits = logits.unsqueeze(0)
+    if bitmask.dim() == 1:
+        bitmask = bitmask.unsqueeze(0)
+    rows, vocab = logits.shape
+    if bitmask.shape[0] != rows:
+        raise ValueError(f"bitmask has {bitmask.shape[0]} rows, logits {rows}")
+    dev = logits.device
+    mask = bitmask.to(dev, non_blocking=True)
+    bits = _BITS.get(dev)
+    if bits is None:
+        bits = _BITS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+    allowed = ((mask.unsqueeze(-1) >> bits) & 1).bool().reshape(rows, -1)
+    width = min(vocab, allowed.shape[1])
+    logits[:, :width].masked_fill_(~allowed[:, :width], float("-inf"))
+    if vocab > width:
+        logits[:, width:] = float("-inf")
