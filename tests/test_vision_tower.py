@@ -11,8 +11,9 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from dsv41.config import VisionConfig
-from dsv41.model.image_prep import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, ImageError, prepare_image
-from dsv41.model.vision import VisionTower, aligner_cells, image_span, vision_rope_cos_sin, vision_weight_shapes
+from dsv41.model.image_prep import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, ImageError,
+                                    expand_image_placeholders, prepare_image)
+from dsv41.model.vision import VisionTower, aligner_cells, chunk_image_inputs, image_span, vision_rope_cos_sin, vision_weight_shapes
 from dsv41.model.weights import WeightError, vision_tensors
 
 # fp32: the reference's own fp32-vs-fp64 gap is <= 9e-7 of the largest |value| (README: compare at ~1e-5).
@@ -153,6 +154,34 @@ def test_image_span_layout():
         image_span(rows[:-1], n_h, n_w, start, newline, end)
     with pytest.raises(ValueError, match="newline row"):
         image_span(rows, n_h, n_w, start, newline[:-1], end)
+
+
+def test_chunked_image_inputs_equal_the_whole_prompt():
+    hidden, image_id = 4, 129264
+    grids = [(2, 3), (1, 2)]
+    ids = [0, 11, image_id, 12, 13, image_id, 14]
+    out = expand_image_placeholders(ids, grids, image_id)
+    spans = []
+    for k, ((n_h, n_w), start) in enumerate(zip(grids, out.image_starts)):
+        rows = torch.arange(n_h * n_w, dtype=torch.float32)[:, None].repeat(1, hidden) + 100 * (k + 1)
+        e, t = image_span(rows, n_h, n_w, torch.full((hidden,), -1.0), torch.full((hidden,), -2.0),
+                          torch.full((hidden,), -3.0))
+        spans.append((start, e, t))
+    T = len(out.tokens)
+    whole_e, whole_t = chunk_image_inputs(spans, 0, T, hidden)
+    assert whole_t.tolist() == out.token_types
+    for k, (start, e, t) in enumerate(spans):
+        assert torch.equal(whole_e[start:start + len(e)], e)
+    assert (whole_e[whole_t < 0] == 0).all()
+    assert chunk_image_inputs(spans, 0, 2, hidden) == (None, None)  # text-only chunk
+    for cuts in ([1], [3, 4, 9], list(range(1, T)), [5, 17, 20]):
+        bounds = [0] + cuts + [T]
+        es, ts = [], []
+        for a, b in zip(bounds, bounds[1:]):
+            e, t = chunk_image_inputs(spans, a, b, hidden)
+            es.append(e if e is not None else torch.zeros(b - a, hidden))
+            ts.append(t if t is not None else torch.full((b - a,), -1))
+        assert torch.equal(torch.cat(es), whole_e) and torch.equal(torch.cat(ts), whole_t)
 
 
 def test_five_sizes_end_to_end_and_pure_per_image(vec):

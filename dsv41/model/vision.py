@@ -221,5 +221,26 @@ def image_span(image_rows: torch.Tensor, n_h: int, n_w: int, start: torch.Tensor
     return embeds, token_type
 
 
+def chunk_image_inputs(spans, a: int, b: int, hidden: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """SeqInput.embeds / token_type for prompt positions [a, b).
+
+    `spans` lists each image as (start position, embeds, token_type) from `image_span`. Returns embeds
+    [b-a, hidden] (zero rows at text positions, which the forward ignores) and token_type [b-a] (-1 at text), or
+    (None, None) when no image position falls in the range, so text-only chunks pass nothing. A span may be cut
+    across chunks anywhere: the rows of a position do not depend on the cut.
+    """
+    embeds = token_type = None
+    for start, rows, types in spans:
+        lo, hi = max(a, start), min(b, start + rows.shape[0])
+        if lo >= hi:
+            continue
+        if embeds is None:
+            embeds = rows.new_zeros((b - a, hidden))
+            token_type = torch.full((b - a,), -1, dtype=torch.int64, device=rows.device)
+        embeds[lo - a:hi - a] = rows[lo - start:hi - start]
+        token_type[lo - a:hi - a] = types[lo - start:hi - start]
+    return embeds, token_type
+
+
 __all__ = ["VisionTower", "aligner_cells", "vision_weight_shapes", "image_span", "rms_norm", "apply_rotary",
            "vision_rope_cos_sin", "IMAGE_START", "IMAGE", "IMAGE_NEW_LINE", "IMAGE_END"]
