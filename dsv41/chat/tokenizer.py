@@ -16,7 +16,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -52,8 +52,7 @@ class Tokenizer:
         self.path = path  # the tokenizer.json it came from (None when built from a string)
         self.full = _HFTokenizer.from_str(tokenizer_json)
         added = spec.get("added_tokens", [])
-        plain_spec = dict(spec, added_tokens=[])
-        self.plain = _HFTokenizer.from_str(json.dumps(plain_spec))
+        self._plain_json = json.dumps(dict(spec, added_tokens=[]))
         self.added: dict[str, int] = {a["content"]: a["id"] for a in added}
         # tokenizers matches non-normalized added tokens first, then normalized ones in the remaining pieces, each
         # leftmost-longest; two regexes (alternatives longest first) reproduce that order.
@@ -81,6 +80,13 @@ class Tokenizer:
         self.think_start_id = self.added[THINK_START]
         self.think_end_id = self.added[THINK_END]
         self.image_id = self.added[IMAGE_PLACEHOLDER]
+
+    @cached_property
+    def plain(self) -> _HFTokenizer:
+        """The BPE without the added-token table (built on first use: the reference path never needs it)."""
+        enc = _HFTokenizer.from_str(self._plain_json)
+        del self._plain_json
+        return enc
 
     @classmethod
     def from_dir(cls, path: str | Path | None = None) -> "Tokenizer":
@@ -133,15 +139,17 @@ class Tokenizer:
     def encode_pieces(self, pieces: Sequence[tuple[str, bool]], shield: bool) -> list[int]:
         """Ids of the concatenation of `pieces` = (text, is_client_text).
 
-        Template text has its added tokens matched; client text too when shield is False (the reference way:
-        equal to `encode(joined, special=True)`), never when it is True. Text between two matched specials is one
-        run, encoded once with the plain BPE, so ids across a template/client boundary are what the whole string
-        gives.
+        shield False: the reference way, `encode(joined, special=True)` (added tokens matched in client text too).
+        shield True: template text has its added tokens matched, client text never. Text between two matched
+        specials is one run, encoded once with the plain BPE, so ids across a template/client boundary are what
+        the whole string gives.
         """
+        if not shield:
+            return self.encode("".join(text for text, _ in pieces), special=True)
         items: list[str | int] = []  # str = a plain run being built, int = a special id
         run: list[str] = []
         for text, client in pieces:
-            if client and shield:
+            if client:
                 run.append(text)
                 continue
             for piece, tid in self.split_specials(text):
