@@ -1,0 +1,234 @@
+"""EXL3 Triton kernels on the GPU: one V4.1 layer's decode round, and the prompt-pass GEMM rate.
+
+Decode round (batch B rows): every EXL3 linear of a backbone layer at the reference pack's rates (attention,
+shared expert at 4 bpw, top-6 routed experts at 2.5 bpw mul1, grouped launches for the 8 wo_a slices and for the
+routed experts), timed as one CUDA graph. Compared with the bytes it must read (K/8 bytes a weight + the fp16 sign
+scales) at the copy bandwidth measured in the same run.
+Prompt pass: M rows through a routed-expert matrix (5120 -> 2304 @ 2.5): the fused kernel and the
+reconstruct-then-cuBLAS path, in TFLOP/s against the fp16 GEMM rate measured in the same run.
+If exllamav3 is importable (its extension built), its own forward on the same shapes is timed as a baseline.
+
+  python3 bench/exl3_bench.py [--out bench/results/exl3.md]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dsv41.model.exl3 import CB_3INST, CB_MUL1, MUL1_MARKER  # noqa: E402
+from kernels.exl3 import (Exl3Weight, exl3_grouped, exl3_linear_prompt, exl3_linear_triton,  # noqa: E402
+                          exl3_reconstruct)
+
+DEVICE = "cuda"   # a smoke test on CPU (TRITON_INTERPRET=1) swaps this and the shapes
+D, Q_RANK, HEADS_X_DIM, KV, O_GROUPS, O_RANK, INTER, TOPK, N_EXPERTS = 5120, 1280, 32768, 512, 8, 1024, 2304, 6, 384
+
+
+def parts(n_in, n_out, K, cb, g):
+    t = {"trellis": torch.randint(-32768, 32768, (n_in // 16, n_out // 16, int(16 * K)), generator=g,
+                                  dtype=torch.int16),
+         "suh": (0.02 * torch.randn(n_in, generator=g)).half(), "svh": (0.02 * torch.randn(n_out, generator=g)).half()}
+    if cb == CB_MUL1:
+        t["mul1"] = torch.tensor(MUL1_MARKER, dtype=torch.int32)
+    return t
+
+
+def nbytes(w: Exl3Weight, used: int | None = None) -> int:
+    """Bytes a launch reads from the weight: trellis K/8 a weight + fp16 suh/svh, for `used` of the E matrices."""
+    per = w.trellis[0].numel() * 2 + (w.in_features + w.out_features) * 2
+    return per * (w.experts if used is None else used)
+
+
+def ceilings():
+    n = 1 << 30                                     # 2 GiB fp16 buffers: far past the 50 MB L2
+    a = torch.empty(n, dtype=torch.float16, device=DEVICE)
+    b = torch.empty_like(a)
+    t_copy = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50, return_mode="median") * 1e-3
+    t_read = triton.testing.do_bench(lambda: a.sum(dtype=torch.float32), warmup=5, rep=50,
+                                     return_mode="median") * 1e-3
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, dtype=torch.float16, device=DEVICE)
+    y = torch.randn(m, m, dtype=torch.float16, device=DEVICE)
+    t_mm = triton.testing.do_bench(lambda: x @ y, warmup=5, rep=50, return_mode="median") * 1e-3
+    return {"copy_TBps": 2 * n * 2 / t_copy / 1e12, "read_TBps": n * 2 / t_read / 1e12,
+            "fp16_TFLOPs": 2 * m ** 3 / t_mm / 1e12}
+
+
+def decode_layer(B: int, g: torch.Generator):
+    """The linears of one backbone layer for a decode round of B rows; returns (fn, bytes read)."""
+    w = {
+        "wq_a": Exl3Weight.from_tensors(parts(D, Q_RANK, 4, CB_3INST, g), DEVICE),
+        "wq_b": Exl3Weight.from_tensors(parts(Q_RANK, HEADS_X_DIM, 4, CB_3INST, g), DEVICE),
+        "wkv": Exl3Weight.from_tensors(parts(D, KV, 4, CB_3INST, g), DEVICE),
+        "wo_a": Exl3Weight.from_tensors([parts(HEADS_X_DIM // O_GROUPS, O_RANK, 4, CB_3INST, g)
+                                         for _ in range(O_GROUPS)], DEVICE),
+        "wo_b": Exl3Weight.from_tensors(parts(O_GROUPS * O_RANK, D, 4, CB_3INST, g), DEVICE),
+        "sh_w13": Exl3Weight.from_tensors([parts(D, INTER, 4, CB_3INST, g) for _ in range(2)], DEVICE),
+        "sh_w2": Exl3Weight.from_tensors(parts(INTER, D, 4, CB_3INST, g), DEVICE),
+    }
+    # routed experts: a stack of distinct experts, enough for B rows x top-6 (each row picks its own 6)
+    n_used = min(N_EXPERTS, TOPK * B)
+    w["ex_w13"] = Exl3Weight.from_tensors([parts(D, INTER, 2.5, CB_MUL1, g) for _ in range(2 * n_used)], DEVICE)
+    w["ex_w2"] = Exl3Weight.from_tensors([parts(INTER, D, 2.5, CB_MUL1, g) for _ in range(n_used)], DEVICE)
+    dev = DEVICE
+    x = torch.randn(B, D, device=dev)
+    o = torch.randn(O_GROUPS, B, HEADS_X_DIM // O_GROUPS, device=dev)
+    ids_o = torch.arange(O_GROUPS, dtype=torch.int32, device=dev)
+    ids_sh = torch.arange(2, dtype=torch.int32, device=dev)
+    # one group per (row, chosen expert): B*6 groups of one row (distinct experts: worst case for bytes)
+    ids_13 = torch.arange(2 * n_used, dtype=torch.int32, device=dev)
+    ids_2 = torch.arange(n_used, dtype=torch.int32, device=dev)
+    xe13 = x[torch.arange(2 * n_used, device=dev) % B].unsqueeze(1).contiguous()
+    xe2 = torch.randn(n_used, 1, INTER, device=dev)
+    xs = x.unsqueeze(0).expand(2, B, D).contiguous()
+    hsh = torch.randn(B, INTER, device=dev)
+    q = torch.randn(B, Q_RANK, device=dev)
+
+    def run():
+        exl3_linear_triton(x, w["wq_a"])
+        exl3_linear_triton(q, w["wq_b"])
+        exl3_linear_triton(x, w["wkv"])
+        exl3_grouped(o, w["wo_a"], ids_o)
+        exl3_linear_triton(o.permute(1, 0, 2).reshape(B, -1), w["wo_b"])
+        exl3_grouped(xs, w["sh_w13"], ids_sh)
+        exl3_linear_triton(hsh, w["sh_w2"])
+        exl3_grouped(xe13, w["ex_w13"], ids_13)
+        exl3_grouped(xe2, w["ex_w2"], ids_2)
+
+    total = sum(nbytes(v) for v in w.values())
+    return run, total, n_used
+
+
+def exllamav3_time(n_in, n_out, K, cb, g, x1) -> float | None:
+    """exllamav3 1.6.5's own forward on the same shape (its extension must be built), as a baseline."""
+    try:
+        from exllamav3.modules.quant.exl3 import LinearEXL3
+        tp = parts(n_in, n_out, K, cb, g)
+        kw = {"mul1": tp["mul1"].to(DEVICE)} if cb == CB_MUL1 else {}
+        lin = LinearEXL3(None, n_in, n_out, suh=tp["suh"].to(DEVICE), svh=tp["svh"].to(DEVICE),
+                         trellis=tp["trellis"].to(DEVICE), **kw)
+        xh = x1.half()
+        try:
+            return time_graph(lambda: lin.forward(xh, {}))
+        except Exception:   # its forward may refuse graph capture: plain events then (includes launch gaps)
+            torch.cuda.synchronize()
+            return triton.testing.do_bench(lambda: lin.forward(xh, {}), return_mode="median") * 1e-3
+    except Exception as exc:
+        print(f"exllamav3 baseline unavailable: {exc!r}", flush=True)
+        return None
+
+
+def time_graph(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e-3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "exl3.md"))
+    ap.add_argument("--prompt-rows", type=int, default=4096)
+    ap.add_argument("--exllamav3", action="store_true", help="also time exllamav3's forward (extension built)")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    ceil = ceilings()
+    print(f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s, read {ceil['read_TBps']:.2f} TB/s, "
+          f"fp16 GEMM {ceil['fp16_TFLOPs']:.0f} TFLOP/s", flush=True)
+
+    rows_dec = []
+    for B in (1, 8):
+        run, nb, n_used = decode_layer(B, g)
+        t = time_graph(run)
+        ideal = nb / (ceil["copy_TBps"] * 1e12)
+        rows_dec.append((B, n_used, nb, t, ideal))
+        print(f"decode round B={B}: {t * 1e6:.1f} us/layer, {nb / 1e6:.1f} MB read, ideal {ideal * 1e6:.1f} us "
+              f"at copy bandwidth ({ideal / t * 100:.1f}%)", flush=True)
+        del run
+        torch.cuda.empty_cache()
+
+    # single linears at decode (B = 1): where the time goes
+    rows_lin = []
+    for name, n_in, n_out, K, cb in [("expert w1 5120->2304 @2.5 mul1", D, INTER, 2.5, CB_MUL1),
+                                     ("expert w2 2304->5120 @2.5 mul1", INTER, D, 2.5, CB_MUL1),
+                                     ("wq_a 5120->1280 @4 3inst", D, Q_RANK, 4, CB_3INST),
+                                     ("wq_b 1280->32768 @4 3inst", Q_RANK, HEADS_X_DIM, 4, CB_3INST)]:
+        wt = Exl3Weight.from_tensors(parts(n_in, n_out, K, cb, g), DEVICE)
+        x1 = torch.randn(1, n_in, device=DEVICE)
+        t = time_graph(lambda: exl3_linear_triton(x1, wt))
+        nb = nbytes(wt)
+        base = None
+        if args.exllamav3:
+            base = exllamav3_time(n_in, n_out, K, cb, g, x1)
+        rows_lin.append((name, nb, t, nb / (ceil["copy_TBps"] * 1e12), base))
+        print(f"  {name}: {t * 1e6:.1f} us, ideal {nb / (ceil['copy_TBps'] * 1e12) * 1e6:.2f} us"
+              + (f", exllamav3 {base * 1e6:.1f} us" if base else ""), flush=True)
+
+    # prompt pass
+    M = args.prompt_rows
+    wt = Exl3Weight.from_tensors(parts(D, INTER, 2.5, CB_MUL1, g), DEVICE)
+    xp = torch.randn(M, D, device=DEVICE)
+    flops = 2 * M * D * INTER
+    t_fused = time_graph(lambda: exl3_linear_triton(xp, wt))
+    t_rec = time_graph(lambda: exl3_reconstruct(wt))
+    t_prompt = time_graph(lambda: exl3_linear_prompt(xp, wt))
+    w_rot = exl3_reconstruct(wt)
+    t_gemm = time_graph(lambda: exl3_linear_prompt(xp, wt, w_rot=w_rot))
+    rows_p = [("fused (decode in the GEMM loop, row-invariant)", t_fused),
+              ("reconstruct W~ + cuBLAS fp16 GEMM", t_prompt),
+              ("cuBLAS GEMM + Hadamards only (W~ already decoded)", t_gemm)]
+    for name, t in rows_p:
+        print(f"prompt M={M}: {name}: {t * 1e3:.3f} ms, {flops / t / 1e12:.1f} TFLOP/s "
+              f"({flops / t / 1e12 / ceil['fp16_TFLOPs'] * 100:.1f}% of fp16 GEMM)", flush=True)
+    print(f"reconstruct alone: {t_rec * 1e6:.1f} us", flush=True)
+
+    cmd = "python3 " + " ".join(sys.argv)
+    lines = [
+        "# EXL3 Triton kernels on the GPU", "",
+        f"- command: `{cmd}` (on the device machine, after the fixture run)",
+        f"- machine: {torch.cuda.get_device_name()} ({socket.gethostname()}), torch {torch.__version__}, "
+        f"triton {triton.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- ceilings measured in the same run: device copy {ceil['copy_TBps']:.2f} TB/s (read+write bytes), "
+        f"read {ceil['read_TBps']:.2f} TB/s, fp16 GEMM 8192^3 {ceil['fp16_TFLOPs']:.0f} TFLOP/s",
+        "- times: median of CUDA-graph replays (`triton.testing.do_bench_cudagraph`); random trellis codes", "",
+        "## Decode round, one backbone layer (every EXL3 linear; reference pack rates)", "",
+        "Attention (wq_a, wq_b, wkv, 8 wo_a slices grouped, wo_b) and the shared expert at 4 bpw 3INST, "
+        "top-6 routed experts at 2.5 bpw mul1 in two grouped launches (w1+w3, w2), each row its own 6 experts. "
+        "Compressor/indexer (4 resp. 8 of 40 layers) not included.", "",
+        "| rows B | distinct experts | bytes read (MB) | time/layer (us) | ideal at copy BW (us) | % of ideal |",
+        "|---|---|---|---|---|---|",
+    ]
+    for B, n_used, nb, t, ideal in rows_dec:
+        lines.append(f"| {B} | {n_used} | {nb / 1e6:.1f} | {t * 1e6:.1f} | {ideal * 1e6:.1f} | "
+                     f"{ideal / t * 100:.1f} |")
+    lines += ["", "## Single linears, B = 1", "",
+              "| linear | bytes (MB) | Triton (us) | ideal (us) | % of ideal | exllamav3 1.6.5 (us) |",
+              "|---|---|---|---|---|---|"]
+    for name, nb, t, ideal, base in rows_lin:
+        lines.append(f"| {name} | {nb / 1e6:.2f} | {t * 1e6:.1f} | {ideal * 1e6:.2f} | {ideal / t * 100:.1f} | "
+                     f"{f'{base * 1e6:.1f}' if base else 'n/a'} |")
+    lines += ["", f"## Prompt pass, M = {M} rows, routed expert 5120 -> 2304 @ 2.5 bpw mul1", "",
+              "| path | time (ms) | TFLOP/s | % of fp16 GEMM |", "|---|---|---|---|"]
+    for name, t in rows_p:
+        lines.append(f"| {name} | {t * 1e3:.3f} | {flops / t / 1e12:.1f} | "
+                     f"{flops / t / 1e12 / ceil['fp16_TFLOPs'] * 100:.1f} |")
+    lines += ["", f"Reconstruct (trellis -> W~ fp16 in memory) alone: {t_rec * 1e6:.1f} us.", ""]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

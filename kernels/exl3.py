@@ -1,0 +1,297 @@
+"""Triton kernels for EXL3 linears (tested against dsv41/model/exl3.py, the bit-exact torch reference).
+
+y = H(H(x * suh) @ W~) * svh (+ bias), H = blockdiag(H128), W~ the decoded trellis. Three launches:
+  had_in     x * suh, 128-point Hadamard, rounded to fp16 (the tensor-core input, as exllamav3 does)
+  gemm       xh @ W~ with W~ decoded in registers tile by tile from the trellis (never written to memory); split
+             along the input dimension into partial sums [split, G, M, out] fp32
+  had_out    partials summed in split order, Hadamard, * svh, + bias
+Grouped launch (routed experts): G groups of rows, group g multiplied by expert ids[g] of a stack of E same-shape
+EXL3 matrices, all in one launch of each kernel.
+
+Exactness: the tile sizes and the split depend only on the weight's shape, never on the row count, so a row's
+result does not depend on which or how many other rows share the launch (decode rounds and prompt passes alike).
+`exl3_linear_prompt` (trellis -> W~ in memory -> cuBLAS fp16 GEMM) is faster for long prompts but its GEMM picks
+kernels by row count, so it is not row-invariant; the caller chooses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv41.model.exl3 import (CB_MUL1, HAD_SCALE_F32, Exl3FormatError, _parse, bits_of, codebook_of)
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64     # fixed: a row's arithmetic must not depend on the row count
+TARGET_PROGRAMS = 512                      # split the input dimension until (out/BLOCK_N)*split reaches this
+HAD_ROWS = 16                              # rows per Hadamard program (tl.dot needs >= 16)
+
+# MUL1 scale and offset: fp16 0x1eee = 1774 * 2^-18 and fp16 0xc931 = -1329 * 2^-7, exact in float32.
+MUL1_INV = 0.00676727294921875
+MUL1_BIAS = -10.3828125
+
+
+@triton.jit
+def _codebook(w, CB: tl.constexpr):
+    """fp16 value of 16-bit windows w (uint32) under codebook CB (0 3INST, 1 MCG, 2 MUL1); codebook.cuh exactly."""
+    if CB == 2:
+        x = w * 0x83DCD12D
+        s = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+        # (1024 + byte sum) * fp16(0x1eee) + fp16(0xc931): exact in float32, so one rounding like the fp16 fma
+        v = (s + 1024).to(tl.float32) * 0.00676727294921875 + (-10.3828125)
+        return v.to(tl.float16)
+    else:
+        if CB == 1:
+            x = w * 0xCBAC1FED
+        else:
+            x = w * 89226354 + 64248484
+        x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+        lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        # both halves lie in [1/8, 2) in magnitude: their float32 sum is exact, then one fp16 rounding
+        return (lo.to(tl.float32) + hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _decode_block(words, k0, n0, NT, K2: tl.constexpr, CB: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """W~[k0:k0+BK, n0:n0+BN] (fp16) decoded from the trellis words (int32 view of the int16 trellis).
+
+    Element (row, col) sits in tile (row//16, col//16) at trellis position p = 8*lane + j (tensor-core order); its
+    16-bit window ends at bit (p+1)*K of the tile's ring (half-integer K: the odd positions carry KA+1 bits)."""
+    rk = k0 + tl.arange(0, BK)
+    rn = n0 + tl.arange(0, BN)
+    r = (rk % 16)[:, None]
+    c = (rn % 16)[None, :]
+    tile = (rk // 16)[:, None] * NT + (rn // 16)[None, :]
+    p = ((c & 7) * 4 + ((r & 7) >> 1)) * 8 + (r & 1) + 2 * (r >> 3) + 4 * (c >> 3)
+    KA: tl.constexpr = K2 // 2
+    HALF: tl.constexpr = K2 % 2
+    NW: tl.constexpr = 4 * K2            # 32-bit words per tile
+    RING: tl.constexpr = 128 * K2        # bits per tile
+    m1 = (p & 15) + 1
+    end = (p >> 4) * (8 * K2) + m1 * KA + HALF * (m1 >> 1)
+    start = (end - 16 + RING) % RING
+    wi = start >> 5
+    o = start & 31
+    base = words + tile.to(tl.int64) * NW
+    a = tl.load(base + wi).to(tl.uint32, bitcast=True)
+    b = tl.load(base + (wi + 1) % NW).to(tl.uint32, bitcast=True)
+    pair = (a.to(tl.uint64) << 32) | b.to(tl.uint64)            # bits MSB-first across the two words
+    w = ((pair >> (48 - o).to(tl.uint64)) & 0xFFFF).to(tl.uint32)
+    return _codebook(w, CB)
+
+
+@triton.jit
+def _hadamard128():
+    """Unscaled Sylvester H128 (+-1, float32): H[i, j] = (-1)^popcount(i & j)."""
+    i = tl.arange(0, 128)
+    v = i[:, None] & i[None, :]
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    return (1 - 2 * (v & 1)).to(tl.float32)
+
+
+@triton.jit
+def _had_in_kernel(x_ptr, suh_ptr, ids_ptr, out_ptr, M, D, HAD_SCALE: tl.constexpr, BR: tl.constexpr):
+    pid_r = tl.program_id(0)
+    blk = tl.program_id(1)
+    g = tl.program_id(2)
+    e = tl.load(ids_ptr + g).to(tl.int64)
+    rows = pid_r * BR + tl.arange(0, BR)
+    cols = blk * 128 + tl.arange(0, 128)
+    off = g.to(tl.int64) * M * D + rows[:, None].to(tl.int64) * D + cols[None, :]
+    x = tl.load(x_ptr + off, mask=rows[:, None] < M, other=0.0).to(tl.float32)
+    s = tl.load(suh_ptr + e * D + cols).to(tl.float32)
+    y = tl.dot(x * s[None, :], _hadamard128(), input_precision="ieee") * HAD_SCALE
+    tl.store(out_ptr + off, y.to(tl.float16), mask=rows[:, None] < M)
+
+
+@triton.jit
+def _had_out_kernel(part_ptr, svh_ptr, bias_ptr, ids_ptr, out_ptr, M, N, G, SPLIT,
+                    HAS_BIAS: tl.constexpr, HAD_SCALE: tl.constexpr, BR: tl.constexpr):
+    pid_r = tl.program_id(0)
+    blk = tl.program_id(1)
+    g = tl.program_id(2)
+    e = tl.load(ids_ptr + g).to(tl.int64)
+    rows = pid_r * BR + tl.arange(0, BR)
+    cols = blk * 128 + tl.arange(0, 128)
+    mask = rows[:, None] < M
+    off = g.to(tl.int64) * M * N + rows[:, None].to(tl.int64) * N + cols[None, :]
+    acc = tl.zeros((BR, 128), dtype=tl.float32)
+    for s in range(SPLIT):                   # fixed order: deterministic, independent of the other rows
+        acc += tl.load(part_ptr + s * G * M * N + off, mask=mask, other=0.0).to(tl.float32)
+    y = tl.dot(acc, _hadamard128(), input_precision="ieee") * HAD_SCALE
+    y = y * tl.load(svh_ptr + e * N + cols).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + e * N + cols).to(tl.float32)[None, :]
+    tl.store(out_ptr + off, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, words_ptr, ids_ptr, rows_ptr, part_ptr, M, N, D, NT, expert_words, steps_per_split,
+                 K2: tl.constexpr, CB: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    g = tl.program_id(2)
+    G = tl.num_programs(2)
+    num_n = N // BN
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    m_valid = tl.load(rows_ptr + g)
+    if pid_m * BM < m_valid:                 # groups with fewer rows skip their empty row blocks
+        e = tl.load(ids_ptr + g).to(tl.int64)
+        words = words_ptr + e * expert_words
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        xrow = x_ptr + g.to(tl.int64) * M * D + rm[:, None].to(tl.int64) * D
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        s0 = pid_s * steps_per_split
+        s1 = tl.minimum(s0 + steps_per_split, D // BK)
+        for step in range(s0, s1):
+            k0 = step * BK
+            xk = tl.load(xrow + (k0 + tl.arange(0, BK))[None, :], mask=rm[:, None] < m_valid, other=0.0)
+            w = _decode_block(words, k0, pid_n * BN, NT, K2, CB, BK, BN)
+            acc += tl.dot(xk, w)
+        off = (pid_s * G + g).to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+        tl.store(part_ptr + off, acc, mask=rm[:, None] < M)
+
+
+@triton.jit
+def _reconstruct_kernel(words_ptr, out_ptr, N, NT, K2: tl.constexpr, CB: tl.constexpr,
+                        BK: tl.constexpr, BN: tl.constexpr):
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    w = _decode_block(words_ptr, pid_k * BK, pid_n * BN, NT, K2, CB, BK, BN)
+    rk = pid_k * BK + tl.arange(0, BK)
+    rn = pid_n * BN + tl.arange(0, BN)
+    tl.store(out_ptr + rk[:, None].to(tl.int64) * N + rn[None, :], w)
+
+
+@dataclass
+class Exl3Weight:
+    """A stack of E EXL3 matrices of one shape, rate and codebook on one device (E = 1 for a plain linear)."""
+    trellis: torch.Tensor          # int16 [E, in/16, out/16, 16K]
+    suh: torch.Tensor              # fp16 [E, in]
+    svh: torch.Tensor              # fp16 [E, out]
+    bias: torch.Tensor | None      # fp16 [E, out]
+    K2: int                        # 2 * bits per weight
+    cb: int                        # codebook
+    in_features: int
+    out_features: int
+
+    @classmethod
+    def from_tensors(cls, parts: dict | list[dict], device: str | torch.device = "cuda") -> "Exl3Weight":
+        """From one EXL3 tensor dict (trellis, suh|su, svh|sv, mcg|mul1, bias) or a list of same-shape ones."""
+        parts = [parts] if isinstance(parts, dict) else list(parts)
+        parsed = [_parse(p) for p in parts]
+        t0, K, cb = parsed[0][0], parsed[0][1], parsed[0][2]
+        for tr, k, c, *_ in parsed[1:]:
+            if tr.shape != t0.shape or k != K or c != cb:
+                raise Exl3FormatError("grouped EXL3 matrices must share shape, rate and codebook")
+        has_bias = [p[5] is not None for p in parsed]
+        if any(has_bias) and not all(has_bias):
+            raise Exl3FormatError("grouped EXL3 matrices: bias on some but not all")
+        dev = torch.device(device)
+        return cls(
+            trellis=torch.stack([p[0] for p in parsed]).to(dev).contiguous(),
+            suh=torch.stack([p[3] for p in parsed]).to(dev, torch.float16).contiguous(),
+            svh=torch.stack([p[4] for p in parsed]).to(dev, torch.float16).contiguous(),
+            bias=torch.stack([p[5] for p in parsed]).to(dev, torch.float16).contiguous() if all(has_bias) else None,
+            K2=int(round(2 * K)), cb=cb, in_features=t0.shape[0] * 16, out_features=t0.shape[1] * 16)
+
+    @property
+    def experts(self) -> int:
+        return self.trellis.shape[0]
+
+    def split(self) -> tuple[int, int]:
+        """(split count, input steps per split): a function of the shape only (see the module's exactness note)."""
+        steps = self.in_features // BLOCK_K
+        want = max(1, -(-TARGET_PROGRAMS // (self.out_features // BLOCK_N)))
+        per = max(1, -(-steps // min(steps, want)))
+        return -(-steps // per), per
+
+
+def _words(w: Exl3Weight) -> torch.Tensor:
+    return w.trellis.view(torch.int32)
+
+
+def _had_in(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor) -> torch.Tensor:
+    G, M, D = x.shape
+    xh = torch.empty((G, M, D), dtype=torch.float16, device=x.device)
+    _had_in_kernel[(triton.cdiv(M, HAD_ROWS), D // 128, G)](
+        x, w.suh, ids, xh, M, D, HAD_SCALE=HAD_SCALE_F32, BR=HAD_ROWS, num_warps=8)
+    return xh
+
+
+def _had_out(part: torch.Tensor, w: Exl3Weight, ids: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    S, G, M, N = part.shape
+    y = torch.empty((G, M, N), dtype=out_dtype, device=part.device)
+    bias = w.bias if w.bias is not None else w.svh
+    _had_out_kernel[(triton.cdiv(M, HAD_ROWS), N // 128, G)](
+        part, w.svh, bias, ids, y, M, N, G, S, HAS_BIAS=w.bias is not None, HAD_SCALE=HAD_SCALE_F32, BR=HAD_ROWS,
+        num_warps=8)
+    return y
+
+
+def exl3_grouped(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor, rows: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """y[g] = x[g] @ W[ids[g]] for G groups in one launch per kernel. x: [G, M, in] (rows >= rows[g] of group g are
+    ignored and their outputs are unspecified); ids, rows: int32 [G]. W~ is decoded in registers, never stored."""
+    if x.dim() != 3 or x.shape[-1] != w.in_features:
+        raise Exl3FormatError(f"x must be [G, M, {w.in_features}], got {tuple(x.shape)}")
+    G, M, D = x.shape
+    x = x.contiguous()
+    ids = ids.to(device=x.device, dtype=torch.int32).contiguous()
+    if ids.shape != (G,):
+        raise Exl3FormatError(f"ids must be [{G}], got {tuple(ids.shape)}")
+    rows = (torch.full((G,), M, dtype=torch.int32, device=x.device) if rows is None
+            else rows.to(device=x.device, dtype=torch.int32).contiguous())
+    N = w.out_features
+    S, per = w.split()
+    xh = _had_in(x, w, ids)
+    part = torch.empty((S, G, M, N), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, BLOCK_M) * (N // BLOCK_N), S, G)
+    _gemm_kernel[grid](xh, _words(w), ids, rows, part, M, N, D, N // 16, w.trellis[0].numel() // 2, per,
+                       K2=w.K2, CB=w.cb, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=8)
+    return _had_out(part, w, ids, out_dtype)
+
+
+def exl3_linear_triton(x: torch.Tensor, w: Exl3Weight, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """y = x @ W (+ bias) for a single EXL3 matrix, W~ decoded in registers; any row count, row-invariant."""
+    if w.experts != 1:
+        raise Exl3FormatError("exl3_linear_triton takes one matrix; use exl3_grouped for a stack")
+    lead = x.shape[:-1]
+    x2 = x.reshape(1, -1, x.shape[-1])
+    ids = torch.zeros(1, dtype=torch.int32, device=x.device)
+    return exl3_grouped(x2, w, ids, out_dtype=out_dtype).reshape(*lead, w.out_features)
+
+
+def exl3_reconstruct(w: Exl3Weight, expert: int = 0) -> torch.Tensor:
+    """W~ (fp16 [in, out], the rotated basis) of one matrix of the stack, decoded tile by tile into memory."""
+    D, N = w.in_features, w.out_features
+    out = torch.empty((D, N), dtype=torch.float16, device=w.trellis.device)
+    _reconstruct_kernel[(D // BLOCK_K, N // BLOCK_N)](
+        w.trellis[expert].view(torch.int32), out, N, N // 16, K2=w.K2, CB=w.cb, BK=BLOCK_K, BN=BLOCK_N, num_warps=8)
+    return out
+
+
+def exl3_linear_prompt(x: torch.Tensor, w: Exl3Weight, w_rot: torch.Tensor | None = None,
+                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Prompt pass: W~ dequantised into memory (or given), then one fp16 tensor-core GEMM (cuBLAS); same Hadamard
+    kernels as the fused path. Fast for many rows, not row-invariant (the GEMM picks kernels by row count)."""
+    if w.experts != 1:
+        raise Exl3FormatError("exl3_linear_prompt takes one matrix")
+    lead = x.shape[:-1]
+    x2 = x.reshape(1, -1, x.shape[-1]).contiguous()
+    ids = torch.zeros(1, dtype=torch.int32, device=x.device)
+    xh = _had_in(x2, w, ids)
+    if w_rot is None:
+        w_rot = exl3_reconstruct(w)
+    part = torch.matmul(xh[0], w_rot).unsqueeze(0).unsqueeze(0)   # fp16 out, fp32 accumulate
+    return _had_out(part, w, ids, out_dtype).reshape(*lead, w.out_features)
+
+
+__all__ = ["Exl3Weight", "exl3_grouped", "exl3_linear_triton", "exl3_reconstruct", "exl3_linear_prompt",
+           "BLOCK_M", "BLOCK_N", "BLOCK_K", "CB_MUL1", "bits_of", "codebook_of"]
