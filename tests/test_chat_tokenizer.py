@@ -65,3 +65,15 @@ def test_detokenizer_holds_partial_characters(tok):
     first = tok.token_bytes(ids[0])
     if len(first) < 4:   # a byte-level piece of the emoji: held, then flushed as U+FFFD at the end
         assert d.push(ids[0]) == "" and d.finish() == "\ufffd"
+
+
+def test_chunked_encoding_equals_whole(tok):
+    import random
+    from dsv41.chat.tokenizer import chunks, encode_many
+    rng = random.Random(0)
+    lines = ["abc def", "12345 x", " leading", "\tTab", "。句子", "¡hola", "é", "", "x.", "<think>y", "a\r", "Über",
+             "_x", "ǅz", "ʰmod", "…"]
+    text = "\n".join(rng.choice(lines) for _ in range(6000))
+    assert len(chunks(text, 1024)) > 10
+    for enc in (tok.full, tok.plain):
+        assert encode_many(enc, [text], size=1024)[0] == enc.encode(text, add_special_tokens=False).ids

@@ -31,6 +31,39 @@ THINK_END = "</think>"
 IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
 
 
+# A newline followed by a letter always ends a pre-token of this tokenizer's split regex (no alternative spans
+# "\n" + letter, and no added token holds a newline), so a long text cut there encodes to the same ids piecewise;
+# the pieces go through one parallel batch call.
+_SAFE_CUT = re.compile(r"\n(?=[^\W\d_])")
+CHUNK_CHARS = 16384
+
+
+def chunks(text: str, size: int = CHUNK_CHARS) -> list[str]:
+    """`text` cut at safe points into pieces of about `size` characters or more."""
+    out, start = [], 0
+    while len(text) - start > 2 * size:
+        m = _SAFE_CUT.search(text, start + size)
+        if m is None:
+            break
+        out.append(text[start:m.end()])
+        start = m.end()
+    out.append(text[start:])
+    return out
+
+
+def encode_many(enc: _HFTokenizer, texts: list[str], size: int = CHUNK_CHARS) -> list[list[int]]:
+    """Ids of each text, long ones cut into chunks encoded in one parallel batch."""
+    parts, owner = [], []
+    for k, t in enumerate(texts):
+        for c in chunks(t, size):
+            parts.append(c)
+            owner.append(k)
+    out: list[list[int]] = [[] for _ in texts]
+    for k, e in zip(owner, enc.encode_batch_fast(parts, add_special_tokens=False)):
+        out[k].extend(e.ids)
+    return out
+
+
 def _byte_level_table() -> dict[str, int]:
     """GPT-2 byte-level alphabet: the printable character standing for each byte, inverted (char -> byte)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -108,8 +141,7 @@ class Tokenizer:
         """Token ids of `text`. special=True matches added tokens anywhere (the reference); False: plain BPE only."""
         if not text:
             return []
-        enc = self.full if special else self.plain
-        return enc.encode(text, add_special_tokens=False).ids
+        return encode_many(self.full if special else self.plain, [text])[0]
 
     def split_specials(self, text: str) -> list[tuple[str, int | None]]:
         """`text` cut into (piece, None) plain pieces and (token text, id) added-token matches, in order, as the
@@ -163,13 +195,13 @@ class Tokenizer:
         if run:
             items.append("".join(run))
         runs = [it for it in items if isinstance(it, str) and it]
-        encoded = iter(self.plain.encode_batch(runs, add_special_tokens=False)) if runs else iter(())
+        encoded = iter(encode_many(self.plain, runs))
         ids: list[int] = []
         for it in items:
             if isinstance(it, int):
                 ids.append(it)
             elif it:
-                ids.extend(next(encoded).ids)
+                ids.extend(next(encoded))
         return ids
 
     # ---- decoding ----
