@@ -19,8 +19,8 @@ from dsv41.model.weights import WeightError, vision_tensors
 # fp32: the reference's own fp32-vs-fp64 gap is <= 9e-7 of the largest |value| (README: compare at ~1e-5).
 FP32_TOL = 1e-5
 # bf16: the reference's bf16 run is 0.7-1.3 % of the largest |value| off the exact math, so another bf16 run
-# (other kernels) can differ from it by that much. We measure 0.5-0.65 % here.
-BF16_TOL = 1.5e-2
+# (other kernels) can differ from it by about twice that. We measure 0.6-1.1 % here (0.6-0.9 % off the fp32 math).
+BF16_TOL = 2e-2
 
 RELEASE = VisionConfig(num_hidden_layers=32, hidden_size=1024, num_attention_heads=16, intermediate_size=2816,
                        patch_size=14, rope_theta=10000.0, downsample_ratio=3, max_image_tokens=1024,

@@ -156,8 +156,10 @@ class VisionTower:
         h = rms_norm(x, self.w[b + "norm1.weight"])
         q, k, v = (t.view(n, self.n_heads, self.head_dim) for t in self._linear(h, b + "attn.wqkv").chunk(3, -1))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # Every patch attends to every patch of its image (no mask); scale head_dim^-1/2.
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        # Every patch attends to every patch of its image (no mask); scale head_dim^-1/2. Batched 4-D
+        # [1, heads, n, head_dim]: 3-D input makes CUDA fall back to the materialised math kernel (28x slower).
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v)[0]
         x = x + self._linear(o.transpose(0, 1).reshape(n, self.dim), b + "attn.wo")
         h = rms_norm(x, self.w[b + "norm2.weight"])
         gate, up = self._linear(h, b + "mlp.w1", bias=False).chunk(2, -1)
