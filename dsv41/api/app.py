@@ -185,12 +185,6 @@ class Reply:
         return hashlib.sha256(",".join(map(str, self.r.output_ids)).encode()).hexdigest()[:12]
 
 
-def _delta_dict(d) -> dict:
-    """A chat-layer Delta (Struct, dataclass or dict) as the OpenAI delta object, without empty fields."""
-    obj = d if isinstance(d, dict) else msgspec.to_builtins(d)
-    return {k: v for k, v in obj.items() if v is not None}
-
-
 async def _events(eng, r: Request):
     async for ev in eng.sched.stream(r):
         yield ev
@@ -228,21 +222,18 @@ def _finish_error(ev: FinishEvent) -> ApiError:
 
 
 # ------------------------------------------------------------------------------------------------ chat
-def _chat_prompt(eng, raw: dict, req: ChatCompletionRequest):
+def _chat_prompt(eng, raw: dict):
+    """Render and tokenize a chat request with the server's defaults (dsv41.chat.policy); ChatError -> 400."""
     from dsv41.chat import policy
     from dsv41.chat.errors import ChatError
-    cfg = eng.cfg
-    raw = dict(raw)
-    kw = dict(raw.get("chat_template_kwargs") or {})
-    if "thinking" not in kw and "enable_thinking" not in kw and raw.get("reasoning_effort") != "none":
-        kw["thinking"] = cfg.thinking
-    if "reasoning_effort" not in kw and raw.get("reasoning_effort") is None:
-        raw["reasoning_effort"] = cfg.reasoning_effort
-    raw["chat_template_kwargs"] = kw
     try:
-        return policy.build_chat_prompt(raw, eng.tok, shield=True)
+        prompt = policy.build_chat_prompt(raw, eng.tok, shield=True, default_thinking=eng.cfg.thinking,
+                                          default_effort=eng.cfg.reasoning_effort)
     except ChatError as e:
-        raise bad_request(str(getattr(e, "message", e)), param=getattr(e, "param", None) or "messages") from None
+        raise bad_request(e.message, param=e.param) from None
+    if prompt.images:
+        raise bad_request("image input is not served by this server yet", param="messages")
+    return prompt
 
 
 def _needs_grammar(req: ChatCompletionRequest) -> bool:
@@ -260,7 +251,7 @@ async def chat_completions(request: HttpRequest) -> Response:
     if _needs_grammar(req):
         raise bad_request("structured output and forced tool calls are not served yet; send tool_choice \"auto\" "
                           "and no response_format", param="response_format" if req.response_format else "tool_choice")
-    prompt = _chat_prompt(eng, raw, req)
+    prompt = _chat_prompt(eng, raw)
     ids = list(prompt.token_ids)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = _max_tokens(eng, len(ids), asked, "messages",
@@ -270,7 +261,8 @@ async def chat_completions(request: HttpRequest) -> Response:
                              ignore_eos=req.ignore_eos, stop=_stops(req.stop), detokenizer=_detokenizer(eng)))
     from dsv41.chat.parser import ReplyParser
     tools = getattr(prompt, "tools", None) or None
-    parser = ReplyParser(thinking=prompt.thinking, tools=tools)
+    parser = ReplyParser(thinking=prompt.thinking, tools=tools,
+                         parallel_tool_calls=req.parallel_tool_calls is not False)
     reply = Reply(eng, r, prompt.thinking)
     rid = "chatcmpl-" + secrets.token_hex(16)
     model = req.model if req.model in (eng.name,) else eng.name
@@ -295,9 +287,8 @@ async def chat_completions(request: HttpRequest) -> Response:
     if fin.reason in ("cancelled", "error"):
         raise _finish_error(fin)
     _, final = parser.finish()
-    message = {"role": "assistant", **_delta_dict(final)}
-    message.setdefault("content", None)
-    finish_reason = "tool_calls" if message.get("tool_calls") else fin.reason
+    message = final.message()
+    finish_reason = "tool_calls" if final.tool_calls else fin.reason
     choice = {"index": 0, "message": message, "logprobs": {"content": logprobs} if req.logprobs else None,
               "finish_reason": finish_reason}
     if fin.stop_sequence is not None:
@@ -325,51 +316,44 @@ async def _chat_stream(request, eng, r: Request, reply: Reply, parser, rid: str,
         return sse.frame({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                           "choices": [choice]})
 
-    role_sent = False
     pending_lp: list[dict] = []
     done = False
     try:
-        if not has_tools:
-            yield chunk({"role": "assistant", "content": ""})
-            role_sent = True
+        if not has_tools:                       # role right after the headers; with tools, before the first delta
+            for d in parser.role_delta():
+                yield chunk(d)
         async for ev in sse.with_keepalive(_events(eng, r), eng.cfg.keepalive_s):
             if ev is sse.KEEPALIVE:
                 yield ev
                 continue
             deltas = parser.feed(ev.text) if ev.text else []
-            if isinstance(ev, TokenEvent):
-                if r.params.logprobs:
-                    pending_lp.append(reply.chat_logprob(ev))
-                for d in deltas:
-                    if not role_sent:
-                        yield chunk({"role": "assistant", "content": ""})
-                        role_sent = True
-                    yield chunk(_delta_dict(d), logprobs=pending_lp or None)
-                    pending_lp = []
-                continue
-            # FinishEvent
-            if ev.reason in ("cancelled", "error"):
-                err = _finish_error(ev)
-                yield sse.frame({"error": {"message": err.message, "type": "server_error"}})
-                yield sse.DONE
-                done = True
-                return
-            tail, final = parser.finish()
-            for d in list(deltas) + list(tail):
-                if not role_sent:
-                    yield chunk({"role": "assistant", "content": ""})
-                    role_sent = True
-                yield chunk(_delta_dict(d), logprobs=pending_lp or None)
+            if isinstance(ev, TokenEvent) and r.params.logprobs:
+                pending_lp.append(reply.chat_logprob(ev))
+            if isinstance(ev, FinishEvent):
+                if ev.reason in ("cancelled", "error"):
+                    err = _finish_error(ev)
+                    yield sse.frame({"error": {"message": err.message, "type": "server_error"}})
+                    yield sse.DONE
+                    done = True
+                    return
+                tail, final = parser.finish()
+                deltas = list(deltas) + list(tail)
+            for d in deltas:
+                if "role" not in d:
+                    for d0 in parser.role_delta():
+                        yield chunk(d0)
+                yield chunk(d, logprobs=pending_lp or None)
                 pending_lp = []
-            if not role_sent:
-                yield chunk({"role": "assistant", "content": ""})
-            has_calls = bool(_delta_dict(final).get("tool_calls"))
+            if isinstance(ev, TokenEvent):
+                continue
+            for d0 in parser.role_delta():
+                yield chunk(d0)
             extra = {}
             if ev.stop_sequence is not None:
                 extra["stop_reason"] = ev.stop_sequence
             if return_ids:
                 extra["token_ids"] = list(r.output_ids)
-            yield chunk({}, "tool_calls" if has_calls else ev.reason, logprobs=pending_lp or None, **extra)
+            yield chunk({}, "tool_calls" if final.tool_calls else ev.reason, logprobs=pending_lp or None, **extra)
             if include_usage:
                 yield sse.frame({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                                  "choices": [], "usage": msgspec.to_builtins(reply.usage())})
@@ -385,10 +369,13 @@ async def _chat_stream(request, eng, r: Request, reply: Reply, parser, rid: str,
 # ------------------------------------------------------------------------------------------------ completions
 def _completion_prompt(eng, req: CompletionRequest) -> list[int]:
     p = req.prompt
-    if isinstance(p, list) and p and isinstance(p[0], (list, str)):
+    if isinstance(p, list) and any(not isinstance(x, int) for x in p):
         if len(p) != 1:
-            raise bad_request("batched prompts are not served: send one prompt per request", param="prompt")
+            raise bad_request("batched prompts are not served: send one prompt (a string or a list of token ids) "
+                              "per request", param="prompt")
         p = p[0]
+        if isinstance(p, list) and any(not isinstance(x, int) for x in p):
+            raise bad_request("`prompt` must be a string or a list of token ids", param="prompt")
     if isinstance(p, str):
         ids = eng.tok.encode(p, special=True)
         if req.add_special_tokens:
@@ -545,7 +532,7 @@ async def tokenize(request: HttpRequest) -> Response:
         raise bad_request("send exactly one of `prompt` and `messages`", param="prompt")
     if req.messages is not None:
         raw = msgspec.json.decode(body)
-        prompt = _chat_prompt(eng, raw, None)
+        prompt = _chat_prompt(eng, raw)
         ids = list(prompt.token_ids)
     else:
         ids = eng.tok.encode(req.prompt, special=True)

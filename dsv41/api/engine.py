@@ -133,13 +133,6 @@ def load_engine(cfg: ServeConfig, metrics=None) -> Engine:
                       prefill_chunk=cfg.prefill_chunk, metrics=metrics)
     eos = raw.get("eos_token_id", text.get("eos_token_id", 1))
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos])
-    think_end = None
-    try:
-        ids = tok.encode("</think>", special=True)
-        if len(ids) == 1:
-            think_end = ids[0]
-    except Exception:  # noqa: BLE001 - a tokenizer without the token simply has no reasoning to count
-        think_end = None
     return Engine(cfg=cfg, name=cfg.name or ckpt.name, tok=tok, sched=sched, context_len=context,
-                  vocab_size=int(text["vocab_size"]), eos_ids=eos_ids, bos_id=int(raw.get("bos_token_id", 0)),
-                  think_end_id=think_end, checkpoint=str(ckpt), device=device)
+                  vocab_size=int(text["vocab_size"]), eos_ids=eos_ids, bos_id=tok.bos_id,
+                  think_end_id=tok.think_end_id, checkpoint=str(ckpt), device=device)

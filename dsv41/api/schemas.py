@@ -48,7 +48,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[Union[int, str, list[int]]]    # a string, ids, or a batch of one of either
     logprobs: int | None = None            # legacy API: the number of top logprobs (0 = only the chosen token's)
     add_special_tokens: bool = False
     echo: bool = False

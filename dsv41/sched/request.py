@@ -131,15 +131,27 @@ class Request:
         is_eos = tid in self.eos_ids
         if is_eos and not self.ignore_eos:
             self.events.put_nowait(TokenEvent(tid, "", sample))
-            return FinishEvent("stop", self._stops.flush())
+            return self._end("stop")
         piece = self.detokenizer.push(tid) if self.detokenizer is not None else ""
         text, matched = self._stops.push(piece)
         self.events.put_nowait(TokenEvent(tid, text, sample))
         if matched is not None:
             return FinishEvent("stop", "", stop_sequence=matched)
         if len(self.output_ids) >= self.max_tokens:
-            return FinishEvent("length", self._stops.flush())
+            return self._end("length")
         return None
+
+    def _end(self, reason: str) -> FinishEvent:
+        """The reply ends without a stop string so far: release held text (an unfinished UTF-8 tail comes out as
+        U+FFFD), unless that tail completes a stop string."""
+        tail = ""
+        finish = getattr(self.detokenizer, "finish", None)
+        if finish is not None:
+            tail = finish()
+        text, matched = self._stops.push(tail)
+        if matched is not None:
+            return FinishEvent("stop", text, stop_sequence=matched)
+        return FinishEvent(reason, text + self._stops.flush())
 
     def finish(self, ev: FinishEvent) -> None:
         if self.phase is Phase.DONE:

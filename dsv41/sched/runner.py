@@ -65,7 +65,8 @@ class ModelRunner:
                                 f"{r.start}")
             if r.logits and r.logits != [len(r.ids) - 1]:
                 raise PlanError(f"round {plan.round}: sequence {r.seq}: only the last row's logits are served")
-            inputs.append(self.SeqInput(state=st, ids=torch.tensor(r.ids, dtype=torch.long), logits="last"))
+            inputs.append(self.SeqInput(state=st, ids=torch.tensor(r.ids, dtype=torch.long),
+                                        logits="last" if r.logits else "none"))
         samples = []
         if inputs:
             with torch.no_grad():
