@@ -72,12 +72,21 @@ def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     return (weight.to(F32) * s).to(dtype)
 
 
+def _fp4_byte_table() -> torch.Tensor:
+    """[256, 2]: the two E2M1 values of each byte, low nibble (even element) first."""
+    mag = torch.tensor(E2M1_VALUES, dtype=F32)
+    val = torch.cat([mag, -mag])  # code -> value (code 8 is -0.0)
+    b = torch.arange(256)
+    return torch.stack([val[b & 0xF], val[b >> 4]], dim=-1)
+
+
+_FP4_BYTES = _fp4_byte_table()
+
+
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Packed E2M1 (int8/uint8 [..., n/2], low nibble = even element) -> float32 values [..., n]."""
-    b = packed.view(torch.uint8).to(torch.int64)
-    codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
-    mag = _e2m1_table(packed.device)[codes & 7]
-    return torch.where((codes & 8) != 0, -mag, mag)
+    idx = packed.view(torch.uint8).to(torch.int64)
+    return _FP4_BYTES.to(packed.device)[idx].flatten(-2)
 
 
 def dequant_fp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = F32) -> torch.Tensor:
@@ -130,27 +139,28 @@ def quant_fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.float8_e4m3fn), float_to_e8m0(s)
 
 
+# Midpoints between neighbouring E2M1 magnitudes, and which way a tie goes: to the even code, so ties after an
+# even code (0.25, 1.25, 2.5, 5) stay below (strict >) and ties after an odd code (0.75, 1.75, 3.5) go up (>=).
+_E2M1_MIDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def _e2m1_index(a: torch.Tensor) -> torch.Tensor:
+    idx = torch.zeros(a.shape, dtype=torch.int64, device=a.device)
+    for mid, tie_up in _E2M1_MIDS:
+        idx += (a >= mid) if tie_up else (a > mid)
+    return idx
+
+
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """Round float32 v (already within [-6, 6]) to E2M1 codes (int64 0..15), nearest, ties to the even code:
-    ties at 0.25, 1.25, 2.5, 5 go down and at 0.75, 1.75, 3.5 go up. -0 and values rounding to 0 get code 0."""
-    a = v.abs()
-    grid = _e2m1_table(v.device)
-    mids = (grid[1:] + grid[:-1]) / 2
-    idx = torch.bucketize(a, mids)  # right=False: a tie lands on the lower neighbour
-    at_mid = (idx < len(mids)) & (a == mids[idx.clamp(max=len(mids) - 1)])
-    idx = torch.where(at_mid & (idx % 2 == 1), idx + 1, idx)
+    ties at 0.25, 1.25, 2.5, 5 go down and at 0.75, 1.75, 3.5 go up. Values rounding to 0 get code 0 (no -0)."""
+    idx = _e2m1_index(v.abs())
     return idx | torch.where((v < 0) & (idx > 0), 8, 0)
 
 
 def round_e2m1(v: torch.Tensor) -> torch.Tensor:
     """Round float32 v (within [-6, 6]) to the nearest E2M1 value, ties to even (see e2m1_codes); keeps the sign."""
-    a = v.abs()
-    grid = _e2m1_table(v.device)
-    mids = (grid[1:] + grid[:-1]) / 2
-    idx = torch.bucketize(a, mids)
-    at_mid = (idx < len(mids)) & (a == mids[idx.clamp(max=len(mids) - 1)])
-    idx = torch.where(at_mid & (idx % 2 == 1), idx + 1, idx)
-    return torch.copysign(grid[idx], v)
+    return torch.copysign(_e2m1_table(v.device)[_e2m1_index(v.abs())], v)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
