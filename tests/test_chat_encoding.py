@@ -42,13 +42,19 @@ def test_render_matches_reference(tok, case):
     assert out["images"] == exp["images"]
 
 
+def test_render_call_rejects_unknown_fields(tok):
+    out = render_call({"messages": [], "thinking_mode": "chat", "thinkng": True}, tok)
+    assert not out["ok"] and "thinkng" in out["error"]
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c["expected"]["ok"]],
                          ids=[c["id"] for c in CASES if c["expected"]["ok"]])
 def test_shielded_ids(tok, case):
     """Shielded ids equal the reference's whenever client text holds no special-token text; otherwise they still
     decode to the same prompt but the client's special text is plain BPE."""
     exp = case["expected"]
-    rendered = encode_messages(**case["encoder_call"], shield=True)
+    call = {k: v for k, v in case["encoder_call"].items() if k != "return_multi_modal_data"}
+    rendered = encode_messages(**call, shield=True)
     ids = render_call(case["encoder_call"], tok, shield=True)["token_ids"]
     assert tok.decode(ids) == exp["prompt"]
     if _client_has_special(tok, rendered.pieces):

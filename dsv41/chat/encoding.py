@@ -296,8 +296,8 @@ def _emit_calls(out: _Out, tool_calls: list, i: int) -> None:
 
 
 def encode_messages(messages: list, thinking_mode: str, reasoning_effort: Any = None, drop_thinking: bool = True,
-                    context: list | None = None, add_default_bos_token: bool = True, shield: bool = False,
-                    **_ignored: Any) -> Rendered:
+                    context: list | None = None, add_default_bos_token: bool = True, shield: bool = False
+                    ) -> Rendered:
     """Render a conversation the way DeepSeek's `encode_messages` does (arguments as the reference names them).
 
     Raises ChatError where the reference refuses. `shield` only lifts the reference's refusal of the image

@@ -17,11 +17,18 @@ from dsv41.chat.errors import ChatError
 from dsv41.chat.tokenizer import Tokenizer
 
 
+ENCODER_ARGS = ("messages", "thinking_mode", "reasoning_effort", "drop_thinking", "context", "add_default_bos_token")
+
+
 def render_call(call: dict, tok: Tokenizer, shield: bool = False) -> dict:
     if not isinstance(call, dict) or "messages" not in call or "thinking_mode" not in call:
         return {"ok": False, "error": "an encoder_call object needs messages and thinking_mode"}
+    args = {k: v for k, v in call.items() if k != "return_multi_modal_data"}  # images always come back
+    unknown = sorted(set(args) - set(ENCODER_ARGS))
+    if unknown:
+        return {"ok": False, "error": f"unknown encoder_call fields {unknown}; known: {list(ENCODER_ARGS)}"}
     try:
-        rendered = encode_messages(**{k: v for k, v in call.items() if k != "return_multi_modal_data"}, shield=shield)
+        rendered = encode_messages(**args, shield=shield)
     except ChatError as e:
         return {"ok": False, "error": e.message}
     return {"ok": True, "prompt": rendered.prompt, "token_ids": tok.encode_pieces(rendered.pieces, shield=shield),
