@@ -40,7 +40,7 @@ DEFAULT_CAPACITY = 8 << 20        # bytes per slot: 64 rows x 5120 x fp32 is 1.2
 _MAGIC = 0x64737634315F5247       # "dsv41_RG"
 _LINE = 64                        # one cache line per rank's counters (no false sharing)
 _BLOB = 4096                      # per-rank area for the CUDA ring's pickled IPC handles
-_SPIN = 2000                      # busy polls before yielding the CPU
+_SPIN = 200                       # busy polls (~50 µs) before yielding the CPU
 _SHM_DIR = "/dev/shm"
 
 

@@ -1,0 +1,130 @@
+"""The tensor ring with two real processes (CPU): all_reduce_sum over the shared-memory ring and over gloo gives the
+same bits on both ranks, equal to the rank-order sum computed locally, whichever rank is faster; all_gather and
+broadcast are exact; a dead peer is named."""
+import hashlib
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+from dsv41.comm.channel import Follower, Leader
+from dsv41.comm.plan import RankLost
+from dsv41.comm.ring import ShmRing, open_ring, rank_order_sum
+
+from test_comm_channel import HB, free_master
+
+CTX = mp.get_context("spawn")
+HIDDEN = 5120
+CASES = [(rows, dtype) for rows in (1, 3, 17, 64) for dtype in (torch.float32, torch.bfloat16)]
+
+
+def partial(case: int, rank: int, rows: int, dtype) -> torch.Tensor:
+    """Rank `rank`'s partial for one case; every process can make every rank's (seeded)."""
+    g = torch.Generator().manual_seed(1000 * case + rank)
+    return (torch.randn(rows, HIDDEN, generator=g) * (1 + 1000 * rank)).to(dtype)
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def ring_worker(rank: int, master: str, q, device: str = "cpu"):
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    try:
+        ch = Leader(master, 2, start_timeout=30, **HB) if rank == 0 else Follower(master, 1, 2, start_timeout=30,
+                                                                                   **HB)
+        out = {}
+        for same_host in (True, False):
+            # a 64 KiB slot sends the 64-row tensors in 20 pieces: the piecewise path is part of the test
+            ring = open_ring(rank, 2, device, master=master, session=ch.session, same_host=same_host, timeout=30,
+                             capacity=64 << 10)
+            for i, (rows, dtype) in enumerate(CASES):
+                parts = [partial(i, r, rows, dtype).to(device) for r in range(2)]
+                if i % 3 == rank:
+                    time.sleep(0.005)           # one rank late: the result must not care
+                s = ring.all_reduce_sum(parts[rank])
+                g = ring.all_gather(parts[rank])
+                b = ring.broadcast(parts[1] if rank == 1 else torch.empty_like(parts[1]), src=1)
+                out[(ring.kind, i)] = (digest(s.cpu()), torch.equal(s, rank_order_sum(parts)),
+                                       torch.equal(g, torch.stack(parts)), torch.equal(b, parts[1]), s.dtype)
+            odd = torch.arange(7, dtype=torch.float32, device=device) + rank
+            out[(ring.kind, "odd")] = ring.all_reduce_sum(odd).tolist()
+            big = partial(99, rank, 2048, torch.float32).to(device)    # a prompt chunk: 42 MB, 640 pieces
+            out[(ring.kind, "big")] = digest(ring.all_reduce_sum(big).cpu())
+            ring.close()
+        if rank == 0:
+            ch.shutdown()
+        else:
+            assert ch.recv(timeout=30) is None
+            ch.close()
+        if device != "cpu":
+            q.put((rank, out))
+            return
+        # a dead peer: rank 1 takes part in one op, then exits without a word
+        ring = ShmRing(rank, 2, ch.session + "dead", timeout=30)
+        ring.all_reduce_sum(torch.ones(4))
+        if rank == 1:
+            q.put((rank, out))
+            q.close()
+            q.join_thread()
+            os._exit(0)
+        t0 = time.monotonic()
+        try:
+            ring.all_reduce_sum(torch.ones(4))
+            out["dead"] = None
+        except RankLost as e:
+            out["dead"] = (e.rank, str(e), time.monotonic() - t0)
+        q.put((rank, out))
+    except BaseException as e:
+        q.put((rank, repr(e)))
+        raise
+
+
+def run_pair(device: str) -> dict:
+    master = free_master()
+    q = CTX.Queue()
+    ps = [CTX.Process(target=ring_worker, args=(r, master, q, device)) for r in (1, 0)]
+    for p in ps:
+        p.start()
+    try:
+        res = dict(q.get(timeout=120) for _ in ps)
+    finally:
+        for p in ps:
+            p.join(10)
+            p.kill()
+    assert isinstance(res[0], dict) and isinstance(res[1], dict), res
+    return res
+
+
+def check_pair(res: dict, kinds: tuple[str, str]) -> None:
+    for kind in kinds:
+        for i, (rows, dtype) in enumerate(CASES):
+            d0, sum_ok0, gather_ok0, bcast_ok0, dt = res[0][(kind, i)]
+            d1, sum_ok1, gather_ok1, bcast_ok1, _ = res[1][(kind, i)]
+            assert sum_ok0 and sum_ok1, (kind, rows, dtype)           # == local rank-order sum
+            assert d0 == d1, (kind, rows, dtype)                        # same bits on both ranks
+            assert gather_ok0 and gather_ok1 and bcast_ok0 and bcast_ok1, (kind, rows, dtype)
+            assert dt == dtype
+            parts = [partial(i, r, rows, dtype) for r in range(2)]
+            assert d0 == digest(rank_order_sum(parts))                  # == the CPU's rank-order sum, any transport
+        assert res[0][(kind, "odd")] == res[1][(kind, "odd")] == [float(2 * x + 1) for x in range(7)]
+        big = [partial(99, r, 2048, torch.float32) for r in range(2)]
+        assert res[0][(kind, "big")] == res[1][(kind, "big")] == digest(rank_order_sum(big))
+
+
+def test_all_reduce_sum_bit_identical_on_both_ranks_shm_and_gloo():
+    res = run_pair("cpu")
+    check_pair(res, ("shm", "gloo"))
+    rank, msg, took = res[0]["dead"]
+    assert rank == 1 and "rank 1 lost: its process" in msg and took < 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_all_reduce_sum_bit_identical_on_two_gpus_cuda_ipc_and_nccl():
+    check_pair(run_pair("cuda"), ("cuda-ipc", "nccl"))
