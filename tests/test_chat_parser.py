@@ -227,3 +227,27 @@ def test_roundtrip_through_the_encoder():
     final = parse_reply(reply, True, WEATHER)
     assert (final.reasoning_content, final.content) == ("r", "Sure.")
     assert json.loads(final.tool_calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 3}
+
+
+def test_held_block_decided_by_what_follows():
+    block = _block(("get_weather", {"city": "X"}))
+    for tail, calls in ((["\n", "\n", " more"], 0), (["\n", "\n"], 1), (["</think>ok"], 0)):
+        p = ReplyParser(True, WEATHER)
+        for piece in ["r", block[:7], block[7:]] + tail:
+            p.feed(piece)
+        final = p.finish()[1]
+        assert len(final.tool_calls) == calls
+        if not calls:
+            assert block in final.reasoning_content
+
+
+def test_long_block_in_reasoning_is_reasoning(monkeypatch):
+    import dsv41.chat.parser as parser_module
+    monkeypatch.setattr(parser_module, "HELD_LIMIT", 200)
+    text = "r" + _block(("get_weather", {"city": "X" * 300}))
+    whole = parse_reply(text, True, WEATHER)
+    assert whole.tool_calls == [] and whole.reasoning_content == text
+    for step in (1, 7, 50):
+        assert _run(text, list(range(step, len(text), step)), True)[1] == parse_reply(text, True, WEATHER,
+                                                                                      new_id=lambda: "call_x")
+    assert len(parse_reply("r" + _block(("get_weather", {"city": "X"})), True, WEATHER).tool_calls) == 1

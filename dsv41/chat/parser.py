@@ -14,8 +14,8 @@ message exactly. Rules (docs/chat.md, "Reply parsing"):
   re-dumped compactly, or kept as a string when they are not valid JSON).
 - A call to a tool that was not offered is text: it goes to content as `<tool_call>{"name",...}</tool_call>`.
 - Text between tags inside a block is dropped; text after a block is content again (whitespace alone is dropped).
-- A calls block inside reasoning is reasoning, unless the reply ends right after it (no `</think>`): then it is
-  the answer's calls.
+- A calls block inside reasoning is reasoning, unless the reply ends right after it (no `</think>`) and it is at
+  most HELD_LIMIT characters long: then it is the answer's calls.
 - At the end of the reply a cut-off calls opener is dropped; an open invoke of an offered tool is closed (an open value ends where the text ends,
   a partial tag is dropped): one valid offered call. A partial invoke header is dropped.
 """
@@ -38,6 +38,7 @@ PARAM_PREFIX = f"<{DSML} parameter"
 INVOKE_RE = re.compile(re.escape(INVOKE_PREFIX) + r'\s+name="(.*?)"\s*>')
 PARAM_RE = re.compile(re.escape(PARAM_PREFIX) + r'\s+name="(.*?)"(?:\s+string="(true|false)")?\s*>')
 TAG_LIMIT = 256  # a tag header not complete within this many characters is not a tag
+HELD_LIMIT = 32768  # a calls block inside reasoning longer than this (from its opener) is reasoning
 
 _REASONING, _HELD, _CONTENT, _CALLS, _INVOKE, _PARAM = range(6)
 
@@ -135,9 +136,12 @@ class ReplyParser:
         self.state = _REASONING if thinking else _CONTENT
         self.buf = ""
         self.hold = ""            # _HELD: a calls block met inside reasoning, from its blank line on
+        self.hold_scanned = 0     # how far `hold` was searched for </think> and the block's closer
+        self.hold_close = -1      # where the held block's closer is, once seen
         self.after_calls = False  # content right after a block: whitespace alone is dropped
         self.invoke: _Invoke | None = None
         self.final = FinalMessage(thinking=thinking)
+        self._parts: dict[str, list[str]] = {"reasoning": [], "content": []}  # joined into `final` at the end
         self._out: list[Delta] = []
         self._role_sent = False
         self._done = False
@@ -162,6 +166,8 @@ class ReplyParser:
             self._done = True
             self._run(final=True)
             self._end()
+            self.final.reasoning_content = "".join(self._parts["reasoning"])
+            self.final.content = "".join(self._parts["content"])
             if not self._role_sent:
                 self._out.insert(0, {"role": "assistant"})
                 self._role_sent = True
@@ -180,12 +186,12 @@ class ReplyParser:
 
     def _reasoning(self, text: str) -> None:
         if text:
-            self.final.reasoning_content += text
+            self._parts["reasoning"].append(text)
             self._emit({"reasoning_content": text})
 
     def _content(self, text: str) -> None:
         if text:
-            self.final.content += text
+            self._parts["content"].append(text)
             self._emit({"content": text})
 
     def _args(self, inv: _Invoke, piece: str) -> None:
@@ -224,26 +230,32 @@ class ReplyParser:
         hold = self.hold + self.buf
         self.hold, self.buf = hold, ""
         start = hold.find(CALLS_OPEN) + len(CALLS_OPEN)
-        i_end, i_close = hold.find(THINK_END, start), hold.find(CALLS_CLOSE, start)
-        if i_end != -1 and (i_close == -1 or i_end < i_close):
-            # </think> inside the block: it was reasoning after all
-            self._reasoning(hold[:i_end])
-            self.hold, self.buf = "", hold[i_end:]
-            self.state = _REASONING
-            return True
-        if i_close != -1:
-            after = i_close + len(CALLS_CLOSE)
+        limit = start + HELD_LIMIT
+        if self.hold_close == -1:
+            since = max(start, self.hold_scanned - len(CALLS_CLOSE))
+            self.hold_scanned = len(hold)
+            i_end, i_close = hold.find(THINK_END, since), hold.find(CALLS_CLOSE, since)
+            if i_end != -1 and (i_close == -1 or i_end < i_close):
+                return self._held_is_reasoning(hold, min(i_end, limit))  # </think> inside the block
+            if i_close != -1 and i_close <= limit:
+                self.hold_close = i_close
+            elif len(hold) > limit:
+                return self._held_is_reasoning(hold, limit)  # too long to be the answer's calls
+        if self.hold_close != -1:
+            after = self.hold_close + len(CALLS_CLOSE)
             if hold[after:].strip():
-                # more reasoning follows the block: not the answer's calls
-                self._reasoning(hold[:after])
-                self.hold, self.buf = "", hold[after:]
-                self.state = _REASONING
-                return True
+                return self._held_is_reasoning(hold, after)  # more reasoning follows the block
         if not final:
             return False
         # the reply ended inside reasoning right after (or inside) a calls block: those are the answer's calls
-        self.hold, self.buf = "", hold[start:]
+        self.hold, self.buf, self.hold_scanned, self.hold_close = "", hold[start:], 0, -1
         self.state = _CALLS
+        return True
+
+    def _held_is_reasoning(self, hold: str, upto: int) -> bool:
+        self._reasoning(hold[:upto])
+        self.hold, self.buf, self.hold_scanned, self.hold_close = "", hold[upto:], 0, -1
+        self.state = _REASONING
         return True
 
     def _in_content(self, final: bool) -> bool:
