@@ -142,6 +142,7 @@ class ReplyParser:
         self.invoke: _Invoke | None = None
         self.final = FinalMessage(thinking=thinking)
         self._parts: dict[str, list[str]] = {"reasoning": [], "content": []}  # joined into `final` at the end
+        self._arg_parts: list[list[str]] = []  # per call, joined into its arguments at the end
         self._out: list[Delta] = []
         self._role_sent = False
         self._done = False
@@ -168,6 +169,8 @@ class ReplyParser:
             self._end()
             self.final.reasoning_content = "".join(self._parts["reasoning"])
             self.final.content = "".join(self._parts["content"])
+            for call, parts in zip(self.final.tool_calls, self._arg_parts):
+                call["function"]["arguments"] = "".join(parts)
             if not self._role_sent:
                 self._out.insert(0, {"role": "assistant"})
                 self._role_sent = True
@@ -196,8 +199,7 @@ class ReplyParser:
 
     def _args(self, inv: _Invoke, piece: str) -> None:
         if piece:
-            call = self.final.tool_calls[inv.index]
-            call["function"]["arguments"] += piece
+            self._arg_parts[inv.index].append(piece)
             self._emit({"tool_calls": [{"index": inv.index, "function": {"arguments": piece}}]})
 
     # ---- the scanner ----
@@ -378,6 +380,7 @@ class ReplyParser:
             inv = _Invoke(name, "call", started)
             call = {"id": self.new_id(), "type": "function", "function": {"name": name, "arguments": ""}}
             self.final.tool_calls.append(call)
+            self._arg_parts.append([])
             self._emit({"tool_calls": [{"index": inv.index, "id": call["id"], "type": "function",
                                         "function": {"name": name, "arguments": ""}}]})
         elif name is None and self.parallel:
