@@ -79,6 +79,14 @@ def test_developer_is_system(tok):
     assert a.token_ids == b.token_ids and a.prompt_text.startswith("<｜begin▁of▁sentence｜><｜System｜>Be brief.")
 
 
+def test_leading_system_messages_merge(tok):
+    p = build(tok, messages=[{"role": "system", "content": "A"}, {"role": "developer", "content": [
+        {"type": "text", "text": "B"}, {"type": "text", "text": "C"}]}, {"role": "system", "content": ""}] + user()
+        + [{"role": "assistant", "content": "x"}, {"role": "system", "content": "D"}], tools=[TOOL])
+    assert p.prompt_text.startswith("<｜begin▁of▁sentence｜><｜System｜>A\n\nB\n\nC\n\n## Tools")
+    assert p.prompt_text.count("<｜System｜>") == 2 and "<｜System｜>D<｜Assistant｜>" in p.prompt_text
+
+
 def test_tools_and_response_format_get_an_empty_system(tok):
     p = build(tok, messages=user(), tools=[TOOL])
     assert p.prompt_text.startswith("<｜begin▁of▁sentence｜><｜System｜>\n\n## Tools\n\n")

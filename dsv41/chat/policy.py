@@ -180,7 +180,20 @@ def _messages(raw: Any) -> list[dict]:
                                 "message whose tool_calls they answer, with its call ids")
             msg["tool_call_id"] = tid
         out.append(msg)
+    # leading system (and developer) messages are one system prompt, joined by a blank line, as the reference
+    # server serves them; a system message after the conversation started stays a V4.1 mid-conversation turn
+    while len(out) > 1 and out[0]["role"] == "system" and out[1]["role"] == "system":
+        second = out.pop(1)
+        texts = [_text(out[0]["content"]), _text(second["content"])]
+        out[0]["content"] = "\n\n".join(t for t in texts if t)
     return out
+
+
+def _text(content: Any) -> str:
+    """A system message's content as one string (text parts joined by blank lines, as the encoder joins them)."""
+    if isinstance(content, list):
+        return "\n\n".join(part["text"] for part in content)
+    return content
 
 
 def _tools(req: dict) -> tuple[list[dict], Any]:
