@@ -1,7 +1,7 @@
 """Ring latency for decode-round tensors: all_reduce_sum of [rows, 5120] fp32/bf16 between two processes.
 
     python bench/comm_bench.py                                  # CPU: shm ring vs gloo -> bench/results/comm-cpu.md
-    python bench/comm_bench.py --device cuda --out bench/results/comm-h200.md   # 2 GPUs: cuda-ipc vs nccl
+    python bench/comm_bench.py --device cuda        # GPUs: cuda-ipc (+ nccl with 2 GPUs) -> bench/results/comm-cuda.md
     python bench/comm_bench.py tp-plan                          # bytes per round, expert TP vs EP (docs/comm.md)
 
 Two processes (rank 0, rank 1) on this host; each op is timed on rank 0 from call to result (on a GPU: to the
@@ -42,8 +42,8 @@ def worker(rank: int, args, session: str, port: int, q) -> None:
     torch.set_num_threads(args.threads)
     dev = torch.device("cpu")
     if args.device == "cuda":
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
+        dev = torch.device("cuda", rank % torch.cuda.device_count())     # one GPU: both ranks share it
+        torch.cuda.set_device(dev)
     rings = {}
     for i, kind in enumerate(args.transports.split(",")):
         if kind == "shm":
@@ -149,7 +149,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", nargs="?", default="latency", choices=["latency", "tp-plan"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--transports", default=None, help="comma list; default shm,gloo (cpu) or cuda-ipc,nccl (cuda)")
+    ap.add_argument("--transports", default=None, help="comma list; default shm,gloo (cpu), cuda-ipc,nccl (2+ GPUs), cuda-ipc (1 GPU)")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -158,7 +158,10 @@ def main() -> None:
     if args.what == "tp-plan":
         print(tp_plan())
         return
-    args.transports = args.transports or ("shm,gloo" if args.device == "cpu" else "cuda-ipc,nccl")
+    if not args.transports and args.device == "cuda":
+        import torch
+        args.transports = "cuda-ipc,nccl" if torch.cuda.device_count() >= 2 else "cuda-ipc"
+    args.transports = args.transports or "shm,gloo"
     args.out = args.out or str(ROOT / "bench" / "results" / f"comm-{args.device}.md")
     run(args)
 

@@ -224,7 +224,7 @@ class _Channel:
         self._closed = False
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER if leader else zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.LINGER, 5000)   # close() waits this long at most for a last Shutdown/Error to leave
         try:
             if leader:
                 self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

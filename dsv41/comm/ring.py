@@ -30,6 +30,7 @@ import os
 import pickle
 import platform
 import time
+import warnings
 from datetime import timedelta
 
 import torch
@@ -113,6 +114,8 @@ class DistRing(Ring):
     def __init__(self, rank: int, world: int, backend: str, host: str, port: int, *, timeout: float = 300.0,
                  device: str | torch.device = "cpu"):
         import torch.distributed as dist
+        # all_gather_into_tensor is what both gloo and NCCL run on every torch we support; hush its rename notice
+        warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
         self.dist, self.rank, self.world, self.kind = dist, rank, world, backend
         self.device = torch.device(device)
         try:
@@ -364,9 +367,9 @@ class ShmRing(Ring):
 # ---------------------------------------------------------------------------------------------------- CUDA IPC
 
 class CudaIpcRing(Ring):
-    """GPU ring for ranks on one host, one GPU each (every process must see every rank's GPU: same
-    CUDA_VISIBLE_DEVICES, device = cuda:<its index>). Counters in host shared memory as in ShmRing; data pushed
-    into every rank's device buffer through CUDA IPC; order on the GPU by interprocess events (module text)."""
+    """GPU ring for ranks on one host (every process must see every rank's GPU: same CUDA_VISIBLE_DEVICES; two ranks
+    may share a GPU). Counters in host shared memory as in ShmRing; data pushed into every rank's device buffer
+    through CUDA IPC; order on the GPU by interprocess events (module text)."""
     kind = "cuda-ipc"
 
     def __init__(self, rank: int, world: int, session: str, device: torch.device, *,
