@@ -67,9 +67,8 @@ def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     want = ((out_f + BLOCK - 1) // BLOCK, in_f // BLOCK)
     if in_f % BLOCK or tuple(scale.shape) != want:
         raise ValueError(f"FP8 weight {list(weight.shape)} needs scale {list(want)}, got {list(scale.shape)}")
-    s = e8m0_to_float(scale)
-    s = s.repeat_interleave(BLOCK, 0)[:out_f].repeat_interleave(BLOCK, 1)
-    return (weight.to(F32) * s).to(dtype)
+    s = e8m0_to_float(scale).repeat_interleave(BLOCK, 0)[:out_f]  # [out, in/32]
+    return (weight.to(F32).view(out_f, in_f // BLOCK, BLOCK) * s[..., None]).view(out_f, in_f).to(dtype)
 
 
 def _fp4_byte_table() -> torch.Tensor:
@@ -97,9 +96,8 @@ def dequant_fp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     want = (out_f, 2 * half // BLOCK)
     if (2 * half) % BLOCK or tuple(scale.shape) != want:
         raise ValueError(f"FP4 weight {list(weight.shape)} needs scale {list(want)}, got {list(scale.shape)}")
-    v = unpack_fp4(weight)
-    s = e8m0_to_float(scale).repeat_interleave(BLOCK, 1)
-    return (v * s).to(dtype)
+    v = unpack_fp4(weight).view(out_f, 2 * half // BLOCK, BLOCK)
+    return (v * e8m0_to_float(scale)[..., None]).view(out_f, 2 * half).to(dtype)
 
 
 def dequant_fp8_rows(rows: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = F32) -> torch.Tensor:
@@ -109,7 +107,8 @@ def dequant_fp8_rows(rows: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     n, d = rows.shape
     if d % BLOCK or tuple(scale.shape) != (n, d // BLOCK):
         raise ValueError(f"Engram rows {list(rows.shape)} need scale {[n, d // BLOCK]}, got {list(scale.shape)}")
-    return (rows.to(F32) * e8m0_to_float(scale).repeat_interleave(BLOCK, 1)).to(dtype)
+    v = rows.to(F32).view(n, d // BLOCK, BLOCK) * e8m0_to_float(scale)[..., None]
+    return v.view(n, d).to(dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------
