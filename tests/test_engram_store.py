@@ -108,3 +108,18 @@ def test_store_header_errors(tiny_a, tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(idx))
     with pytest.raises(WeightError, match="layers.4.engram.embed.scale: missing"):
         EngramStore(tmp_path, _cfg_with(tiny_cfg, rows, 256))
+
+
+def test_prefetch_racing_lookups(tiny_a):
+    """Read-ahead running while lookups of overlapping rows happen: every lookup still returns the file's rows."""
+    d, cfg = tiny_a
+    whole = _whole(d, 4)
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, cfg.text.engram_num_embeddings[1], (16, 12), generator=g) for _ in range(8)]
+    with EngramStore(d, cfg, cache_bytes=300 * 66, threads=3) as st:
+        futures = [st.prefetch(4, b) for b in batches]
+        for b in reversed(batches):
+            assert torch.equal(st.lookup(4, b), whole[b])
+        for f in futures:
+            f.result()
+        assert st.cached_rows() <= 300

@@ -153,3 +153,12 @@ def test_real_tokenizer_with_vision(tmp_path, shared):
     assert set(n for n in w if n.startswith(("vision.", "aligner."))) == names
     assert w["aligner.w1.weight"].shape == (128, 576)
     assert len(expected_tensors(cfg, vision=True)) == len(read_weight_map(ck))
+
+
+def test_smallest_layout_writes_and_loads(tmp_path):
+    ck = _make(tmp_path / "seven", "--seed", "1", "--vocab", "64", "--layers", "7", "--hidden", "96")
+    cfg = ModelConfig.from_checkpoint(ck)
+    assert cfg.text.compress_ratios == (0, 0, 2, 2, 1, 1, 1, 0, 0, 0) and cfg.text.hidden_size == 96
+    assert cfg.text.index_source_layer_ids == (2, 4, 6) and cfg.text.engram_layer_ids == (1, 3)
+    w = load_weights(ck, cfg)
+    assert "layers.6.attn.indexer.wq_b.weight" in w and "layers.3.engram.wkv.weight" in w
