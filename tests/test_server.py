@@ -309,6 +309,21 @@ def test_bad_requests_get_400_while_a_stream_goes_on(server):
     assert result["final"]["finish_reason"] == "length" and len(result["final"]["token_ids"]) == 30
 
 
+def test_structured_output_follows_the_grammar(client):
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Pick a color."}], max_tokens=40, temperature=0.7,
+        seed=5, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+        extra_body=NO_THINK)
+    assert json.loads(r.choices[0].message.content)["color"] in ("red", "blue")
+    assert r.choices[0].finish_reason == "stop"
+    bad = httpx.post(client.base_url.join("chat/completions").__str__(),
+                     json={"messages": [{"role": "user", "content": "x"}],
+                           "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": 3}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("response_format")
+
+
 def test_zz_sigterm_drains_running_replies(server):
     """Last in the module: SIGTERM stops admitting, lets the running reply finish, then the process exits."""
     result: dict = {}

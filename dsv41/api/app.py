@@ -236,9 +236,14 @@ def _chat_prompt(eng, raw: dict):
     return prompt
 
 
-def _needs_grammar(req: ChatCompletionRequest) -> bool:
-    forced = req.tool_choice not in (None, "auto", "none")
-    return req.response_format is not None and req.response_format.get("type") != "text" or forced
+def _grammar(eng, raw: dict, prompt):
+    """The reply's grammar matcher (structured output, forced tool calls), or None; GrammarError -> 400."""
+    from dsv41.grammar.compile import GrammarError, compile_request
+    try:
+        spec = compile_request(raw, eng.tok, tools=prompt.tools, thinking=prompt.thinking)
+    except GrammarError as e:
+        raise bad_request(e.message, param=e.param) from None
+    return spec.matcher() if spec is not None else None
 
 
 async def chat_completions(request: HttpRequest) -> Response:
@@ -248,17 +253,16 @@ async def chat_completions(request: HttpRequest) -> Response:
     raw = msgspec.json.decode(body)
     if not req.messages:
         raise bad_request("`messages` must hold at least one message", param="messages")
-    if _needs_grammar(req):
-        raise bad_request("structured output and forced tool calls are not served yet; send tool_choice \"auto\" "
-                          "and no response_format", param="response_format" if req.response_format else "tool_choice")
     prompt = _chat_prompt(eng, raw)
+    matcher = _grammar(eng, raw, prompt)
     ids = list(prompt.token_ids)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = _max_tokens(eng, len(ids), asked, "messages",
                              "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     params = _sampling(eng, req, ids, bool(req.logprobs), (req.top_logprobs or 0) if req.logprobs else 0)
     r = _submit(eng, Request(prompt_ids=ids, params=params, max_tokens=max_tokens, eos_ids=eng.eos_ids,
-                             ignore_eos=req.ignore_eos, stop=_stops(req.stop), detokenizer=_detokenizer(eng)))
+                             ignore_eos=req.ignore_eos, stop=_stops(req.stop), detokenizer=_detokenizer(eng),
+                             matcher=matcher))
     from dsv41.chat.parser import ReplyParser
     tools = getattr(prompt, "tools", None) or None
     parser = ReplyParser(thinking=prompt.thinking, tools=tools,

@@ -60,6 +60,7 @@ def builtin_checkpoint() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     print(f"dsv41: making the built-in tiny checkpoint in {out} (once)", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{version}-", dir=out.parent))
+    os.chmod(tmp, 0o755)
     cmd = [sys.executable, "-m", "dsv41.tools.make_tiny", "--out", str(tmp), "--seed", "0",
            "--tokenizer", str(BUILTIN_TOKENIZER_DIR)]
     res = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
@@ -116,7 +117,16 @@ def load_engine(cfg: ServeConfig, metrics=None) -> Engine:
                                                            else BUILTIN_TOKENIZER_DIR)
     tok = Tokenizer.from_dir(tok_dir)
     t0 = time.monotonic()
-    model = Model.load(str(ckpt), device=device, dtype=torch.float32)
+    try:
+        model = Model.load(str(ckpt), device=device, dtype=torch.float32)
+    except ValueError as e:
+        if cfg.device != "auto" or device == "cpu":
+            raise
+        # --device auto picked the GPU but this model build runs only on the CPU: say so and serve there
+        log.warning("the model does not run on %s (%s); serving on cpu", device, e)
+        print(f"dsv41: the model does not run on {device} ({e}); serving on cpu", flush=True)
+        device = "cpu"
+        model = Model.load(str(ckpt), device=device, dtype=torch.float32)
     log.info("model loaded from %s on %s in %.1f s", ckpt, device, time.monotonic() - t0)
 
     cost = state_cost(text, elem_bytes=4)

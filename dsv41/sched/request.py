@@ -85,6 +85,7 @@ class Request:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     detokenizer: object | None = None       # IncrementalDetokenizer-like: push(id) -> str; None = no text
+    matcher: object | None = None           # dsv41.grammar Matcher when the reply is constrained
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
 

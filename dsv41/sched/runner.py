@@ -31,6 +31,7 @@ class RoundResult(msgspec.Struct, array_like=True, gc=False):
     round: int
     samples: list[tuple[int, Sample]]      # (seq, drawn token), in plan row order
     seconds: float                         # wall time of the forward + sampling
+    grammar_errors: dict[int, str] = {}    # seq -> why its grammar matcher refused the drawn token
 
 
 class ModelRunner:
@@ -42,7 +43,11 @@ class ModelRunner:
         self.states: dict[int, object] = {}
         self.params: dict[int, SamplingParams] = {}
 
-    def execute(self, plan: StepPlan) -> RoundResult:
+    def execute(self, plan: StepPlan, matchers: dict | None = None) -> RoundResult:
+        """Apply the plan's ops, run its rows in one forward, draw a token for each row whose logits it asks for.
+
+        matchers: seq -> grammar Matcher (dsv41.grammar) for constrained sequences (rank 0 only for now): their
+        rows' logits are masked to what the grammar allows before the draw, and the drawn token is consumed."""
         t0 = time.perf_counter()
         for op in plan.ops:
             if isinstance(op, FreeSeq):
@@ -68,13 +73,32 @@ class ModelRunner:
             inputs.append(self.SeqInput(state=st, ids=torch.tensor(r.ids, dtype=torch.long),
                                         logits="last" if r.logits else "none"))
         samples = []
+        errors: dict[int, str] = {}
         if inputs:
             with torch.no_grad():
                 outs = self.model.forward(inputs)
-            for r, out in zip(plan.rows, outs):
-                if r.logits:
-                    samples.append((r.seq, sample_row(out[-1], r.start + len(r.ids), self.params[r.seq])))
-        return RoundResult(plan.round, samples, time.perf_counter() - t0)
+            wanted = [(r, out[-1]) for r, out in zip(plan.rows, outs) if r.logits]
+            rows = [row for _, row in wanted]
+            ms = [matchers.get(r.seq) for r, _ in wanted] if matchers else []
+            if any(m is not None for m in ms):
+                rows = self._mask(rows, ms)
+            for k, ((r, _), row) in enumerate(zip(wanted, rows)):
+                s = sample_row(row, r.start + len(r.ids), self.params[r.seq])
+                samples.append((r.seq, s))
+                m = ms[k] if ms else None
+                if m is not None and not m.consume(s.token_id):
+                    errors[r.seq] = f"the grammar refused token {s.token_id}: {m.error}"
+        return RoundResult(plan.round, samples, time.perf_counter() - t0, errors)
+
+    @staticmethod
+    def _mask(rows: list[torch.Tensor], ms: list) -> list[torch.Tensor]:
+        """Logits rows with what each row's grammar forbids set to -inf (rows without a matcher untouched)."""
+        from dsv41.grammar.matchers import allocate_bitmask, apply_mask, fill_masks
+        logits = torch.stack([r.reshape(-1) for r in rows]).float().clone()
+        bitmask = allocate_bitmask(len(rows), logits.shape[1])
+        fill_masks(ms, bitmask)
+        apply_mask(logits, bitmask)
+        return list(logits)
 
     def drop(self, seqs: list[int]) -> None:
         """Forget sequences whose state may be half-advanced (a failed forward)."""

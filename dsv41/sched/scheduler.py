@@ -156,8 +156,9 @@ class Scheduler:
                 await self._wake.wait()
                 continue
             t0 = time.perf_counter()
+            matchers = {r.id: r.matcher for r in self.running if r.matcher is not None}
             try:
-                result = await loop.run_in_executor(self._executor, self.runner.execute, plan)
+                result = await loop.run_in_executor(self._executor, self.runner.execute, plan, matchers or None)
             except Exception as e:  # noqa: BLE001 - a failed forward fails its requests, not the server
                 log.exception("round %d failed", plan.round)
                 self._fail_round(plan, e)
@@ -236,6 +237,9 @@ class Scheduler:
         for seq, sample in result.samples:
             req = by_id.get(seq)
             if req is None or req.finished:
+                continue
+            if seq in result.grammar_errors:
+                self._finish(req, FinishEvent("error", error=result.grammar_errors[seq]))
                 continue
             self.generation_tokens_total += 1
             ev = req.commit(sample)
