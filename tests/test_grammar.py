@@ -43,7 +43,7 @@ def allowed_ids(bitmask, row=0):
 
 def closing_macros(hf):
     """Token runs the driver prefers once it wants to finish, most final first."""
-    texts = ["</｜DSML｜ parameter>", "\n</｜DSML｜ invoke>", "\n</｜DSML｜ calls>", '"', "}", "]"]
+    texts = ["</｜DSML｜ parameter>", "\n</｜DSML｜ invoke>", "\n</｜DSML｜ calls>", '"', "@", "}", "]"]
     return [[EOS], [THINK_CLOSE]] + [enc(hf, t) for t in texts]
 
 
@@ -61,7 +61,7 @@ def drive(spec, hf, seed, prefix=(), max_steps=3000, check_disallowed=True):
         allowed = allowed_ids(bitmask)
         assert len(allowed), "grammar dead-ended"
         run = None
-        if step >= free:
+        if step >= free and rng.random() < 0.8:   # not always: an email needs its "@" before the closing quote
             for mac in macros:
                 if mac[0] in allowed and m.cut_draft(mac) == mac:
                     run = mac
@@ -79,7 +79,7 @@ def drive(spec, hf, seed, prefix=(), max_steps=3000, check_disallowed=True):
                 assert m.is_stopped()
                 return out
             out.append(tok)
-    raise AssertionError(f"no EOS within {max_steps} steps: {hf.decode(out, skip_special_tokens=False)[:300]!r}")
+    raise AssertionError(f"no EOS within {max_steps} steps: {hf.decode(out, skip_special_tokens=False)[-300:]!r}")
 
 
 def text_of(hf, ids):
@@ -442,6 +442,23 @@ def test_forced_tool_matches_reference_vector_ids(shared, hf, lt):
     assert m.consume_many(cases["parse_call_thinking_no_eos"]["expected"]["text_token_ids"] + [EOS])
 
 
+def test_string_or_null_parameter_takes_either_form(hf, lt):
+    spec = compile_request({"tool_choice": {"type": "function", "function": {"name": "create_order"}}}, hf, TOOLS,
+                           False)
+    head = ('\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="create_order">\n'
+            '<｜DSML｜ parameter name="customer" string="false">{"id": 7}</｜DSML｜ parameter>\n'
+            '<｜DSML｜ parameter name="items" string="false">[{"sku": "A", "qty": 2}]</｜DSML｜ parameter>\n')
+    tail = '\n</｜DSML｜ invoke>\n</｜DSML｜ calls>'
+    for prio, want in (('<｜DSML｜ parameter name="priority" string="true">high</｜DSML｜ parameter>', "high"),
+                       ('<｜DSML｜ parameter name="priority" string="false">null</｜DSML｜ parameter>', None)):
+        text = head + prio + tail
+        m = spec.matcher()
+        assert m.consume_many(enc(hf, text) + [EOS]), m.error
+        assert read_calls(text)[0][1]["priority"] == want
+    m = spec.matcher()   # a required parameter missing, or the schema's order broken: refused
+    assert not m.consume_many(enc(hf, head.replace('{"id": 7}', '{"tags": []}')))
+
+
 def test_forced_dsml_is_token_exact(hf, lt):
     spec = compile_request({"tool_choice": "required"}, hf, TOOLS, False)
     m = spec.matcher()
@@ -660,3 +677,13 @@ def test_lenient_when_strict_false_and_none_when_unconstrained(hf, lt):
     named = compile_request({"tool_choice": {"type": "function", "function": {"name": "GET_WEATHER"}}}, hf, TOOLS,
                             False)
     assert named.tool_names == ("get_weather",)   # names match offers case-insensitively; the offer's spelling
+
+
+def test_tokenizer_from_chat_tokenizer_is_shared(hf, lt):
+    from dsv41.chat.tokenizer import Tokenizer
+    chat_tok = Tokenizer.from_dir()
+    assert llg_tokenizer(chat_tok) is lt          # same tokenizer.json -> the one cached build
+    assert llg_tokenizer(chat_tok) is lt and llg_tokenizer(lt) is lt
+    assert lt.vocab_size == 129280 and lt.eos_token == EOS and lt.is_special_token(DSML)
+    spec = compile_request({"guided_choice": ["x"]}, chat_tok, None, False)
+    assert spec.tokenizer is lt

@@ -74,7 +74,7 @@ def _tokenizer_json_text(tok: Any) -> str:
     if isinstance(tok, tokenizers.Tokenizer):
         return tok.to_str()
     # The chat part's Tokenizer wraps a `tokenizers.Tokenizer`; take it from the usual attribute names.
-    for name in ("hf", "tokenizer", "backend", "_tokenizer", "_tok", "_hf"):
+    for name in ("full", "hf", "tokenizer", "backend", "_tokenizer", "_tok", "_hf"):
         inner = getattr(tok, name, None)
         if isinstance(inner, tokenizers.Tokenizer):
             return inner.to_str()
@@ -291,13 +291,13 @@ class _CallGrammar:
         form = _string_form(schema, root)
         alts = []
         if form in ("raw", "both"):
-            alts.append(f"{_lit(head + chr(34) + 'true' + chr(34) + '>')} {_raw_value_rule(schema, root)}")
+            alts.append(_lit(head + '"true">') + " " + _raw_value_rule(schema, root))
         if form in ("json", "both"):
             sub = schema if isinstance(schema, dict) else {}
             defs = {k: root[k] for k in ("$defs", "definitions") if k in root and k not in sub}
-            alts.append(f"{_lit(head + chr(34) + 'false' + chr(34) + '>')} "
+            alts.append(_lit(head + '"false">') + " "
                         f"{_json_body({**sub, **defs}, self.lenient, 'tools')} \"</\"")
-        return self._rule(" | ".join(f"({a})" for a in alts) + f" {D} \" parameter>\"")
+        return self._rule("(" + " | ".join(f"({a})" for a in alts) + f") {D} \" parameter>\"")
 
     def _generic_params(self) -> str:
         """Tools without declared properties: any names, raw or JSON values."""
@@ -316,6 +316,10 @@ class _CallGrammar:
         if not isinstance(props, dict) or not props:
             body = self._generic_params() if not isinstance(props, dict) else ""
             return self._rule(f"{head} {body} \"\\n</\" {D} \" invoke>\"")
+        for k in props:
+            if not k or '"' in k or "\n" in k:
+                raise GrammarError(f"tool {name!r}: parameter names must be non-empty, without quotes or newlines",
+                                   "tools")
         required = set(params.get("required") or [])
         items = [(k, self._param(k, v, params), k in required) for k, v in props.items()]
         # first_i: no parameter written yet, parameters i.. remain; rest_i: at least one written (so "\n<" first).

@@ -14,6 +14,7 @@ from typing import Sequence
 
 import llguidance as llg
 import llguidance.torch as llg_torch
+import numpy as np
 import torch
 
 from dsv41.grammar.compile import EOS_ID, THINK_CLOSE_ID
@@ -151,7 +152,7 @@ _BITS: dict[torch.device, torch.Tensor] = {}
 
 def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set disallowed logits to -inf in place. `logits` [rows, V] (CPU or GPU, any float dtype); `bitmask` [rows, W]
-    int32 from `fill_masks` (copied to the logits' device). Columns past the mask's 32*W are disallowed."""
+    int32 on the CPU from `fill_masks`. Columns past the mask's 32*W are disallowed; all-ones rows are left alone."""
     if logits.dim() == 1:
         logits = logits.unsqueeze(0)
     if bitmask.dim() == 1:
@@ -159,13 +160,26 @@ def apply_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     rows, vocab = logits.shape
     if bitmask.shape[0] != rows:
         raise ValueError(f"bitmask has {bitmask.shape[0]} rows, logits {rows}")
+    width = min(vocab, bitmask.shape[1] * 32)
+    if vocab > width:
+        logits[:, width:] = float("-inf")
+    if logits.device.type == "cpu":
+        # numpy's bit unpacking is one pass in C; only rows that disallow something are touched.
+        need = torch.nonzero((bitmask != -1).any(dim=1)).flatten().tolist()
+        if not need:
+            return
+        bits = np.unpackbits(bitmask[need].contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+        banned = torch.from_numpy(bits[:, :width] == 0)
+        if len(need) == rows:
+            logits[:, :width].masked_fill_(banned, float("-inf"))
+        else:
+            for j, i in enumerate(need):
+                logits[i, :width].masked_fill_(banned[j], float("-inf"))
+        return
     dev = logits.device
     mask = bitmask.to(dev, non_blocking=True)
     bits = _BITS.get(dev)
     if bits is None:
         bits = _BITS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
-    allowed = ((mask.unsqueeze(-1) >> bits) & 1).bool().reshape(rows, -1)
-    width = min(vocab, allowed.shape[1])
-    logits[:, :width].masked_fill_(~allowed[:, :width], float("-inf"))
-    if vocab > width:
-        logits[:, width:] = float("-inf")
+    allowed = ((mask.unsqueeze(-1) >> bits) & 1).bool().reshape(rows, -1)[:, :width]
+    logits[:, :width].masked_fill_(~allowed, float("-inf"))
