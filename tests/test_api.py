@@ -1,0 +1,123 @@
+"""API pieces that need no model: config parsing, SSE framing and keepalive, auth, error shapes."""
+import asyncio
+import json
+
+import msgspec
+import pytest
+from starlette.testclient import TestClient
+
+from dsv41.api import sse
+from dsv41.api.app import create_app
+from dsv41.api.errors import from_decode_error
+from dsv41.api.schemas import ChatCompletionRequest, CompletionRequest
+from dsv41.serve_config import ServeConfig, ServeConfigError, build_arg_parser, from_env_and_args
+
+
+def test_serve_config_flags_env_and_defaults():
+    assert from_env_and_args([], env={}) == ServeConfig()
+    cfg = from_env_and_args(["--port", "9000", "--no-thinking", "--api-key", "a", "--api-key", "b"],
+                            env={"DSV41_PORT": "7000", "DSV41_MAX_STREAMS": "8", "DSV41_SEED_RANDOM": "yes",
+                                 "DSV41_API_KEY": "x,y"})
+    assert cfg.port == 9000 and cfg.max_streams == 8 and cfg.seed_random is True and cfg.thinking is False
+    assert cfg.api_key == ["a", "b"]
+    assert from_env_and_args([], env={"DSV41_API_KEY": "x, y"}).api_key == ["x", "y"]
+    for argv, env in ((["--port", "x"], {}), ([], {"DSV41_TOP_P": "0"}), ([], {"DSV41_THINKING": "maybe"}),
+                      (["--max-streams", "0"], {})):
+        with pytest.raises(ServeConfigError):
+            from_env_and_args(argv, env=env)
+    # every field has a flag and a help text
+    flags = build_arg_parser().format_help()
+    for f in ServeConfig.__struct_fields__:
+        assert "--" + f.replace("_", "-") in flags
+
+
+def test_decode_errors_name_the_field():
+    for body, param in ((b'{"messages": [], "temperature": "hot"}', "temperature"),
+                        (b'{"messages": [], "seed": 1.5}', "seed"),
+                        (b'{"messages": [], "stream_options": {"include_usage": 3}}', "stream_options"),
+                        (b'{"messages": [], "reasoning_effort": "extreme"}', "reasoning_effort"),
+                        (b'{"temperature": 1}', None)):
+        with pytest.raises(msgspec.DecodeError) as e:
+            msgspec.json.decode(body, type=ChatCompletionRequest)
+        err = from_decode_error(e.value)
+        assert err.status == 400 and err.param == param, (body, err.message)
+    err = None
+    try:
+        msgspec.json.decode(b'{"prompt": [1, "a"', type=CompletionRequest)
+    except msgspec.DecodeError as e:
+        err = from_decode_error(e)
+    assert err is not None and "not valid JSON" in err.message and err.param is None
+    # unknown fields are ignored, batches of one prompt decode
+    assert msgspec.json.decode(b'{"prompt": [[1, 2]], "foo": 1}', type=CompletionRequest).prompt == [[1, 2]]
+
+
+def test_sse_frames_are_single_lines():
+    f = sse.frame({"t": "a\u2028b\x85c\u2029\nd"})
+    assert f.startswith(b"data: ") and f.endswith(b"\n\n")
+    body = f.decode()[6:-2]
+    assert body.splitlines() == [body] and json.loads(body)["t"] == "a\u2028b\x85c\u2029\nd"
+
+
+def test_keepalive_between_slow_items_and_source_closed():
+    closed = []
+
+    async def slow():
+        try:
+            await asyncio.sleep(0.25)
+            yield "a"
+            await asyncio.sleep(0.01)
+            yield "b"
+            await asyncio.sleep(10)
+            yield "never"
+        finally:
+            closed.append(True)
+
+    async def run():
+        out = []
+        gen = sse.with_keepalive(slow(), 0.1)
+        async for item in gen:
+            out.append(item)
+            if item == "b":
+                break
+        await gen.aclose()
+        return out
+
+    out = asyncio.run(run())
+    assert out[-2:] == ["a", "b"] and out[:-2] == [sse.KEEPALIVE] * len(out[:-2]) and len(out) >= 3
+    assert closed == [True]
+
+
+@pytest.fixture
+def app_with_keys():
+    app, state = create_app(ServeConfig(api_key=["k1", "k2"]))
+    return TestClient(app)
+
+
+def test_auth_gates_every_route_but_health(app_with_keys):
+    c = app_with_keys
+    assert c.get("/health").status_code == 503          # open, but the model is not loaded here
+    r = c.get("/v1/models")
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    assert c.get("/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+    # past the key check: the route answers (503: loading)
+    assert c.get("/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 503
+    assert c.get("/v1/models", headers={"x-api-key": "k1"}).status_code == 503
+    dup = c.get("/v1/models", headers=[("x-api-key", "k1"), ("x-api-key", "k1")])
+    assert dup.status_code == 401
+    assert c.get("/metrics").status_code == 401
+    assert c.post("/v1/chat/completions", json={}).status_code == 401
+
+
+def test_metrics_open_and_error_shapes():
+    app, state = create_app(ServeConfig(api_key=["k"], metrics_open=True))
+    c = TestClient(app)
+    r = c.get("/metrics")
+    assert r.status_code == 200 and "dsv41:client_disconnections_total 0" in r.text
+    assert "# TYPE dsv41:time_to_first_token_seconds histogram" in r.text
+    c = TestClient(create_app(ServeConfig())[0])
+    r = c.get("/v1/nowhere")
+    assert r.status_code == 404 and r.json()["error"]["message"] == "unknown path /v1/nowhere"
+    assert c.delete("/v1/models").status_code == 501
+    r = c.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
