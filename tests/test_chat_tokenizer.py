@@ -77,3 +77,20 @@ def test_chunked_encoding_equals_whole(tok):
     assert len(chunks(text, 1024)) > 10
     for enc in (tok.full, tok.plain):
         assert encode_many(enc, [text], size=1024)[0] == enc.encode(text, add_special_tokens=False).ids
+
+
+def test_run_memo_gives_the_same_ids_and_is_bounded(tok):
+    from dsv41.chat.tokenizer import RunMemo
+    long_text = "word " * 400 + "\n"
+    pieces = [("<｜User｜>", False), (long_text, True), ("<｜Assistant｜>", False), ("short", True)]
+    cold = Tokenizer.encode_pieces(tok, pieces, shield=True)
+    hits = tok.memo.hits
+    warm = tok.encode_pieces(pieces, shield=True)
+    assert warm == cold == [128803] + tok.encode(long_text, special=False) + [128804] + tok.encode("short", False)
+    assert tok.memo.hits == hits + 1
+    warm.append(-1)   # callers own their list
+    assert tok.encode_pieces(pieces, shield=True) == cold
+    memo = RunMemo(max_chars=3000, min_chars=10)
+    for k in range(10):
+        memo.put(str(k) * 1000, [k])
+    assert memo._chars <= 3000 and memo.get("9" * 1000) == (9,) and memo.get("0" * 1000) is None

@@ -16,6 +16,8 @@ from __future__ import annotations
 import codecs
 import json
 import re
+import threading
+from collections import OrderedDict
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -64,6 +66,40 @@ def encode_many(enc: _HFTokenizer, texts: list[str], size: int = CHUNK_CHARS) ->
     return out
 
 
+class RunMemo:
+    """Plain-BPE ids of long runs, kept across requests: an agent re-sends its whole history every turn, and each
+    message is one run. Keyed by the run's text (one memo per Tokenizer, plain encoding only), least recently used
+    evicted past `max_chars` of keys; ids are stored as tuples so no caller can change them."""
+
+    def __init__(self, max_chars: int = 32 << 20, min_chars: int = 1024):
+        self.max_chars, self.min_chars = max_chars, min_chars
+        self._d: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, text: str) -> tuple[int, ...] | None:
+        with self._lock:
+            ids = self._d.get(text)
+            if ids is not None:
+                self._d.move_to_end(text)
+                self.hits += 1
+            else:
+                self.misses += 1
+            return ids
+
+    def put(self, text: str, ids: list[int]) -> None:
+        if len(text) > self.max_chars:
+            return
+        with self._lock:
+            if text not in self._d:
+                self._chars += len(text)
+            self._d[text] = tuple(ids)
+            while self._chars > self.max_chars:
+                old, _ = self._d.popitem(last=False)
+                self._chars -= len(old)
+
+
 def _byte_level_table() -> dict[str, int]:
     """GPT-2 byte-level alphabet: the printable character standing for each byte, inverted (char -> byte)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -86,6 +122,7 @@ class Tokenizer:
         self.full = _HFTokenizer.from_str(tokenizer_json)
         added = spec.get("added_tokens", [])
         self._plain_json = json.dumps(dict(spec, added_tokens=[]))
+        self.memo = RunMemo()
         self.added: dict[str, int] = {a["content"]: a["id"] for a in added}
         # tokenizers matches non-normalized added tokens first, then normalized ones in the remaining pieces, each
         # leftmost-longest; two regexes (alternatives longest first) reproduce that order.
@@ -194,14 +231,24 @@ class Tokenizer:
                     items.append(tid)
         if run:
             items.append("".join(run))
-        runs = [it for it in items if isinstance(it, str) and it]
-        encoded = iter(encode_many(self.plain, runs))
+        known = {}
+        todo = []
+        for it in items:
+            if isinstance(it, str) and it and it not in known:
+                hit = self.memo.get(it) if len(it) >= self.memo.min_chars else None
+                known[it] = hit
+                if hit is None:
+                    todo.append(it)
+        for text, run_ids in zip(todo, encode_many(self.plain, todo)):
+            known[text] = run_ids
+            if len(text) >= self.memo.min_chars:
+                self.memo.put(text, run_ids)
         ids: list[int] = []
         for it in items:
             if isinstance(it, int):
                 ids.append(it)
             elif it:
-                ids.extend(next(encoded))
+                ids.extend(known[it])
         return ids
 
     # ---- decoding ----
