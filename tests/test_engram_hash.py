@@ -1,5 +1,4 @@
 """Engram hashing against tiny-a's oracle arrays, a scalar re-statement of arch.md §2.9, and the real tokenizer."""
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -1,5 +1,4 @@
 """config.json parsing/validation and the weight loader, on tiny-a (shared vectors) and the release config."""
-import copy
 import json
 import math
 import os

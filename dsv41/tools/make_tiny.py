@@ -141,7 +141,7 @@ def _gen(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFFFFFFFFFFFFFF)
 
 
-def _std(name: str, shape: tuple[int, ...], cfg: ModelConfig) -> float:
+def _std(name: str, shape: tuple[int, ...]) -> float:
     """Standard deviation of a weight matrix (see module doc)."""
     fan_in = shape[-1]
     base = 1.0 / math.sqrt(fan_in)
@@ -162,11 +162,11 @@ def make_tensor(name: str, spec: TensorSpec, cfg: ModelConfig, seed: int) -> dic
     g = _gen(seed, name)
     shape = spec.shape
     if spec.fmt == "fp8":
-        q, s = Q.quant_fp8(torch.randn(shape, generator=g) * _std(name, shape, cfg))
+        q, s = Q.quant_fp8(torch.randn(shape, generator=g) * _std(name, shape))
         return {name: q, name[:-len(".weight")] + ".scale": s}
     if spec.fmt == "fp4":
         full = (shape[0], shape[1] * 2)
-        q, s = Q.quant_fp4(torch.randn(full, generator=g) * _std(name, full, cfg))
+        q, s = Q.quant_fp4(torch.randn(full, generator=g) * _std(name, full))
         return {name: q, name[:-len(".weight")] + ".scale": s}
     if spec.fmt == "engram":
         if name.endswith(".scale"):
@@ -194,7 +194,7 @@ def make_tensor(name: str, spec: TensorSpec, cfg: ModelConfig, seed: int) -> dic
     elif leaf == "bias":
         x = 0.02 * torch.randn(shape, generator=g)
     else:
-        x = torch.randn(shape, generator=g) * _std(name, shape, cfg)
+        x = torch.randn(shape, generator=g) * _std(name, shape)
     return {name: x.to(dtype)}
 
 
