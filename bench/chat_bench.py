@@ -65,7 +65,8 @@ def agent_conversation(turns: int, n_tools: int, rng: random.Random) -> dict:
         cid = f"call_{t:04d}"
         msgs.append({"role": "assistant", "content": "", "reasoning_content": text(rng, 60),
                      "tool_calls": [{"id": cid, "type": "function", "function": {
-                         "name": f"tool_{t % n_tools}", "arguments": json.dumps({"query": text(rng, 6), "limit": 5})}}]})
+                         "name": f"tool_{t % n_tools}",
+                         "arguments": json.dumps({"query": text(rng, 6), "limit": 5})}}]})
         msgs.append({"role": "tool", "tool_call_id": cid, "content": json.dumps({"results": text(rng, 120)})})
     return {"messages": msgs, "tools": tools, "chat_template_kwargs": {"thinking": True}}
 
@@ -165,8 +166,8 @@ def main() -> int:
 
     cmd = "python bench/chat_bench.py " + " ".join(sys.argv[1:])
     machine = f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or 'unknown cpu'}), " \
-              f"Python {platform.python_version()}, 1-min load average {os.getloadavg()[0]:.1f} at the end of the run " \
-              "(shared machine: figures are upper bounds)"
+              f"Python {platform.python_version()}, 1-min load average {os.getloadavg()[0]:.1f} at the end of the " \
+              "run (shared machine: figures are upper bounds)"
     body = (f"# Chat layer benchmark\n\nCommand: `{cmd.strip()}`\n\nMachine: {machine}\n\n"
             f"Best of {args.repeat} runs per case; times are the whole request policy (validate, render, tokenize). "
             f"Cold: empty run memo; re-sent: the same conversation again (long messages' ids from the memo, as an "

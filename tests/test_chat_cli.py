@@ -31,7 +31,8 @@ def test_parse_cli():
            '</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls><｜end▁of▁sentence｜>'
     out, offered, bad = _run("dsv41.tools.parse", [
         json.dumps({"text": text, "thinking_mode": "thinking"}),
-        json.dumps({"text": text, "thinking_mode": "thinking", "tools": [{"type": "function", "function": {"name": "g"}}]}),
+        json.dumps({"text": text, "thinking_mode": "thinking",
+                    "tools": [{"type": "function", "function": {"name": "g"}}]}),
         json.dumps({"text": 1, "thinking_mode": "chat"})])
     assert out == {"ok": True, "message": {"content": "ok", "reasoning_content": "r", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}]}}

@@ -59,7 +59,8 @@ def test_shielded_ids(tok, case):
     assert tok.decode(ids) == exp["prompt"]
     if _client_has_special(tok, rendered.pieces):
         assert ids != exp["token_ids"]
-        template_specials = sum(1 for t, c in rendered.pieces if not c for _, i in tok.split_specials(t) if i is not None)
+        template_specials = sum(1 for t, c in rendered.pieces if not c
+                                for _, i in tok.split_specials(t) if i is not None)
         assert sum(1 for i in ids if i in set(tok.added.values())) == template_specials
     else:
         assert ids == exp["token_ids"]

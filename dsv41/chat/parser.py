@@ -16,8 +16,9 @@ message exactly. Rules (docs/chat.md, "Reply parsing"):
 - Text between tags inside a block is dropped; text after a block is content again (whitespace alone is dropped).
 - A calls block inside reasoning is reasoning, unless the reply ends right after it (no `</think>`) and it is at
   most HELD_LIMIT characters long: then it is the answer's calls.
-- At the end of the reply a cut-off calls opener is dropped; an open invoke of an offered tool is closed (an open value ends where the text ends,
-  a partial tag is dropped): one valid offered call. A partial invoke header is dropped.
+- At the end of the reply a cut-off calls opener is dropped; an open invoke of an offered tool is closed (an open
+  value ends where the text ends, a partial tag is dropped): one valid offered call. A partial invoke header is
+  dropped.
 """
 from __future__ import annotations
 
