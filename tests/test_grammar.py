@@ -590,6 +590,18 @@ def test_batch_fill_equals_single_and_none_rows_allow_all(hf, lt):
             assert torch.equal(batch[i], one[0])
 
 
+def test_padded_vocabulary_bitmask(hf, lt):
+    spec = compile_request({"guided_choice": ["yes", "no"]}, hf, None, False)
+    wide = allocate_bitmask(2, 129280 + 320)          # logits padded past the tokenizer
+    exact = allocate_bitmask(1)
+    fill_masks([spec.matcher(), None], wide)
+    spec.matcher().fill_mask(exact)
+    assert torch.equal(wide[0, :4040], exact[0]) and (wide[0, 4040:] == 0).all() and (wide[1] == -1).all()
+    logits = torch.zeros(2, 129280 + 320)
+    apply_mask(logits, wide)
+    assert torch.isinf(logits[0, 129280:]).all() and torch.isfinite(logits[1]).all()
+
+
 def test_apply_mask(hf, lt):
     spec = compile_request({"guided_choice": ["yes", "no"]}, hf, None, False)
     m = spec.matcher()

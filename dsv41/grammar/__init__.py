@@ -1,6 +1,6 @@
 """Structured output and forced tool calls with llguidance (docs/grammar.md)."""
-from dsv41.grammar.compile import GrammarError, GrammarSpec, compile_request, llg_tokenizer
+from dsv41.grammar.compile import GrammarError, GrammarSpec, Vocab, compile_request, llg_tokenizer, vocab_for
 from dsv41.grammar.matchers import Matcher, allocate_bitmask, apply_mask, fill_masks
 
 __all__ = ["GrammarError", "GrammarSpec", "Matcher", "allocate_bitmask", "apply_mask", "compile_request",
-           "fill_masks", "llg_tokenizer"]
+           "fill_masks", "llg_tokenizer", "Vocab", "vocab_for"]

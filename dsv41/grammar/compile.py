@@ -29,11 +29,8 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from dsv41 import BUILTIN_TOKENIZER_DIR
 
-EOS_ID = 1
-THINK_CLOSE_ID = 128822   # </think>
-DSML_ID = 128825          # ｜DSML｜
-D = f"<[{DSML_ID}]>"
-THINK_CLOSE = f"<[{THINK_CLOSE_ID}]>"
+THINK_CLOSE_TEXT = "</think>"   # id 128822 in the V4.1 tokenizer
+DSML_TEXT = "｜DSML｜"            # id 128825
 
 # Whitespace between JSON tokens: flexible but bounded, so a constrained reply cannot spin on blanks forever
 # (upstream semantics: at most 32 blanks between JSON tokens).
@@ -55,9 +52,25 @@ class GrammarError(ValueError):
 # ---------------------------------------------------------------------------------------------------------------
 # llguidance tokenizer: built once per tokenizer.json text, per process (~1 s).
 
+@dataclass(frozen=True)
+class Vocab:
+    """An llguidance tokenizer and the ids the grammars name (looked up by text, so any tokenizer.json works)."""
+
+    lt: llg.LLTokenizer
+    eos: int
+    think_close: int | None     # </think>
+    dsml: int | None            # ｜DSML｜
+
+    @property
+    def words(self) -> int:
+        """int32 words in one bitmask row."""
+        return (self.lt.vocab_size + 31) // 32
+
+
 _TOK_LOCK = threading.Lock()
-_TOK_BY_SHA: dict[str, llg.LLTokenizer] = {}
-_TOK_BY_OBJ: dict[int, tuple[Any, llg.LLTokenizer]] = {}
+_TOK_BY_SHA: dict[str, Vocab] = {}
+_TOK_BY_OBJ: dict[int, tuple[Any, Vocab]] = {}
+_BY_LT: dict[int, Vocab] = {}
 
 
 def _tokenizer_json_text(tok: Any) -> str:
@@ -85,11 +98,16 @@ def _tokenizer_json_text(tok: Any) -> str:
     raise TypeError(f"cannot find a tokenizers.Tokenizer or tokenizer.json behind {type(tok).__name__}")
 
 
-def llg_tokenizer(tok: Any = None) -> llg.LLTokenizer:
-    """The llguidance tokenizer for `tok` (a tokenizers.Tokenizer, the chat Tokenizer, a path, an LLTokenizer, or
-    None for kit/tokenizer), cached per process. `｜DSML｜` is marked special so free-text lexemes cannot contain it."""
+def vocab_for(tok: Any = None) -> Vocab:
+    """The llguidance tokenizer (+ the ids grammars name) for `tok`: a tokenizers.Tokenizer, the chat Tokenizer, a
+    path, an LLTokenizer built here, or None for kit/tokenizer. Built once per tokenizer.json text per process (~1 s).
+    `｜DSML｜` is marked special so that no free-text lexeme (JSON string, regex, raw value) can contain it."""
     if isinstance(tok, llg.LLTokenizer):
-        return tok
+        with _TOK_LOCK:
+            v = _BY_LT.get(id(tok))
+        if v is None:
+            raise ValueError("an LLTokenizer not built by dsv41.grammar.llg_tokenizer")
+        return v
     with _TOK_LOCK:
         hit = _TOK_BY_OBJ.get(id(tok))
         if hit is not None and hit[0] is tok:
@@ -97,20 +115,27 @@ def llg_tokenizer(tok: Any = None) -> llg.LLTokenizer:
     text = _tokenizer_json_text(tok)
     sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
     with _TOK_LOCK:
-        lt = _TOK_BY_SHA.get(sha)
-    if lt is None:
+        v = _TOK_BY_SHA.get(sha)
+    if v is None:
         spec = json.loads(text)
+        ids = {}
         for added in spec.get("added_tokens", []):
-            if added.get("id") == DSML_ID:
+            ids[added.get("content")] = added.get("id")
+            if added.get("content") == DSML_TEXT:
                 added["special"] = True
         lt = llg.LLTokenizer(json.dumps(spec, ensure_ascii=False))
-        if lt.eos_token != EOS_ID:
-            raise ValueError(f"tokenizer EOS is {lt.eos_token}, expected {EOS_ID}")
+        v = Vocab(lt, lt.eos_token, ids.get(THINK_CLOSE_TEXT), ids.get(DSML_TEXT))
         with _TOK_LOCK:
-            lt = _TOK_BY_SHA.setdefault(sha, lt)
+            v = _TOK_BY_SHA.setdefault(sha, v)
+            _BY_LT[id(v.lt)] = v
     with _TOK_LOCK:
-        _TOK_BY_OBJ[id(tok)] = (tok, lt)
-    return lt
+        _TOK_BY_OBJ[id(tok)] = (tok, v)
+    return v
+
+
+def llg_tokenizer(tok: Any = None) -> llg.LLTokenizer:
+    """The cached llguidance tokenizer for `tok` (see `vocab_for`)."""
+    return vocab_for(tok).lt
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -128,21 +153,25 @@ class GrammarSpec:
     kind: str                       # json_object | json_schema | regex | choice | grammar | tool_call
     grammar: str                    # the llguidance grammar (Lark text or its JSON form)
     thinking: bool
-    tokenizer: llg.LLTokenizer = field(repr=False)
+    vocab: Vocab = field(repr=False)
     tool_names: tuple[str, ...] = ()
     max_calls: int | None = None    # forced calls: 1 for a named tool or parallel_tool_calls false, None = any
     _proto: llg.LLMatcher | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self._proto is None:
-            self._proto = llg.LLMatcher(self.tokenizer, self.grammar, log_level=0, limits=_limits())
+            self._proto = llg.LLMatcher(self.vocab.lt, self.grammar, log_level=0, limits=_limits())
         if self._proto.is_error():
             raise GrammarError(self._proto.get_error())
+
+    @property
+    def tokenizer(self) -> llg.LLTokenizer:
+        return self.vocab.lt
 
     def matcher(self):
         from dsv41.grammar.matchers import Matcher
 
-        return Matcher(self._proto.deep_copy(), thinking=self.thinking)
+        return Matcher(self._proto.deep_copy(), self.vocab, thinking=self.thinking)
 
 
 def _check(grammar: str, lt: llg.LLTokenizer, param: str | None) -> None:
@@ -274,10 +303,12 @@ def _raw_value_rule(schema: Any, root: dict) -> str:
 class _CallGrammar:
     """Builds the Lark rules for a calls block over the offered tools."""
 
-    def __init__(self, lenient: bool):
+    def __init__(self, dsml: int | None, lenient: bool):
         self.rules: list[str] = []
         self.lenient = lenient
         self.n = 0
+        self.dsml = dsml
+        self.d = f"<[{dsml}]>"
 
     def _rule(self, body: str) -> str:
         self.n += 1
@@ -297,14 +328,14 @@ class _CallGrammar:
             defs = {k: root[k] for k in ("$defs", "definitions") if k in root and k not in sub}
             alts.append(_lit(head + '"false">') + " "
                         f"{_json_body({**sub, **defs}, self.lenient, 'tools')} \"</\"")
-        return self._rule("(" + " | ".join(f"({a})" for a in alts) + f") {D} \" parameter>\"")
+        return self._rule("(" + " | ".join(f"({a})" for a in alts) + f") {self.d} \" parameter>\"")
 
     def _generic_params(self) -> str:
         """Tools without declared properties: any names, raw or JSON values."""
         p = self._rule(f"\" parameter name=\\\"\" /[^\"<>\\n]+/ \"\\\" string=\\\"\" "
                        f"(\"true\\\">\" /(.|\\n)*<\\// | \"false\\\">\" {_json_body({}, self.lenient, 'tools')} \"</\") "
-                       f"{D} \" parameter>\"")
-        return f"(\"<\" {D} {p} (\"\\n<\" {D} {p})*)?"
+                       f"{self.d} \" parameter>\"")
+        return f"(\"<\" {self.d} {p} (\"\\n<\" {self.d} {p})*)?"
 
     def invoke(self, fn: dict) -> str:
         """Rule for one call of `fn`, from just after its opening `<｜DSML｜` to `</｜DSML｜ invoke>`."""
@@ -315,7 +346,7 @@ class _CallGrammar:
         head = _lit(f" invoke name=\"{name}\">\n")
         if not isinstance(props, dict) or not props:
             body = self._generic_params() if not isinstance(props, dict) else ""
-            return self._rule(f"{head} {body} \"\\n</\" {D} \" invoke>\"")
+            return self._rule(f"{head} {body} \"\\n</\" {self.d} \" invoke>\"")
         for k in props:
             if not k or '"' in k or "\n" in k:
                 raise GrammarError(f"tool {name!r}: parameter names must be non-empty, without quotes or newlines",
@@ -325,16 +356,20 @@ class _CallGrammar:
         # first_i: no parameter written yet, parameters i.. remain; rest_i: at least one written (so "\n<" first).
         first, rest = "", ""
         for k, prule, req in reversed(items):
-            new_rest = self._rule(f"\"\\n<\" {D} {prule} {rest}" + ("" if req else (f" | {rest}" if rest else " | ")))
-            new_first = self._rule(f"\"<\" {D} {prule} {rest}" + ("" if req else (f" | {first}" if first else " | ")))
+            skip_rest = "" if req else f" | {rest}"       # an empty alternative when nothing follows
+            skip_first = "" if req else f" | {first}"
+            new_rest = self._rule(f"\"\\n<\" {self.d} {prule} {rest}{skip_rest}")
+            new_first = self._rule(f"\"<\" {self.d} {prule} {rest}{skip_first}")
             first, rest = new_first, new_rest
-        return self._rule(f"{head} {first} \"\\n</\" {D} \" invoke>\"")
+        return self._rule(f"{head} {first} \"\\n</\" {self.d} \" invoke>\"")
 
     def block(self, fns: list[dict], max_calls: int | None) -> str:
+        if self.dsml is None:
+            raise GrammarError("this tokenizer has no ｜DSML｜ token: tool calls cannot be constrained", "tools")
         invokes = [self.invoke(fn) for fn in fns]
         call = self._rule(" | ".join(invokes))
-        more = "" if max_calls == 1 else f" (\"\\n<\" {D} {call})*"
-        return self._rule(f"\"\\n\\n<\" {D} \" calls>\\n<\" {D} {call}{more} \"\\n</\" {D} \" calls>\"")
+        more = "" if max_calls == 1 else f" (\"\\n<\" {self.d} {call})*"
+        return self._rule(f"\"\\n\\n<\" {self.d} \" calls>\\n<\" {self.d} {call}{more} \"\\n</\" {self.d} \" calls>\"")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -444,9 +479,9 @@ def compile_request(req: dict, tok: Any = None, tools: list | None = None, think
     if forced is None and structured is None:
         return None
 
-    lt = llg_tokenizer(tok)
+    vocab = vocab_for(tok)
     subs: list[dict] = []
-    calls = _CallGrammar(lenient=False)
+    calls = _CallGrammar(vocab.dsml, lenient=False)
     names: tuple[str, ...] = ()
     max_calls = None
     if forced is not None:
@@ -478,8 +513,12 @@ def compile_request(req: dict, tok: Any = None, tools: list | None = None, think
             answer = f"({answer}) | {block}"
     lines = []
     if thinking:
-        lines.append(f"start: reasoning {THINK_CLOSE} answer")
-        lines.append(f"reasoning: THINK_TEXT ({D} THINK_TEXT)*")
+        if vocab.think_close is None:
+            raise GrammarError("this tokenizer has no </think> token", "chat_template_kwargs")
+        lines.append(f"start: reasoning <[{vocab.think_close}]> answer")
+        # Reasoning is free text; the DSML token is special to llguidance, so it is let through explicitly.
+        lines.append(f"reasoning: THINK_TEXT (<[{vocab.dsml}]> THINK_TEXT)*" if vocab.dsml is not None
+                     else "reasoning: THINK_TEXT")
         lines.append("THINK_TEXT: /(.|\\n)*/")
     else:
         lines.append("start: answer")
@@ -487,9 +526,9 @@ def compile_request(req: dict, tok: Any = None, tools: list | None = None, think
     lines.extend(calls.rules)
     lark = "\n".join(lines) + "\n"
     grammar = json.dumps({"grammars": [{"lark_grammar": lark}, *subs]}, ensure_ascii=False) if subs else lark
-    _check(grammar, lt, structured[1] if structured else "tool_choice")
+    _check(grammar, vocab.lt, structured[1] if structured else "tool_choice")
     try:
-        return GrammarSpec(kind=kind, grammar=grammar, thinking=thinking, tokenizer=lt, tool_names=names,
+        return GrammarSpec(kind=kind, grammar=grammar, thinking=thinking, vocab=vocab, tool_names=names,
                            max_calls=max_calls)
     except GrammarError as e:
         e.param = structured[1] if structured else "tool_choice"

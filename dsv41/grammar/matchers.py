@@ -17,7 +17,7 @@ import llguidance.torch as llg_torch
 import numpy as np
 import torch
 
-from dsv41.grammar.compile import EOS_ID, THINK_CLOSE_ID
+from dsv41.grammar.compile import Vocab
 
 VOCAB = 129280
 
@@ -25,8 +25,9 @@ VOCAB = 129280
 class Matcher:
     """Grammar state of one sequence. Every sampled token must be passed to `consume`, in order."""
 
-    def __init__(self, m: llg.LLMatcher, thinking: bool = False):
+    def __init__(self, m: llg.LLMatcher, vocab: Vocab, thinking: bool = False):
         self._m = m
+        self.vocab = vocab
         # Per consumed token: whether llguidance counted it. EOS taken by a matcher that is already stopped is not
         # counted by llguidance's rollback (serving.md §8 "rollback trap"), so rollback(n) must skip it.
         self._counted: list[bool] = []
@@ -60,11 +61,11 @@ class Matcher:
     def consume(self, token: int) -> bool:
         """Advance by one sampled token. False: the token breaks the grammar and the matcher is now in error."""
         token = int(token)
-        counted = not (token == EOS_ID and self._m.is_stopped())
+        counted = not (token == self.vocab.eos and self._m.is_stopped())
         ok = self._m.consume_token(token)
         if ok:
             self._counted.append(counted)
-            if token == THINK_CLOSE_ID and self._think_close_at is None:
+            if token == self.vocab.think_close and self._think_close_at is None:
                 self._think_close_at = len(self._counted)
         return ok
 
@@ -94,10 +95,7 @@ class Matcher:
 
     def fill_mask(self, bitmask: torch.Tensor, row: int = 0) -> None:
         """This matcher's allowed tokens into `bitmask[row]` (CPU int32)."""
-        if self._m.is_error():
-            _eos_only(bitmask, row)
-        else:
-            llg_torch.fill_next_token_bitmask(self._m, bitmask, row)
+        fill_masks([self], bitmask[row: row + 1])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -120,10 +118,11 @@ def allocate_bitmask(rows: int, vocab: int = VOCAB) -> torch.Tensor:
     return llg_torch.allocate_token_bitmask(rows, vocab)
 
 
-def _eos_only(bitmask: torch.Tensor, row: int) -> None:
+def _eos_only(bitmask: torch.Tensor, row: int, eos: int) -> None:
     # A matcher in error allows nothing; EOS keeps the row finite while the server ends the stream with an error.
     bitmask[row].zero_()
-    bitmask[row, EOS_ID // 32] = 1 << (EOS_ID % 32)
+    if eos // 32 < bitmask.shape[1]:
+        bitmask[row, eos // 32] = 1 << (eos % 32)
 
 
 def fill_masks(matchers: Sequence[Matcher | None], bitmask: torch.Tensor) -> None:
@@ -135,16 +134,26 @@ def fill_masks(matchers: Sequence[Matcher | None], bitmask: torch.Tensor) -> Non
         raise ValueError("bitmask must be a contiguous CPU int32 tensor [rows, words]")
     if len(matchers) > bitmask.shape[0]:
         raise ValueError(f"{len(matchers)} matchers for a bitmask of {bitmask.shape[0]} rows")
-    work = []
+    work: dict[int, list] = {}
     for i, m in enumerate(matchers):
         if m is None:
             bitmask[i].fill_(-1)
         elif m.is_error():
-            _eos_only(bitmask, i)
+            _eos_only(bitmask, i, m.vocab.eos)
         else:
-            work.append((m._m, i))
-    if work:
-        llg_torch.fill_next_token_bitmask_par(_executor(), work, bitmask)
+            work.setdefault(m.vocab.words, []).append((m._m, i))
+    for words, rows in work.items():
+        if words == bitmask.shape[1]:
+            llg_torch.fill_next_token_bitmask_par(_executor(), rows, bitmask)
+            continue
+        # Logits wider (padded vocabulary) or narrower than the tokenizer: fill at the tokenizer's width, copy the
+        # overlap; ids past the tokenizer are never allowed.
+        scratch = torch.zeros(bitmask.shape[0], words, dtype=torch.int32)
+        llg_torch.fill_next_token_bitmask_par(_executor(), rows, scratch)
+        w = min(words, bitmask.shape[1])
+        for _, i in rows:
+            bitmask[i].zero_()
+            bitmask[i, :w] = scratch[i, :w]
 
 
 _BITS: dict[torch.device, torch.Tensor] = {}
