@@ -98,8 +98,8 @@ def decode_layer(B: int, g: torch.Generator):
         exl3_linear_triton(x, w["wq_a"])
         exl3_linear_triton(q, w["wq_b"])
         exl3_linear_triton(x, w["wkv"])
-        exl3_grouped(o, w["wo_a"], ids_o)
-        exl3_linear_triton(o.permute(1, 0, 2).reshape(B, -1), w["wo_b"])
+        oa = exl3_grouped(o, w["wo_a"], ids_o)                       # [8, B, 1024]
+        exl3_linear_triton(oa.permute(1, 0, 2).reshape(B, -1), w["wo_b"])
         exl3_grouped(xs, w["sh_w13"], ids_sh)
         exl3_linear_triton(hsh, w["sh_w2"])
         exl3_grouped(xe13, w["ex_w13"], ids_13)

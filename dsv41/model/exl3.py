@@ -234,14 +234,18 @@ def _sylvester(n: int) -> torch.Tensor:
 
 
 def _had_rows_fp16(w: torch.Tensor) -> torch.Tensor:
-    """fp16 H128 . w over blocks of 128 rows, as exllamav3's preapply_had_l: the float32 product rounded to fp16.
-
-    The +-1 sums of fp16 values are exact in float64, so the product is computed exactly, rounded to float32 (the
-    precision of exllamav3's GEMM) and then to fp16."""
+    """fp16 H128 . w over blocks of 128 rows, as exllamav3's preapply_had_l/_r compute it on the GPU: a float32
+    GEMM with H = +-fp32(1/sqrt(128)), whose every output is the fused multiply-add chain over the 128 inputs in
+    index order (checked against exllamav3 1.6.5 on the H200: this order matches all outputs, the exact sum does
+    not), then rounded to fp16. Each fma is emulated in float64 (the product of an fp16 and an fp32 value is exact
+    there) and rounded to float32."""
     k, n = w.shape
     x = w.double().view(k // HAD_DIM, HAD_DIM, n)
-    y = torch.matmul(_sylvester(HAD_DIM), x) * HAD_SCALE_F32
-    return y.view(k, n).float().half()
+    h = (_sylvester(HAD_DIM) * HAD_SCALE_F32).view(1, HAD_DIM, HAD_DIM, 1)        # [1, out i, in j, 1]
+    acc = torch.zeros((k // HAD_DIM, HAD_DIM, n), dtype=torch.float64)
+    for j in range(HAD_DIM):
+        acc = (acc + h[:, :, j] * x[:, j:j + 1, :]).float().double()
+    return acc.view(k, n).half()
 
 
 def dequant_exl3(tensors: dict) -> torch.Tensor:
