@@ -100,15 +100,19 @@ def run(args) -> None:
     table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in lines]
     print("\n".join(table))
     machine = f"{platform.node()}: {platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    note = []
     if args.device == "cuda":
         import torch
         machine += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+        if torch.cuda.device_count() == 1:
+            note = ["Both ranks share the one GPU: their CUDA contexts are time-sliced, so these figures are a "
+                    "correctness run's, not the two-GPU latency.", ""]
     import torch
     text = [f"# Ring all_reduce_sum latency ({args.device}, 2 ranks, one host)", "",
             f"Command: `python bench/comm_bench.py {' '.join(sys.argv[1:])}`", "",
             f"Machine: {machine}; torch {torch.__version__}; torch threads per rank: {args.threads}; "
             f"{args.iters} timed ops after {args.warmup} warm-up per cell; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-            "", *table, ""]
+            "", *note, *table, ""]
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("\n".join(text))

@@ -195,6 +195,8 @@ class _Control:
     def __init__(self, rank: int, world: int, session: str, data_bytes: int, timeout: float, tag: str):
         if not session:
             raise CommError("the ring needs the channel's session id (Leader/Follower.session)")
+        if world < 2 or not 0 <= rank < world:
+            raise CommError(f"a ring needs world >= 2 and 0 <= rank < world, got rank {rank} of {world}")
         self.rank, self.world, self.timeout = rank, world, timeout
         self.load, self.store = _atomics() or (None, None)
         if self.load is None:
@@ -225,6 +227,21 @@ class _Control:
             self.mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        try:
+            self._join(rank, world, data_bytes, name, deadline)
+        except BaseException:
+            self.close()
+            if rank == 0:
+                self._unlink()
+            raise
+
+    def _unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def _join(self, rank: int, world: int, data_bytes: int, name: str, deadline: float) -> None:
         self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.addr = self.base.data_ptr()
         if rank == 0:
@@ -245,11 +262,11 @@ class _Control:
         for j in range(world):
             while self.load(self._line(j) + 16) != 1:
                 if time.monotonic() > deadline:
-                    raise StartTimeout(f"rank {j} did not join the ring segment {name} within {timeout:g} s")
+                    raise StartTimeout(f"rank {j} did not join the ring segment {name} within {self.timeout:g} s")
                 time.sleep(0.001)
             self.pids[j] = self.load(self._line(j) + 8)
         if rank == 0:
-            os.unlink(self.path)     # everyone has it mapped: nothing to leak if a rank dies from here on
+            self._unlink()           # everyone has it mapped: nothing to leak if a rank dies from here on
 
     def _line(self, r: int) -> int:
         return self.addr + _LINE * (1 + r)
@@ -343,9 +360,10 @@ class ShmRing(Ring):
         for a, b in self._pieces(src.numel(), es):
             k = self._round(src, a, b)
             acc = flat[a // es: b // es]
-            acc.copy_(self._slot(0, k)[: b - a].view(t.dtype))
-            for j in range(1, self.world):
-                acc.add_(self._slot(j, k)[: b - a].view(t.dtype))
+            part = [self._slot(j, k)[: b - a].view(t.dtype) for j in range(self.world)]
+            torch.add(part[0], part[1], out=acc)            # one pass for p0 + p1, then the rest in rank order
+            for p in part[2:]:
+                acc.add_(p)
         return out
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -442,9 +460,10 @@ class CudaIpcRing(Ring):
         for a, b in self._pieces(src.numel(), es):
             k, stream = self._push(src[a:b], b - a)
             acc = flat[a // es: b // es]
-            acc.copy_(self.buf[k % 2, 0, : b - a].view(t.dtype))
-            for j in range(1, self.world):
-                acc.add_(self.buf[k % 2, j, : b - a].view(t.dtype))
+            part = [self.buf[k % 2, j, : b - a].view(t.dtype) for j in range(self.world)]
+            torch.add(part[0], part[1], out=acc)
+            for p in part[2:]:
+                acc.add_(p)
             self.done[k % 2].record(stream)
         return out
 
