@@ -1,0 +1,74 @@
+"""Attention of a DeepSeek-V4.1 block (arch.md §2.6).
+
+q path: qr = q_norm(wq_a(x)); q = wq_b(qr) as [heads, D], RoPE on the last rope dims. No per-head norm.
+One shared K=V latent per token: kv = kv_norm(wkv(x)), RoPE, FP8 fake-quant (QAT), kept in a window ring.
+Each query row attends to its own key set: the window (positions p-W+1..p, ascending) followed by the compressed
+entries its top-k list selects (ascending). Softmax scale D^-½; the per-head `attn_sink` adds exp(sink - max) to
+the denominator only. The output's rope slice is rotated back at the query position, then the grouped low-rank
+projection: wo_a per group of heads, wo_b to the hidden size.
+
+Exactness: every row's key set has the fixed width W (+ index_topk) with masked slots, and the products run in
+fixed tiles of ROW_TILE rows (`tiled`), so a row's output does not depend on its neighbours.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv41.model import quant
+from dsv41.model.linear import linear, rms_norm, tiled
+from dsv41.model.rope import apply_rope
+
+
+@dataclass
+class Attention:
+    wq_a: torch.Tensor        # [q_lora, H]
+    q_norm: torch.Tensor      # [q_lora]
+    wq_b: torch.Tensor        # [heads * D, q_lora]  (this rank's heads)
+    wkv: torch.Tensor         # [D, H]
+    kv_norm: torch.Tensor     # [D]
+    attn_sink: torch.Tensor   # [heads]
+    wo_a: torch.Tensor        # [groups * o_lora, heads / groups * D] (this rank's groups)
+    wo_b: torch.Tensor        # [H, groups * o_lora]  (this rank's columns)
+    head_dim: int
+    o_lora: int
+    eps: float
+
+    @property
+    def n_heads(self) -> int:
+        return self.wq_b.shape[0] // self.head_dim
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qat: bool):
+        """x [n, H] (attn_norm'd) -> q_res [n, q_lora], q [n, heads, D] (roped), kv [n, D] (roped, fake-quant)."""
+        q_res = rms_norm(linear(x, self.wq_a), self.q_norm, self.eps)
+        q = apply_rope(linear(q_res, self.wq_b).view(-1, self.n_heads, self.head_dim), cos, sin)
+        kv = apply_rope(rms_norm(linear(x, self.wkv), self.kv_norm, self.eps), cos, sin)
+        if qat:
+            kv = quant.fp8_fake_quant(kv, 32)
+        return q_res, q, kv
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """q [n, heads, D], keys [n, K, D] (K = V), valid [n, K] -> o [n, heads, D]."""
+        scale = self.head_dim ** -0.5
+        sink = self.attn_sink.float()
+
+        def tile(qt, kt, vt):
+            s = torch.bmm(qt, kt.transpose(1, 2)) * scale                       # [R, heads, K]
+            s = s.masked_fill(~vt[:, None, :], float("-inf"))
+            s = torch.cat([s, sink.view(1, -1, 1).expand(s.shape[0], -1, 1)], dim=-1)
+            p = torch.softmax(s, dim=-1)[..., :-1]                             # the sink only in the denominator
+            return torch.bmm(p, kt)
+
+        return tiled(tile, q, keys, valid)
+
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Inverse RoPE at the query position, grouped wo_a, then wo_b: o [n, heads, D] -> [n, H] (this rank's
+        partial sum when tensor-parallel)."""
+        n = o.shape[0]
+        o = apply_rope(o, cos, sin, inverse=True)
+        groups = self.wo_a.shape[0] // self.o_lora
+        per_group = o.reshape(n, groups, -1)
+        wo_a = self.wo_a.view(groups, self.o_lora, -1)
+        mid = torch.cat([linear(per_group[:, g], wo_a[g]) for g in range(groups)], dim=1)
+        return linear(mid, self.wo_b)

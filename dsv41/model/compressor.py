@@ -1,0 +1,60 @@
+"""KV compressor of a KV-source layer (arch.md §2.7).
+
+Ratio r > 1: every r consecutive tokens pool into one latent, latent = Σ_t kv_t · softmax_t(gate) per channel,
+then `compressor.norm`. A group that has not closed yet waits in the state (partial_kv / partial_gate) across
+calls, so chunked prefill and decode close exactly the groups a one-shot prefill closes, from the same rows.
+Ratio 1: latent = norm(wkv(x)), no gate. Latents are returned pre-RoPE: the indexer keys derive from them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv41.model.linear import linear, rms_norm
+from dsv41.model.state import SeqState
+
+
+@dataclass
+class Compressor:
+    layer: int
+    ratio: int
+    wkv: torch.Tensor            # [D, H]
+    wgate: torch.Tensor | None   # [D, H] (ratio > 1)
+    norm: torch.Tensor           # [D]
+    eps: float
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token kv (and gate) for all rows of the forward [n, D], float32."""
+        kv = linear(x, self.wkv)
+        gate = linear(x, self.wgate) if self.wgate is not None else None
+        return kv, gate
+
+    def close_groups(self, st: SeqState, kv: torch.Tensor, gate: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """Append one sequence's new rows to its open group and pool every group that closes.
+        Returns (latents [g, D] pre-RoPE, position of the first returned group's first token)."""
+        first = st.compressed[self.layer].shape[0] * self.ratio if self.layer in st.compressed else 0
+        if self.ratio == 1:
+            return rms_norm(kv, self.norm, self.eps), first
+        pending_kv = st.partial_kv.get(self.layer)
+        if pending_kv is not None and pending_kv.shape[0]:
+            kv = torch.cat([pending_kv, kv], dim=0)
+            gate = torch.cat([st.partial_gate[self.layer], gate], dim=0)
+        usable = kv.shape[0] // self.ratio * self.ratio
+        st.partial_kv[self.layer] = kv[usable:].clone()
+        st.partial_gate[self.layer] = gate[usable:].clone()
+        g = usable // self.ratio
+        kv = kv[:usable].view(g, self.ratio, kv.shape[1])
+        gate = gate[:usable].view(g, self.ratio, gate.shape[1])
+        # Softmax over the r tokens of a group, channel by channel, written out so the order is fixed.
+        top = gate[:, 0]
+        for t in range(1, self.ratio):
+            top = torch.maximum(top, gate[:, t])
+        e = [torch.exp(gate[:, t] - top) for t in range(self.ratio)]
+        total = e[0]
+        for t in range(1, self.ratio):
+            total = total + e[t]
+        latent = kv[:, 0] * (e[0] / total)
+        for t in range(1, self.ratio):
+            latent = latent + kv[:, t] * (e[t] / total)
+        return rms_norm(latent, self.norm, self.eps), first

@@ -1,0 +1,38 @@
+"""Engram (arch.md §2.9): an n-gram lookup written into the residual streams before the block, gated per stream.
+
+e = the hashed table rows of the position (24 = 3 n-gram sizes × heads, flattened); kv = wkv(e) splits into one
+key per stream [hc, H] and one shared value [H]. Per stream k:
+  d_k = Σ(h_k · w_k · key_k) · rsqrt(mean h_k² + ε) · rsqrt(mean key_k² + ε) · H^-½,   w = q_weight ⊙ k_weight
+  g_k = σ(sign(d_k) · sqrt(max(|d_k|, 1e-6))),   h_k ← h_k + g_k · value
+Image rows have the gate forced to 0. The hash ids come from dsv41.model.engram_hash.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from dsv41.model.linear import linear, rsqrt, sigmoid
+
+
+@dataclass
+class Engram:
+    rows: Callable[[torch.Tensor], torch.Tensor]   # hash ids [n, cols] -> dequantised table rows [n, cols, head_dim]
+    wkv: torch.Tensor                              # [(hc + 1) * H, cols * head_dim]
+    weight: torch.Tensor                           # q_weight ⊙ k_weight [hc, H]
+    eps: float
+
+    def __call__(self, streams: torch.Tensor, hash_ids: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
+        n, hc, H = streams.shape
+        e = self.rows(hash_ids).reshape(n, -1).float()
+        kv = linear(e, self.wkv)
+        key = kv[:, : hc * H].view(n, hc, H)
+        value = kv[:, hc * H:]
+        h = streams
+        rstd = rsqrt(h.square().mean(-1) + self.eps) * rsqrt(key.square().mean(-1) + self.eps)
+        dot = (h * self.weight * key).sum(-1) * rstd * H ** -0.5
+        gate = sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp_min(1e-6)), dot))
+        if image is not None:
+            gate = gate.masked_fill(image[:, None], 0.0)
+        return h + gate[:, :, None] * value[:, None, :]

@@ -1,0 +1,69 @@
+"""Manifold-constrained hyper-connections, single-pass (arch.md §2.4).
+
+The residual is hc_mult (4) parallel streams [n, 4, H]. Each site (attention, FFN) projects the RMS-normalised
+flattened streams once into 24 mixes: pre (4), post (4) and a 4x4 comb made doubly stochastic by Sinkhorn.
+Single-pass: a site collapses its input with the PREVIOUS site's `pre` and hands its own `pre` on; the final
+collapse uses the last site's `pre`. Small sums over the 4 streams are written out term by term so the summation
+order is fixed (and so bit-identical whatever the row count).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv41.model.linear import linear, rms_norm, sigmoid
+
+
+@dataclass
+class HcSite:
+    fn: torch.Tensor      # [(2 + hc) * hc, hc * H] float32
+    base: torch.Tensor    # [(2 + hc) * hc]
+    scale: torch.Tensor   # [3]
+
+
+def _sum(terms):
+    acc = terms[0]
+    for t in terms[1:]:
+        acc = acc + t
+    return acc
+
+
+def hc_mixes(streams: torch.Tensor, site: HcSite, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    """streams [n, hc, H] -> pre [n, hc], post [n, hc], comb [n, hc, hc] (comb[:, j, k]: stream j -> k)."""
+    n, hc, _ = streams.shape
+    flat = rms_norm(streams.reshape(n, -1), None, norm_eps)
+    m = linear(flat, site.fn)
+    s, b = site.scale, site.base
+    pre = sigmoid(m[:, :hc] * s[0] + b[:hc]) + hc_eps
+    post = 2 * sigmoid(m[:, hc:2 * hc] * s[1] + b[hc:2 * hc])
+    logits = (m[:, 2 * hc:] * s[2] + b[2 * hc:]).view(n, hc, hc)
+    comb = torch.softmax(logits, dim=-1) + hc_eps
+
+    def norm_cols(c):
+        col = _sum([c[:, j:j + 1, :] for j in range(hc)])          # [n, 1, hc]
+        return c / (col + hc_eps)
+
+    def norm_rows(c):
+        row = _sum([c[:, :, k:k + 1] for k in range(hc)])          # [n, hc, 1]
+        return c / (row + hc_eps)
+
+    comb = norm_cols(comb)
+    for _ in range(sinkhorn_iters - 1):
+        comb = norm_cols(norm_rows(comb))
+    return pre, post, comb
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """u = Σ_j pre[j]·x_j: [n, hc, H] -> [n, H]."""
+    return _sum([pre[:, j:j + 1] * streams[:, j] for j in range(streams.shape[1])])
+
+
+def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """out_k = post_k·y + Σ_j comb[j, k]·residual_j: -> [n, hc, H]."""
+    hc = residual.shape[1]
+    outs = []
+    for k in range(hc):
+        mixed = _sum([comb[:, j, k:k + 1] * residual[:, j] for j in range(hc)])
+        outs.append(post[:, k:k + 1] * y + mixed)
+    return torch.stack(outs, dim=1)

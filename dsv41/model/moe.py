@@ -1,0 +1,74 @@
+"""Mixture of experts (arch.md §2.10).
+
+Router: s = sqrt(softplus(x·Wᵀ / gate_temp)) in float32; experts picked by top-k of s + bias (bias_vl on image
+rows; ties to the lower expert id); weights = s at the picks, divided by their sum (+1e-20), × routed_scaling_factor.
+Expert: w2(weight · silu(min(w1x, limit)) · clamp(w3x, ±limit)); the routing weight multiplies before w2.
+Shared expert: same clamps, unweighted. Output = Σ over slots (in slot order) of the routed outputs, + shared.
+
+Exactness: each expert runs on its rows through the fixed-tile `linear`; a row's slot outputs are summed in slot
+order, so the sum does not depend on which other rows picked the same experts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv41.model.linear import linear, silu, softplus, stable_topk
+
+
+@dataclass
+class Expert:
+    w1: torch.Tensor   # [inter, H]
+    w2: torch.Tensor   # [H, inter]
+    w3: torch.Tensor   # [inter, H]
+
+
+def swiglu(x: torch.Tensor, e: Expert, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    gate = torch.clamp(linear(x, e.w1), max=limit)
+    up = torch.clamp(linear(x, e.w3), min=-limit, max=limit)
+    h = silu(gate) * up
+    if weight is not None:
+        h = h * weight
+    return linear(h, e.w2)
+
+
+@dataclass
+class MoE:
+    gate: torch.Tensor             # [E, H]
+    bias: torch.Tensor             # [E]
+    bias_vl: torch.Tensor          # [E]
+    experts: dict[int, Expert]     # this rank's routed experts by id
+    shared: Expert
+    top_k: int
+    gate_temp: float
+    scaling: float
+    limit: float
+
+    def route(self, x: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (weights [n, k] float32, expert ids [n, k]) in slot order."""
+        s = torch.sqrt(softplus(linear(x, self.gate) / self.gate_temp))
+        bias = self.bias if image is None else torch.where(image[:, None], self.bias_vl, self.bias)
+        _, ids = stable_topk(s + bias, self.top_k)
+        w = s.gather(1, ids)
+        if self.top_k > 1:
+            total = w[:, 0]
+            for j in range(1, self.top_k):
+                total = total + w[:, j]
+            w = w / (total[:, None] + 1e-20)
+        return w * self.scaling, ids
+
+    def __call__(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        """x [n, H] (ffn_norm'd) -> [n, H]: this rank's routed slots (in slot order) + its shared-expert part."""
+        n = x.shape[0]
+        weights, ids = self.route(x, image)
+        slots = x.new_zeros((n, self.top_k, x.shape[1]))
+        for e, expert in self.experts.items():
+            rows, slot = torch.nonzero(ids == e, as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            slots[rows, slot] = swiglu(x[rows], expert, self.limit, weights[rows, slot][:, None])
+        y = slots[:, 0]
+        for j in range(1, self.top_k):
+            y = y + slots[:, j]
+        return y + swiglu(x, self.shared, self.limit)

@@ -1,0 +1,71 @@
+"""RoPE / YaRN of DeepSeek-V4.1 (arch.md §2.5).
+
+Interleaved (adjacent-pair complex) rotation of the LAST `qk_rope_head_dim` dims of a vector. Two tables:
+- main: θ = rope_theta, no scaling (window-only layers and the DSpark stages);
+- compress: θ = compress_rope_theta with YaRN (layers with ratio > 0: q, window KV, compressed KV, indexer).
+Inverse frequencies are computed in float32 the way the HF port does, so they match its tables bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsv41.config import TextConfig
+
+
+def main_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+
+def yarn_inv_freq(theta: float, dim: int, factor: float, beta_fast: float, beta_slow: float,
+                  original_max: int) -> torch.Tensor:
+    """YaRN: blend interpolated (f/factor) and extrapolated (f) frequencies with a linear ramp between the
+    correction dims of beta_fast and beta_slow rotations. No mscale (attention factor 1)."""
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original_max / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
+class Rope:
+    """Both inverse-frequency tables of a config and the cos/sin at given positions."""
+
+    def __init__(self, t: TextConfig):
+        d = t.qk_rope_head_dim
+        rs = t.rope_scaling
+        self.dim = d
+        self.inv_freq = {
+            "main": main_inv_freq(float(t.rope_theta), d),
+            "compress": yarn_inv_freq(float(t.compress_rope_theta), d, float(rs.factor), float(rs.beta_fast),
+                                      float(rs.beta_slow), int(rs.original_max_position_embeddings)),
+        }
+
+    def cos_sin(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, dim/2] float32 at integer positions [n] (cos and sin round alike on every SIMD path)."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[kind][None, :]
+        return torch.cos(freqs), torch.sin(freqs)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate adjacent pairs (even, odd) of the last 2·cos.shape[-1] dims of x [n, ..., D] by the angles of its row
+    (cos/sin [n, d/2]); the leading ("nope") dims pass through. inverse=True rotates back (conjugate)."""
+    rd = cos.shape[-1] * 2
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if inverse:
+        sin = -sin
+    nope, rot = x[..., :-rd], x[..., -rd:]
+    even, odd = rot[..., 0::2], rot[..., 1::2]
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    return torch.cat([nope, rotated], dim=-1)

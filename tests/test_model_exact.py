@@ -1,0 +1,149 @@
+"""Bitwise exactness of the CPU float32 forward: a row's logits are a pure function of its sequence's tokens,
+however rows are grouped into forwards (docs/architecture.md "Exactness"; docs/model.md)."""
+import torch
+import pytest
+
+from dsv41.model.linear import ROW_TILE, linear, tiled
+from dsv41.model.model import InputError, Model, SeqInput
+
+
+@pytest.fixture(scope="module")
+def model(shared):
+    return Model.load(shared / "vectors/model/tiny-a/checkpoint")
+
+
+def _tokens(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 500, (n,), generator=g)
+    ids[0] = 0
+    if n >= 20:  # a recurring 4-gram, so Engram's longer n-grams hit
+        ids[12:16] = ids[4:8]
+    return ids
+
+
+def _one_pass(model, ids):
+    st = model.new_state()
+    return model.forward([SeqInput(st, ids)])[0], st
+
+
+def _chunked(model, ids, chunk):
+    st = model.new_state()
+    outs = [model.forward([SeqInput(st, ids[a:a + chunk])])[0] for a in range(0, len(ids), chunk)]
+    return torch.cat(outs), st
+
+
+# ---- the primitives -------------------------------------------------------------------------------------------
+
+def test_linear_row_is_independent_of_tile_position_and_neighbours():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 160, generator=g)
+    row = torch.randn(1, 160, generator=g)
+    ref = linear(row, w)
+    for n in (2, 5, ROW_TILE, ROW_TILE + 3, 3 * ROW_TILE + 1):
+        for at in {0, n // 2, n - 1}:
+            x = torch.randn(n, 160, generator=g) * 50
+            x[at] = row[0]
+            assert torch.equal(linear(x, w)[at], ref[0]), (n, at)
+
+
+def test_tiled_bmm_row_is_independent_of_neighbours():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 128, generator=g)
+    k = torch.randn(1, 14, 128, generator=g)
+    f = lambda a, b: torch.bmm(a, b.transpose(1, 2))
+    ref = tiled(f, q, k)
+    for n, at in ((3, 2), (ROW_TILE, 7), (ROW_TILE + 5, ROW_TILE + 1)):
+        qs, ks = torch.randn(n, 4, 128, generator=g), torch.randn(n, 14, 128, generator=g)
+        qs[at], ks[at] = q[0], k[0]
+        assert torch.equal(tiled(f, qs, ks)[at], ref[0])
+
+
+# ---- the model ------------------------------------------------------------------------------------------------
+
+def test_chunks_of_1_3_8_equal_one_pass(model):
+    ids = _tokens(41, 1)  # > window 8, crosses ratio-2 groups, > topk 6 and > 3 candidate blocks of 4
+    ref, ref_st = _one_pass(model, ids)
+    for chunk in (1, 3, 8):
+        out, st = _chunked(model, ids, chunk)
+        assert torch.equal(out, ref), f"chunk {chunk}: max |d| {(out - ref).abs().max():.3g}"
+        assert st.length == ref_st.length == len(ids)
+
+
+def test_batch_of_four_equals_each_alone(model):
+    lens = (37, 5, 23, 12)
+    seqs = [_tokens(n, 10 + i) for i, n in enumerate(lens)]
+    alone = [_one_pass(model, s)[0] for s in seqs]
+    states = [model.new_state() for _ in seqs]
+    together = model.forward([SeqInput(st, s) for st, s in zip(states, seqs)])
+    for a, b in zip(alone, together):
+        assert torch.equal(a, b)
+
+
+def test_mixed_round_prefill_chunk_with_decode_rows(model):
+    """A forward holding one sequence's prompt chunk and other sequences' single decode rows."""
+    a_ids, b_ids, c_ids = _tokens(30, 21), _tokens(19, 22), _tokens(26, 23)
+    ref_a, ref_b, ref_c = (_one_pass(model, s)[0] for s in (a_ids, b_ids, c_ids))
+    sa, sb, sc = model.new_state(), model.new_state(), model.new_state()
+    model.forward([SeqInput(sb, b_ids[:18]), SeqInput(sc, c_ids[:20])])
+    outs_a, outs_c = [], []
+    outs_a.append(model.forward([SeqInput(sa, a_ids[:11])])[0])
+    mixed = model.forward([SeqInput(sa, a_ids[11:30], logits="all"), SeqInput(sb, b_ids[18:19], logits="last"),
+                           SeqInput(sc, c_ids[20:21], logits="all")])
+    outs_a.append(mixed[0])
+    assert torch.equal(torch.cat(outs_a), ref_a)
+    assert torch.equal(mixed[1][0], ref_b[18])
+    assert torch.equal(mixed[2][0], ref_c[20])
+    for k in range(21, 26):
+        assert torch.equal(model.forward([SeqInput(sc, c_ids[k:k + 1])])[0][0], ref_c[k])
+
+
+def test_prompt_then_decode_equals_one_pass(model):
+    ids = _tokens(34, 3)
+    ref, _ = _one_pass(model, ids)
+    st = model.new_state()
+    rows = [model.forward([SeqInput(st, ids[:17])])[0]]
+    for k in range(17, len(ids)):
+        rows.append(model.forward([SeqInput(st, ids[k:k + 1], logits="last")])[0])
+    assert torch.equal(torch.cat(rows), ref)
+
+
+def test_snapshot_restore_equals_cold(model):
+    ids = _tokens(36, 4)
+    ref, _ = _one_pass(model, ids)
+    st = model.new_state()
+    model.forward([SeqInput(st, ids[:15])])          # odd length: a ratio-2 group is left open in the snapshot
+    snap = st.snapshot()
+    nbytes = st.nbytes()
+    other = model.forward([SeqInput(st, _tokens(9, 99))])[0]      # diverge
+    assert st.length == 24
+    st.restore(snap)
+    assert st.length == 15 and st.nbytes() == nbytes
+    out = model.forward([SeqInput(st, ids[15:])])[0]
+    assert torch.equal(out, ref[15:])
+    # the snapshot is still intact: restore it into a fresh state and decode token by token
+    st2 = model.new_state()
+    st2.restore(snap)
+    rows = [model.forward([SeqInput(st2, ids[k:k + 1])])[0] for k in range(15, 20)]
+    assert torch.equal(torch.cat(rows), ref[15:20])
+    assert not torch.equal(other[:5], ref[15:20])
+
+
+def test_state_grows_with_length(model):
+    st = model.new_state()
+    model.forward([SeqInput(st, _tokens(10, 5))])
+    a = st.nbytes()
+    model.forward([SeqInput(st, _tokens(20, 6))])
+    assert st.nbytes() > a > 0
+
+
+def test_bad_input_raises_typed_error(model):
+    st = model.new_state()
+    with pytest.raises(InputError):
+        model.forward([SeqInput(st, torch.tensor([1, 512]))])
+    with pytest.raises(InputError):
+        model.forward([SeqInput(st, torch.tensor([], dtype=torch.long))])
+    with pytest.raises(InputError):
+        model.forward([SeqInput(st, torch.tensor([1]), logits="some")])
+    with pytest.raises(InputError):
+        model.forward([SeqInput(st, torch.tensor([1])), SeqInput(st, torch.tensor([2]))])
+    assert st.length == 0
