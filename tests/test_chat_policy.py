@@ -24,7 +24,7 @@ def build(tok, **req):
 
 
 @pytest.mark.parametrize("case_id", ["chat_user_only", "thinking_effort_low", "thinking_effort_int_62",
-                                     "tools_system_chat", "call_with_content_and_reasoning_thinking",
+                                     "tools_system_chat", "call_round_then_user_thinking",
                                      "call_results_reordered_by_id", "image_two_images_interleaved",
                                      "mid_system_thinking_drops_reasoning", "unicode_tool_result"])
 def test_requests_render_as_the_reference(tok, case_id):
@@ -71,6 +71,19 @@ def test_default_thinking_is_a_parameter(tok):
     assert not build_chat_prompt({"messages": user(), "reasoning_effort": "none"}, tok, default_thinking=True).thinking
     p = build_chat_prompt({"messages": user()}, tok, default_thinking=True, default_effort="max")
     assert p.reasoning_effort == 100
+
+
+def test_final_assistant_message_is_continued(tok):
+    msgs = user("Give JSON.") + [{"role": "assistant", "content": "{\"a\":", "reasoning_content": "easy"}]
+    p = build(tok, messages=msgs, chat_template_kwargs={"thinking": True})
+    assert p.prompt_text.endswith("<｜User｜>Give JSON.<｜Assistant｜><think>easy</think>{\"a\":")
+    assert p.continues_assistant and not p.thinking and p.reasoning_effort == 75   # the reply starts in content
+    p = build(tok, messages=msgs)
+    assert p.prompt_text.endswith("<｜Assistant｜></think>{\"a\":") and p.token_ids[-1] != tok.eos_id
+    calls = user() + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]
+    p = build(tok, messages=calls, tools=[TOOL])
+    assert p.token_ids[-1] == tok.eos_id and not p.continues_assistant
 
 
 def test_developer_is_system(tok):

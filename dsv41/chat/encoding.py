@@ -358,7 +358,8 @@ def encode_messages(messages: list, thinking_mode: str, reasoning_effort: Any = 
                 if not isinstance(m["tool_calls"], list):
                     raise ChatError(f"messages[{i - len(ctx)}].tool_calls must be a list")
                 _emit_calls(out, m["tool_calls"], i - len(ctx))
-            out.t(EOS)
+            if not m.get("wo_eos"):  # the reference's per-message switch: an assistant turn left open
+                out.t(EOS)
         else:
             raise ChatError(f"unknown role {role!r}: use system, user, assistant or tool")
 

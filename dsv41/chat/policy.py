@@ -38,6 +38,7 @@ class ChatPrompt:
     prompt_text: str
     thinking: bool
     reasoning_effort: int | None            # the rendered effort; None when thinking is off
+    continues_assistant: bool = False       # the reply continues the request's final assistant message
     tools: list[dict] = field(default_factory=list)   # offered tools (OpenAI objects); [] when none or hidden
     tool_choice: Any = None
     response_format: dict | None = None
@@ -296,6 +297,12 @@ def build_chat_prompt(req: dict, tok: Tokenizer, shield: bool = True, *, default
             messages[0]["tools"] = tools
         if rendered_rf:
             messages[0]["response_format"] = rendered_rf
+    last = messages[-1]
+    prefill = last["role"] == "assistant" and not last.get("tool_calls")
+    if prefill:
+        # a final assistant message is a prefix for the reply to continue (Anthropic prefill): rendered without
+        # its EOS, and the reply starts in content, after that turn's </think>
+        last["wo_eos"] = True
     rendered = encode_messages(messages, "thinking" if thinking else "chat", reasoning_effort=effort, shield=shield)
     ids = tok.encode_pieces(rendered.pieces, shield=shield)
     if max_images is not None and len(rendered.images) > max_images:
@@ -309,4 +316,6 @@ def build_chat_prompt(req: dict, tok: Tokenizer, shield: bool = True, *, default
         data, media, url = _image_bytes(record, allow_image_urls)
         images.append(ImageInput(pos, data, media, url))
     shown_effort = (DEFAULT_EFFORT if effort is None else effort) if thinking else None
-    return ChatPrompt(ids, rendered.prompt, thinking, shown_effort, tools, tool_choice, rf, images)
+    # `thinking` tells the parser and the grammar whether the reply starts inside a think block
+    return ChatPrompt(ids, rendered.prompt, thinking and not prefill, shown_effort, prefill, tools, tool_choice, rf,
+                      images)
