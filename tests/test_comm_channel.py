@@ -258,3 +258,34 @@ def test_wrong_wire_version_is_refused():
     finally:
         s.close()
         ctx.term()
+
+
+def test_three_ranks_every_follower_gets_every_plan():
+    """ROUTER addresses each follower: with two followers both see every plan (PUSH would deal them out)."""
+    master = free_master()
+    qs = [CTX.Queue(), CTX.Queue()]
+    fps = [CTX.Process(target=follower3_main, args=(master, r, qs[r - 1])) for r in (1, 2)]
+    for p in fps:
+        p.start()
+    try:
+        with Leader(master, 3, start_timeout=20, **HB) as lead:
+            for p in plans():
+                lead.send(p)
+                lead.verify(p.round, plan_digest(p))
+            lead.shutdown()
+        for q in qs:
+            assert [get(q) for _ in range(5)] == [r for r in range(4)] + ["bye"]
+    finally:
+        for p in fps:
+            p.kill()
+
+
+def follower3_main(master, rank, q):
+    try:
+        with Follower(master, rank, 3, start_timeout=20, **HB) as f:
+            while (p := f.recv()) is not None:
+                q.put(p.round)
+                f.reply(p.round, plan_digest(p))
+            q.put("bye")
+    except Exception as e:
+        q.put(repr(e))
