@@ -198,7 +198,7 @@ def main() -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     gpu = f"; {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
     import llguidance
-    machine = (f"{platform.node() and 'host'}: {platform.machine()}, {os.cpu_count()} CPUs, load {load:.1f}{gpu}; "
+    machine = (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, load {load:.1f}{gpu}; "
                f"torch {torch.__version__}; llguidance {llguidance.__version__}; "
                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     title = (f"Grammar masks: {args.fields}-property schema, replies of {min(ntok)}-{max(ntok)} tokens "
