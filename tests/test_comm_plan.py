@@ -123,3 +123,31 @@ def test_rank_order_sum_is_left_to_right():
     c = torch.tensor([1.0], dtype=torch.float32)
     assert rank_order_sum([a, b, c]).item() == 1.0      # (a + b) + c
     assert rank_order_sum([a, c, b]).item() == 0.0      # (a + c) + b: c is lost in a
+
+
+# ---------------------------------------------------------------------------------------------------- property
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_u = st.integers(min_value=0, max_value=2**40)
+_key = st.binary(max_size=40)
+_op = st.one_of(
+    st.builds(NewSeq, _u, st.binary(max_size=64)), st.builds(FreeSeq, _u), st.builds(SaveState, _u, _key),
+    st.builds(RestoreState, _u, _key), st.builds(DropState, _key),
+    st.builds(Rollback, _u, st.integers(min_value=1, max_value=64)),
+)
+_rows = st.builds(SeqRows, _u, _u, st.lists(st.integers(0, 129279), min_size=1, max_size=50),
+                  st.lists(st.integers(0, 49), unique=True).map(sorted), st.integers(0, 5))
+_plan = st.builds(StepPlan, st.integers(1, 2**40), st.lists(_op, max_size=6), st.lists(_rows, max_size=6),
+                  st.lists(_op, max_size=3), st.one_of(st.none(), st.builds(Digest, st.just(0), st.binary(
+                      min_size=16, max_size=16))))
+
+
+@settings(max_examples=150, deadline=None)
+@given(_plan)
+def test_any_plan_round_trips_and_validation_is_total(p):
+    assert plan.decode(plan.encode(p)) == p
+    try:
+        p.validate()
+    except PlanError as e:
+        assert f"round {p.round}" in str(e)
