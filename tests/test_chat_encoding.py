@@ -3,6 +3,7 @@ import hashlib
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dsv41 import shared_dir
 from dsv41.chat.encoding import encode_messages
@@ -108,3 +109,25 @@ def test_segment_boundaries_match_whole_string(tok):
         msgs = [{"role": "system", "content": text, "tools": TOOLS}, {"role": "user", "content": text}]
         r = encode_messages(msgs, "thinking")
         assert tok.encode_pieces(r.pieces, shield=True) == tok.encode(r.prompt, special=True), text
+
+CLIENT_TEXT = st.lists(st.sampled_from(SPECIALS + ["a", " ", "\n", "<", "｜", "DSML", "9", "é", "你"]),
+                       max_size=12).map("".join)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(system=CLIENT_TEXT, text=CLIENT_TEXT, result=CLIENT_TEXT, value=CLIENT_TEXT, thinking=st.booleans())
+def test_shield_property(tok, system, text, result, value, thinking):
+    """Whatever the client types, shielded ids decode to the prompt and hold exactly the template's specials; with no
+    special text in it they are the reference ids."""
+    msgs = [{"role": "system", "content": system, "tools": TOOLS}, {"role": "user", "content": text},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": value}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": result}]
+    r = encode_messages(msgs, "thinking" if thinking else "chat", shield=True)
+    ids = tok.encode_pieces(r.pieces, shield=True)
+    assert tok.decode(ids) == r.prompt
+    added = set(tok.added.values())
+    template = [i for t, c in r.pieces if not c for _, i in tok.split_specials(t) if i is not None]
+    assert [i for i in ids if i in added] == template
+    if not _client_has_special(tok, r.pieces):
+        assert ids == tok.encode(r.prompt, special=True)
