@@ -184,3 +184,24 @@ def test_stop_strings_hold_back_prefixes_and_cut_the_match():
     text = "".join(e.text for e in evs)
     assert text == "ab" and evs[-1].stop_sequence == "cEN" and r.finish_reason == "stop"
     assert [e.token_id for e in evs if isinstance(e, TokenEvent)] == [7, 8, 9]
+
+
+def test_short_prompt_is_not_stuck_behind_a_long_one():
+    s = make(prefill_chunk=16)
+    long = s.submit(req(100, max_tokens=2))
+    p = s.plan_round()
+    s.commit_round(p, answer(p))
+    short = s.submit(req(6, max_tokens=2))
+    p = s.plan_round()
+    rows = {r.seq: len(r.ids) for r in p.rows}
+    # the oldest keeps a quarter of the chunk at least, the short prompt fills whole, the rest goes to the oldest
+    assert rows == {long.id: 10, short.id: 6}
+    s.commit_round(p, answer(p))
+    assert short.phase is Phase.DECODE and short.output_ids == [7]
+    # a stream of short prompts never starves the oldest: it advances by at least chunk // 4 each round
+    for k in range(5):
+        s.submit(req(16, max_tokens=1))
+        before = long.filled
+        p = s.plan_round()
+        s.commit_round(p, answer(p))
+        assert long.filled - before >= 4

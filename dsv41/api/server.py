@@ -96,5 +96,8 @@ async def _serve(cfg: ServeConfig) -> int:
 
 def serve(cfg: ServeConfig) -> int:
     import uvloop
+    # The round's forward holds the GIL between torch ops; a 0.5 ms switch interval (default 5 ms) keeps the event
+    # loop answering sockets and keepalives promptly while it runs (serving.md §6.8).
+    sys.setswitchinterval(0.0005)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return uvloop.run(_serve(cfg))

@@ -210,17 +210,35 @@ class Scheduler:
                 rows.append(SeqRows(r.id, r.position - 1, [r.output_ids[-1]], [0]))
         self._plan_has_decode = bool(rows)
         room = self.prefill_chunk
-        for r in self.running:
-            if room == 0:
-                break
-            if r.phase is Phase.PROMPT:
-                n = min(r.prompt_len - r.filled, room)
-                last = r.filled + n == r.prompt_len
-                rows.append(SeqRows(r.id, r.filled, r.prompt_ids[r.filled:r.filled + n], [n - 1] if last else []))
-                self._prompt_rows[r.id] = n
-                room -= n
+        for r, n in self._prompt_shares(room):
+            last = r.filled + n == r.prompt_len
+            rows.append(SeqRows(r.id, r.filled, r.prompt_ids[r.filled:r.filled + n], [n - 1] if last else []))
+            self._prompt_rows[r.id] = n
         ops = [FreeSeq(s) for s in close] + opened
         return StepPlan(self._round, ops=ops, rows=rows)
+
+    def _prompt_shares(self, room: int) -> list[tuple[Request, int]]:
+        """How this round's prompt rows are shared: the oldest filling prompt first gets up to a quarter of the
+        chunk (so it always advances), then prompts take what they still need, fewest remaining rows first (a short
+        request behind a long prompt gets its first token after one round, not after the whole long prompt), then
+        any room left goes back to the oldest. How a prompt is cut never changes its result (Exactness)."""
+        filling = [r for r in self.running if r.phase is Phase.PROMPT]
+        if not filling:
+            return []
+        share = {r.id: 0 for r in filling}
+
+        def give(r: Request, most: int) -> None:
+            nonlocal room
+            n = min(r.prompt_len - r.filled - share[r.id], most, room)
+            share[r.id] += n
+            room -= n
+
+        oldest = filling[0]
+        give(oldest, max(1, self.prefill_chunk // 4))
+        for r in sorted(filling, key=lambda r: r.prompt_len - r.filled):
+            give(r, room)
+        give(oldest, room)
+        return [(r, share[r.id]) for r in filling if share[r.id] > 0]
 
     def commit_round(self, plan: StepPlan, result: RoundResult) -> None:
         by_id = {r.id: r for r in self.running}
