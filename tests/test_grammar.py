@@ -678,6 +678,16 @@ def test_bad_input_raises_grammar_error(req, param, hf, lt):
     assert e.value.param == param and str(e.value)
 
 
+def test_compiled_specs_are_reused(hf, lt):
+    req = {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[2]}}}
+    a = compile_request(req, hf, None, False)
+    assert compile_request(json.loads(json.dumps(req)), hf, None, False) is a
+    assert compile_request(req, hf, None, True) is not a          # thinking changes the grammar
+    m1, m2 = a.matcher(), a.matcher()
+    assert m1.consume_many(enc(hf, '{"order_id"'))
+    assert len(m2) == 0 and m2.cut_draft(enc(hf, "{")) == enc(hf, "{")   # matchers are independent copies
+
+
 def test_lenient_when_strict_false_and_none_when_unconstrained(hf, lt):
     schema = {"type": "array", "uniqueItems": True, "items": {"type": "integer"}, "maxItems": 3}
     spec = compile_request({"response_format": {"type": "json_schema", "json_schema": {

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,8 +162,8 @@ class GrammarSpec:
     def __post_init__(self):
         if self._proto is None:
             self._proto = llg.LLMatcher(self.vocab.lt, self.grammar, log_level=0, limits=_limits())
-        if self._proto.is_error():
-            raise GrammarError(self._proto.get_error())
+        if self._proto.is_error():   # llguidance's own message: a bad schema, regex, Lark rule, unknown keyword...
+            raise GrammarError(f"invalid grammar: {self._proto.get_error().strip()}")
 
     @property
     def tokenizer(self) -> llg.LLTokenizer:
@@ -174,10 +175,11 @@ class GrammarSpec:
         return Matcher(self._proto.deep_copy(), self.vocab, thinking=self.thinking)
 
 
-def _check(grammar: str, lt: llg.LLTokenizer, param: str | None) -> None:
-    err = llg.LLMatcher.validate_grammar(grammar, lt, limits=_limits())
-    if err:
-        raise GrammarError(f"invalid grammar: {err.strip()}", param)
+# Compiled specs by grammar: agents send the same schema or tools request after request. A spec's prototype matcher
+# is only ever copied, never advanced, so one spec serves any number of requests.
+SPEC_CACHE_SIZE = 64
+_SPECS: OrderedDict[tuple, GrammarSpec] = OrderedDict()
+_SPEC_LOCK = threading.Lock()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -526,10 +528,20 @@ def compile_request(req: dict, tok: Any = None, tools: list | None = None, think
     lines.extend(calls.rules)
     lark = "\n".join(lines) + "\n"
     grammar = json.dumps({"grammars": [{"lark_grammar": lark}, *subs]}, ensure_ascii=False) if subs else lark
-    _check(grammar, vocab.lt, structured[1] if structured else "tool_choice")
+    key = (hashlib.sha256(grammar.encode("utf-8")).hexdigest(), id(vocab), kind, thinking, names, max_calls)
+    with _SPEC_LOCK:
+        spec = _SPECS.get(key)
+        if spec is not None:
+            _SPECS.move_to_end(key)
+            return spec
     try:
-        return GrammarSpec(kind=kind, grammar=grammar, thinking=thinking, vocab=vocab, tool_names=names,
+        spec = GrammarSpec(kind=kind, grammar=grammar, thinking=thinking, vocab=vocab, tool_names=names,
                            max_calls=max_calls)
     except GrammarError as e:
         e.param = structured[1] if structured else "tool_choice"
         raise
+    with _SPEC_LOCK:
+        _SPECS[key] = spec
+        while len(_SPECS) > SPEC_CACHE_SIZE:
+            _SPECS.popitem(last=False)
+    return spec
