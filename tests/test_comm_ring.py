@@ -133,3 +133,37 @@ def test_all_reduce_sum_bit_identical_on_both_ranks_shm_and_gloo():
 def test_all_reduce_sum_bit_identical_on_gpus_cuda_ipc_and_nccl():
     """Two GPUs: cuda-ipc and nccl. One GPU: cuda-ipc with both ranks on it (IPC works within a device)."""
     check_pair(run_pair("cuda"), ("cuda-ipc", "nccl") if torch.cuda.device_count() >= 2 else ("cuda-ipc",))
+
+
+def test_atomics_found_once_under_concurrent_first_use():
+    """Two rings opened from two threads at once both got the atomics (a lazy init once returned None to one)."""
+    import threading
+    from dsv41.comm import ring as ring_mod
+    ring_mod._ATOMICS = False
+    got = []
+    ts = [threading.Thread(target=lambda: got.append(ring_mod._atomics())) for _ in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert len(got) == 8 and all(g is not None and g is got[0] for g in got)
+
+
+def test_shm_ring_in_one_process_two_threads():
+    """Two ranks as two threads of one process (the handshake does not care), plus the segment is gone after."""
+    import threading
+    out = {}
+
+    def rank(r):
+        with ShmRing(r, 2, f"threads{os.getpid()}", timeout=20, capacity=4096) as ring:
+            parts = [partial(7, j, 3, torch.float32) for j in range(2)]
+            out[r] = ring.all_reduce_sum(parts[r])
+
+    ts = [threading.Thread(target=rank, args=(r,)) for r in (1, 0)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    want = rank_order_sum([partial(7, j, 3, torch.float32) for j in range(2)])
+    assert torch.equal(out[0], want) and torch.equal(out[1], want)
+    assert not os.path.exists(f"/dev/shm/dsv41_shm_threads{os.getpid()}")

@@ -29,6 +29,7 @@ import mmap
 import os
 import pickle
 import platform
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -145,6 +146,7 @@ class DistRing(Ring):
 # ---------------------------------------------------------------------------------------------------- shared memory
 
 _ATOMICS: object = False
+_ATOMICS_LOCK = threading.Lock()
 
 
 def _atomics():
@@ -152,21 +154,24 @@ def _atomics():
     libatomic's __atomic_load_8/__atomic_store_8 give real acquire/release on any CPU (GB10 is ARM); on x86-64
     plain loads and stores are already ordered that way (TSO), so that is the fallback there."""
     global _ATOMICS
-    if _ATOMICS is not False:
+    with _ATOMICS_LOCK:
+        if _ATOMICS is False:
+            _ATOMICS = _find_atomics()
         return _ATOMICS
-    _ATOMICS = None
-    path = ctypes.util.find_library("atomic")
+
+
+def _find_atomics():
     try:
-        lib = ctypes.CDLL(path or "libatomic.so.1")
+        lib = ctypes.CDLL(ctypes.util.find_library("atomic") or "libatomic.so.1")
         load, store = lib.__atomic_load_8, lib.__atomic_store_8
         load.argtypes, load.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_uint64
         store.argtypes, store.restype = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int], None
-        _ATOMICS = (lambda a: load(a, 2), lambda a, v: store(a, v, 3))      # __ATOMIC_ACQUIRE, __ATOMIC_RELEASE
+        return (lambda a: load(a, 2), lambda a, v: store(a, v, 3))        # __ATOMIC_ACQUIRE, __ATOMIC_RELEASE
     except (OSError, AttributeError):
         if platform.machine() in ("x86_64", "AMD64"):
-            _ATOMICS = (lambda a: ctypes.c_uint64.from_address(a).value,
-                        lambda a, v: setattr(ctypes.c_uint64.from_address(a), "value", v))
-    return _ATOMICS
+            return (lambda a: ctypes.c_uint64.from_address(a).value,
+                    lambda a, v: setattr(ctypes.c_uint64.from_address(a), "value", v))
+        return None
 
 
 def _process_gone(pid: int) -> bool:
@@ -325,9 +330,10 @@ class ShmRing(Ring):
         self.cap = -(-capacity // 64) * 64
         self.ctl = _Control(rank, world, session, world * 2 * self.cap, timeout, "shm")
         self.op = 0
+        self.slots = [[self.ctl.data((r * 2 + s) * self.cap, self.cap) for s in (0, 1)] for r in range(world)]
 
     def _slot(self, r: int, k: int) -> torch.Tensor:
-        return self.ctl.data((r * 2 + k % 2) * self.cap, self.cap)
+        return self.slots[r][k % 2]
 
     def _pieces(self, nbytes: int, esize: int):
         step = self.cap // esize * esize
@@ -378,6 +384,7 @@ class ShmRing(Ring):
 
     def close(self) -> None:
         if self.ctl is not None:
+            self.slots = []
             self.ctl.close()
             self.ctl = None
 
