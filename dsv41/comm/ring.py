@@ -119,6 +119,8 @@ class DistRing(Ring):
         warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
         self.dist, self.rank, self.world, self.kind = dist, rank, world, backend
         self.device = torch.device(device)
+        if backend == "nccl":
+            torch.cuda.set_device(self.device)     # NCCL binds the process group to the current device
         try:
             store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timedelta(seconds=timeout))
             dist.init_process_group(backend, store=store, rank=rank, world_size=world,
