@@ -35,6 +35,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     max_streams: int = 32                # sequences in a round at once
     max_waiting: int = 1024              # queued requests beyond the streams; more get 503
     prefill_chunk: int = 2048            # prompt rows per round (one or several prompts)
+    stall_target_s: float = 1.0          # while replies decode, prompt rows per round fit this many seconds
     state_budget_gib: float = 0.0        # bytes for sequence states; 0 = auto (a share of free memory)
     # request defaults
     max_tokens: int = 32768
@@ -63,6 +64,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
         for f in ("context", "max_waiting", "top_k"):
             if getattr(self, f) < 0:
                 raise bad(f, "must not be negative")
+        if self.stall_target_s < 0:
+            raise bad("stall_target_s", "must not be negative")
         if self.state_budget_gib < 0:
             raise bad("state_budget_gib", "must not be negative")
         if not (0.0 < self.top_p <= 1.0):
@@ -94,6 +97,9 @@ FIELD_HELP: dict[str, str] = {
     "max_waiting": "requests queued beyond the running ones; a request past this bound gets 503",
     "prefill_chunk": "prompt rows per round; several short prompts share one chunk, a long one spans rounds with "
                      "decode rows in each, so running replies never stall behind it for more than one chunk",
+    "stall_target_s": "while replies are decoding, a round carries no more prompt rows than fit this many seconds "
+                      "(at the measured seconds per row, at least 16 rows), bounding how long a running reply waits "
+                      "between tokens behind long prompts; 0 = always full chunks",
     "state_budget_gib": "memory for sequence states (KV, compressed KV, indexer keys, Engram history), reserved at "
                         "admission for prompt + max_tokens; 0 = auto: half the free memory after the weights load",
     "max_tokens": "reply-length default when a request gives none (capped to the room left in the context)",

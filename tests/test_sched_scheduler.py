@@ -205,3 +205,27 @@ def test_short_prompt_is_not_stuck_behind_a_long_one():
         p = s.plan_round()
         s.commit_round(p, answer(p))
         assert long.filled - before >= 4
+
+
+def test_prompt_rows_fit_the_stall_target_while_replies_decode():
+    s = make(prefill_chunk=2048, stall_target_s=0.5)
+    a = s.submit(req(4, max_tokens=50))
+    p = s.plan_round()
+    s.commit_round(p, answer(p))
+    assert s.prompt_room(decoding=True) == 2048            # nothing measured yet
+    s.row_cost_s = 0.005                                    # 5 ms a row: 0.5 s holds 100 rows
+    assert s.prompt_room(decoding=True) == 100 and s.prompt_room(decoding=False) == 2048
+    s.row_cost_s = 1.0
+    assert s.prompt_room(decoding=True) == Scheduler.MIN_PROMPT_ROWS
+    s.row_cost_s = 0.005
+    long = s.submit(req(1000, max_tokens=2))
+    p = s.plan_round()
+    assert {r.seq: len(r.ids) for r in p.rows} == {a.id: 1, long.id: 100}
+    s.stall_target_s = 0.0                                  # 0: always whole chunks
+    assert s.prompt_room(decoding=True) == 2048
+    # the estimate follows measured rounds with prompt rows
+    s2 = make()
+    s2.submit(req(10))
+    p = s2.plan_round()
+    s2._measure(p, 1.0)
+    assert s2.row_cost_s == pytest.approx(0.1)

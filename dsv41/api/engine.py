@@ -140,7 +140,8 @@ def load_engine(cfg: ServeConfig, metrics=None) -> Engine:
                          f"--state-budget-gib")
     runner = ModelRunner(model)
     sched = Scheduler(runner, budget, max_streams=cfg.max_streams, max_waiting=cfg.max_waiting,
-                      prefill_chunk=cfg.prefill_chunk, metrics=metrics)
+                      prefill_chunk=cfg.prefill_chunk, stall_target_s=cfg.stall_target_s,
+                      metrics=metrics)
     eos = raw.get("eos_token_id", text.get("eos_token_id", 1))
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos])
     return Engine(cfg=cfg, name=cfg.name or ckpt.name, tok=tok, sched=sched, context_len=context,

@@ -46,12 +46,14 @@ class TooLarge(SchedulerError):
 
 class Scheduler:
     def __init__(self, runner, budget: MemoryBudget, *, max_streams: int = 32, max_waiting: int = 1024,
-                 prefill_chunk: int = 2048, metrics=None):
+                 prefill_chunk: int = 2048, stall_target_s: float = 1.0, metrics=None):
         self.runner = runner
         self.budget = budget
         self.max_streams = max_streams
         self.max_waiting = max_waiting
         self.prefill_chunk = prefill_chunk
+        self.stall_target_s = stall_target_s
+        self.row_cost_s = 0.0                   # running estimate of a round's seconds per row (0: none measured yet)
         self.metrics = metrics
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []          # admitted, in admission order
@@ -164,6 +166,7 @@ class Scheduler:
                 self._fail_round(plan, e)
                 continue
             self.last_round_s = time.perf_counter() - t0
+            self._measure(plan, self.last_round_s)
             if self._plan_has_decode:
                 self.worst_round_s = max(self.worst_round_s, self.last_round_s)
             self.commit_round(plan, result)
@@ -209,13 +212,32 @@ class Scheduler:
             if r.phase is Phase.DECODE:
                 rows.append(SeqRows(r.id, r.position - 1, [r.output_ids[-1]], [0]))
         self._plan_has_decode = bool(rows)
-        room = self.prefill_chunk
+        room = self.prompt_room(decoding=bool(rows))
         for r, n in self._prompt_shares(room):
             last = r.filled + n == r.prompt_len
             rows.append(SeqRows(r.id, r.filled, r.prompt_ids[r.filled:r.filled + n], [n - 1] if last else []))
             self._prompt_rows[r.id] = n
         ops = [FreeSeq(s) for s in close] + opened
         return StepPlan(self._round, ops=ops, rows=rows)
+
+    MIN_PROMPT_ROWS = 16
+
+    def prompt_room(self, decoding: bool) -> int:
+        """Prompt rows this round may carry: the chunk; while replies are decoding, also no more rows than fit the
+        stall target at the measured seconds per row (at least MIN_PROMPT_ROWS), so a running reply waits about
+        stall_target_s between tokens however long the prompts behind it are. Only where prompts are cut
+        changes, never what they compute (Exactness)."""
+        room = self.prefill_chunk
+        if decoding and self.stall_target_s > 0 and self.row_cost_s > 0:
+            room = min(room, max(self.MIN_PROMPT_ROWS, int(self.stall_target_s / self.row_cost_s)))
+        return room
+
+    def _measure(self, plan: StepPlan, seconds: float) -> None:
+        """Fold a round's seconds per row into row_cost_s (rounds with prompt rows only: they set the stall)."""
+        if not self._prompt_rows:
+            return
+        per_row = seconds / max(1, plan.n_rows)
+        self.row_cost_s = per_row if self.row_cost_s == 0 else 0.7 * self.row_cost_s + 0.3 * per_row
 
     def _prompt_shares(self, room: int) -> list[tuple[Request, int]]:
         """How this round's prompt rows are shared: the oldest filling prompt first gets up to a quarter of the
@@ -234,7 +256,7 @@ class Scheduler:
             room -= n
 
         oldest = filling[0]
-        give(oldest, max(1, self.prefill_chunk // 4))
+        give(oldest, max(1, room // 4))
         for r in sorted(filling, key=lambda r: r.prompt_len - r.filled):
             give(r, room)
         give(oldest, room)
