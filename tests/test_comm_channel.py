@@ -239,7 +239,18 @@ def test_start_timeouts_name_the_missing_rank():
         Leader(master, 2, start_timeout=0.5, **HB)
     with pytest.raises(StartTimeout, match="rank 0 did not answer"):
         Follower(master, 1, 2, start_timeout=0.5, **HB)
-    assert time.monotonic() - t0 < 5
+    with pytest.raises(StartTimeout):                      # a host name binds too (resolved, here to loopback)
+        Leader(master.replace("127.0.0.1", "localhost"), 2, start_timeout=0.3, **HB)
+    assert time.monotonic() - t0 < 6
+
+
+def test_bind_address_rule():
+    from dsv41.comm.channel import _bind_endpoint
+    assert _bind_endpoint("127.0.0.1", 5) == "tcp://127.0.0.1:5"
+    assert _bind_endpoint("localhost", 5) in ("tcp://127.0.0.1:5", "tcp://[::1]:5")
+    assert _bind_endpoint("10.1.2.3", 5) == "tcp://*:5"
+    with pytest.raises(plan.CommError, match="does not resolve"):
+        _bind_endpoint("no-such-host.invalid", 5)
 
 
 def test_wrong_wire_version_is_refused():

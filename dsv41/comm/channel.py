@@ -57,6 +57,21 @@ def _endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+def _bind_endpoint(host: str, port: int) -> str:
+    """Where rank 0 binds for --master HOST:PORT. A HOST that resolves to loopback binds there (a one-host lane,
+    invisible to the network); any other binds every interface, since ZeroMQ cannot bind a host name and a node's
+    own name often resolves to a loopback alias (127.0.1.1) that the other node could not reach."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise CommError(f"--master host {host!r} does not resolve: {e}") from None
+    addrs = [i[4][0] for i in infos]
+    loop = [a for a in addrs if a.startswith("127.") or a == "::1"]
+    if loop and len(loop) == len(addrs):
+        return _endpoint(min(loop, key=lambda a: ":" in a), port)     # IPv4 first: ZeroMQ sockets are IPv4 here
+    return f"tcp://*:{port}"
+
+
 def host_identity() -> str:
     """Hostname plus this boot's id: two processes with equal strings share memory (and /dev/shm)."""
     try:
@@ -228,17 +243,17 @@ class _Channel:
         try:
             if leader:
                 self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                self.sock.bind(_endpoint(self.host, self.port))
+                self.sock.bind(_bind_endpoint(self.host, self.port))
             else:
                 self.sock.setsockopt(zmq.IDENTITY, f"rank{rank}".encode())
                 self.sock.connect(_endpoint(self.host, self.port))
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, CommError) as e:
             self.sock.close(0)
             self.ctx.term()
             raise CommError(f"rank {rank}: cannot {'bind' if leader else 'connect'} "
                             f"{_endpoint(self.host, self.port)}: {e}") from None
-        self.hb = _Heartbeat(self.ctx, rank, world, _endpoint(self.host, self.port + 1), leader,
-                             heartbeat_interval, heartbeat_timeout)
+        hb_at = _bind_endpoint(self.host, self.port + 1) if leader else _endpoint(self.host, self.port + 1)
+        self.hb = _Heartbeat(self.ctx, rank, world, hb_at, leader, heartbeat_interval, heartbeat_timeout)
         try:
             self.hb.start_and_wait()
         except CommError:
