@@ -310,7 +310,7 @@ class Leader(_Channel):
             self._handshake()
         except BaseException:
             self.hb.stop(bye=False)
-            self.sock.close(0)
+            self.sock.close(1000)      # time for an Error telling the other rank why
             self.ctx.term()
             self._closed = True
             raise
@@ -426,7 +426,7 @@ class Follower(_Channel):
             self._handshake()
         except BaseException:
             self.hb.stop(bye=False)
-            self.sock.close(0)
+            self.sock.close(1000)      # time for an Error telling the other rank why
             self.ctx.term()
             self._closed = True
             raise
