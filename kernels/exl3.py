@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.model.exl3 import (CB_MUL1, HAD_SCALE_F32, Exl3FormatError, _parse, bits_of, codebook_of)
+from dsv41.model.exl3 import (CB_MUL1, HAD_DIM, HAD_SCALE_F32, Exl3FormatError, _parse, _sylvester, bits_of,
+                              codebook_of)
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64     # fixed: a row's arithmetic must not depend on the row count
 TARGET_PROGRAMS = 512                      # split the input dimension until (out/BLOCK_N)*split reaches this
@@ -54,16 +55,15 @@ def _codebook(w, CB: tl.constexpr):
 
 
 @triton.jit
-def _decode_block(words, k0, n0, NT, K2: tl.constexpr, CB: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """W~[k0:k0+BK, n0:n0+BN] (fp16) decoded from the trellis words (int32 view of the int16 trellis).
+def _window_layout(K2: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """Where each element of a [BK, BN] block of W~ finds its 16-bit window inside its tile's words: (first word,
+    next word, right shift of the 64-bit pair). A function of the position in the 16x16 tile only, so it is
+    computed once per program and reused for every tile the program decodes.
 
-    Element (row, col) sits in tile (row//16, col//16) at trellis position p = 8*lane + j (tensor-core order); its
-    16-bit window ends at bit (p+1)*K of the tile's ring (half-integer K: the odd positions carry KA+1 bits)."""
-    rk = k0 + tl.arange(0, BK)
-    rn = n0 + tl.arange(0, BN)
-    r = (rk % 16)[:, None]
-    c = (rn % 16)[None, :]
-    tile = (rk // 16)[:, None] * NT + (rn // 16)[None, :]
+    Element (row, col) sits at trellis position p = 8*lane + j (tensor-core order); its window ends at bit
+    (p+1)*K of the tile's ring (half-integer K: the odd positions carry KA+1 bits)."""
+    r = (tl.arange(0, BK) % 16)[:, None]
+    c = (tl.arange(0, BN) % 16)[None, :]
     p = ((c & 7) * 4 + ((r & 7) >> 1)) * 8 + (r & 1) + 2 * (r >> 3) + 4 * (c >> 3)
     KA: tl.constexpr = K2 // 2
     HALF: tl.constexpr = K2 % 2
@@ -73,28 +73,41 @@ def _decode_block(words, k0, n0, NT, K2: tl.constexpr, CB: tl.constexpr, BK: tl.
     end = (p >> 4) * (8 * K2) + m1 * KA + HALF * (m1 >> 1)
     start = (end - 16 + RING) % RING
     wi = start >> 5
-    o = start & 31
+    shift = (48 - (start & 31)).to(tl.uint64)
+    return wi, (wi + 1) % NW, shift
+
+
+@triton.jit
+def _decode_block(words, wi, wj, shift, k0, n0, NT, K2: tl.constexpr, CB: tl.constexpr,
+                  BK: tl.constexpr, BN: tl.constexpr):
+    """W~[k0:k0+BK, n0:n0+BN] (fp16) from the trellis words (int32 view of the int16 trellis), given the layout."""
+    NW: tl.constexpr = 4 * K2
+    tile = ((k0 // 16) + tl.arange(0, BK) // 16)[:, None] * NT + ((n0 // 16) + tl.arange(0, BN) // 16)[None, :]
     base = words + tile.to(tl.int64) * NW
     a = tl.load(base + wi).to(tl.uint32, bitcast=True)
-    b = tl.load(base + (wi + 1) % NW).to(tl.uint32, bitcast=True)
+    b = tl.load(base + wj).to(tl.uint32, bitcast=True)
     pair = (a.to(tl.uint64) << 32) | b.to(tl.uint64)            # bits MSB-first across the two words
-    w = ((pair >> (48 - o).to(tl.uint64)) & 0xFFFF).to(tl.uint32)
+    w = ((pair >> shift) & 0xFFFF).to(tl.uint32)
     return _codebook(w, CB)
 
 
 @triton.jit
-def _hadamard128():
-    """Unscaled Sylvester H128 (+-1, float32): H[i, j] = (-1)^popcount(i & j)."""
-    i = tl.arange(0, 128)
-    v = i[:, None] & i[None, :]
-    v = v ^ (v >> 4)
-    v = v ^ (v >> 2)
-    v = v ^ (v >> 1)
-    return (1 - 2 * (v & 1)).to(tl.float32)
+def _hadamard_product(x, h16):
+    """x @ H (unscaled +-1 Sylvester, fp16 [128, 128]) for float32 x [R, 128] on tensor cores: x split into two fp16
+    parts (hi + lo carries ~22 bits), +-1 products are exact, fp32 accumulation."""
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    return tl.dot(hi, h16) + tl.dot(lo, h16)
 
 
 @triton.jit
-def _had_in_kernel(x_ptr, suh_ptr, ids_ptr, out_ptr, M, D, HAD_SCALE: tl.constexpr, BR: tl.constexpr):
+def _load_h(h_ptr):
+    i = tl.arange(0, 128)
+    return tl.load(h_ptr + i[:, None] * 128 + i[None, :])
+
+
+@triton.jit
+def _had_in_kernel(x_ptr, suh_ptr, ids_ptr, h_ptr, out_ptr, M, D, HAD_SCALE: tl.constexpr, BR: tl.constexpr):
     pid_r = tl.program_id(0)
     blk = tl.program_id(1)
     g = tl.program_id(2)
@@ -104,12 +117,12 @@ def _had_in_kernel(x_ptr, suh_ptr, ids_ptr, out_ptr, M, D, HAD_SCALE: tl.constex
     off = g.to(tl.int64) * M * D + rows[:, None].to(tl.int64) * D + cols[None, :]
     x = tl.load(x_ptr + off, mask=rows[:, None] < M, other=0.0).to(tl.float32)
     s = tl.load(suh_ptr + e * D + cols).to(tl.float32)
-    y = tl.dot(x * s[None, :], _hadamard128(), input_precision="ieee") * HAD_SCALE
+    y = _hadamard_product(x * s[None, :], _load_h(h_ptr)) * HAD_SCALE
     tl.store(out_ptr + off, y.to(tl.float16), mask=rows[:, None] < M)
 
 
 @triton.jit
-def _had_out_kernel(part_ptr, svh_ptr, bias_ptr, ids_ptr, out_ptr, M, N, G, SPLIT,
+def _had_out_kernel(part_ptr, svh_ptr, bias_ptr, ids_ptr, h_ptr, out_ptr, M, N, G, SPLIT,
                     HAS_BIAS: tl.constexpr, HAD_SCALE: tl.constexpr, BR: tl.constexpr):
     pid_r = tl.program_id(0)
     blk = tl.program_id(1)
@@ -122,7 +135,7 @@ def _had_out_kernel(part_ptr, svh_ptr, bias_ptr, ids_ptr, out_ptr, M, N, G, SPLI
     acc = tl.zeros((BR, 128), dtype=tl.float32)
     for s in range(SPLIT):                   # fixed order: deterministic, independent of the other rows
         acc += tl.load(part_ptr + s * G * M * N + off, mask=mask, other=0.0).to(tl.float32)
-    y = tl.dot(acc, _hadamard128(), input_precision="ieee") * HAD_SCALE
+    y = _hadamard_product(acc, _load_h(h_ptr)) * HAD_SCALE
     y = y * tl.load(svh_ptr + e * N + cols).to(tl.float32)[None, :]
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + e * N + cols).to(tl.float32)[None, :]
@@ -147,12 +160,13 @@ def _gemm_kernel(x_ptr, words_ptr, ids_ptr, rows_ptr, part_ptr, M, N, D, NT, exp
         rn = pid_n * BN + tl.arange(0, BN)
         xrow = x_ptr + g.to(tl.int64) * M * D + rm[:, None].to(tl.int64) * D
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        wi, wj, shift = _window_layout(K2, BK, BN)
         s0 = pid_s * steps_per_split
         s1 = tl.minimum(s0 + steps_per_split, D // BK)
         for step in range(s0, s1):
             k0 = step * BK
             xk = tl.load(xrow + (k0 + tl.arange(0, BK))[None, :], mask=rm[:, None] < m_valid, other=0.0)
-            w = _decode_block(words, k0, pid_n * BN, NT, K2, CB, BK, BN)
+            w = _decode_block(words, wi, wj, shift, k0, pid_n * BN, NT, K2, CB, BK, BN)
             acc += tl.dot(xk, w)
         off = (pid_s * G + g).to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
         tl.store(part_ptr + off, acc, mask=rm[:, None] < M)
@@ -163,7 +177,8 @@ def _reconstruct_kernel(words_ptr, out_ptr, N, NT, K2: tl.constexpr, CB: tl.cons
                         BK: tl.constexpr, BN: tl.constexpr):
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
-    w = _decode_block(words_ptr, pid_k * BK, pid_n * BN, NT, K2, CB, BK, BN)
+    wi, wj, shift = _window_layout(K2, BK, BN)
+    w = _decode_block(words_ptr, wi, wj, shift, pid_k * BK, pid_n * BN, NT, K2, CB, BK, BN)
     rk = pid_k * BK + tl.arange(0, BK)
     rn = pid_n * BN + tl.arange(0, BN)
     tl.store(out_ptr + rk[:, None].to(tl.int64) * N + rn[None, :], w)
@@ -213,6 +228,17 @@ class Exl3Weight:
         return -(-steps // per), per
 
 
+_H16: dict = {}
+
+
+def _sylvester_fp16(device: torch.device) -> torch.Tensor:
+    """Unscaled Sylvester H128 (+-1, fp16) on the device, made once per device."""
+    key = str(device)
+    if key not in _H16:
+        _H16[key] = _sylvester(HAD_DIM).to(device=device, dtype=torch.float16).contiguous()
+    return _H16[key]
+
+
 def _words(w: Exl3Weight) -> torch.Tensor:
     return w.trellis.view(torch.int32)
 
@@ -221,7 +247,7 @@ def _had_in(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor) -> torch.Tensor:
     G, M, D = x.shape
     xh = torch.empty((G, M, D), dtype=torch.float16, device=x.device)
     _had_in_kernel[(triton.cdiv(M, HAD_ROWS), D // 128, G)](
-        x, w.suh, ids, xh, M, D, HAD_SCALE=HAD_SCALE_F32, BR=HAD_ROWS, num_warps=8)
+        x, w.suh, ids, _sylvester_fp16(x.device), xh, M, D, HAD_SCALE=HAD_SCALE_F32, BR=HAD_ROWS, num_warps=8)
     return xh
 
 
@@ -230,7 +256,7 @@ def _had_out(part: torch.Tensor, w: Exl3Weight, ids: torch.Tensor, out_dtype: to
     y = torch.empty((G, M, N), dtype=out_dtype, device=part.device)
     bias = w.bias if w.bias is not None else w.svh
     _had_out_kernel[(triton.cdiv(M, HAD_ROWS), N // 128, G)](
-        part, w.svh, bias, ids, y, M, N, G, S, HAS_BIAS=w.bias is not None, HAD_SCALE=HAD_SCALE_F32, BR=HAD_ROWS,
+        part, w.svh, bias, ids, _sylvester_fp16(part.device), y, M, N, G, S, HAS_BIAS=w.bias is not None, HAD_SCALE=HAD_SCALE_F32, BR=HAD_ROWS,
         num_warps=8)
     return y
 
