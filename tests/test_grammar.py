@@ -250,6 +250,8 @@ def _leap_second_ok(checker):
     and rfc3339-validator refuses; check the rest of the value as usual."""
     fc = jsonschema.FormatChecker()
     for fmt in ("date-time", "time"):
+        if fmt not in checker.checkers:   # rfc3339-validator absent: jsonschema does not check these formats
+            continue
         inner = checker.checkers[fmt][0]
 
         def check(value, inner=inner):
@@ -694,11 +696,15 @@ def test_lenient_when_strict_false_and_none_when_unconstrained(hf, lt):
         "name": "x", "schema": schema, "strict": False}}}, hf, None, False)
     assert isinstance(json.loads(text_of(hf, drive(spec, hf, 0))), list)
     for req in ({}, {"response_format": {"type": "text"}}, {"tool_choice": "auto", "tools": TOOLS},
-                {"tool_choice": "none", "tools": TOOLS}):
+                {"tool_choice": "none", "tools": TOOLS}, {"tool_choice": {"type": "auto"}, "tools": TOOLS}):
         assert compile_request(req, hf, None, False) is None
     named = compile_request({"tool_choice": {"type": "function", "function": {"name": "GET_WEATHER"}}}, hf, TOOLS,
                             False)
     assert named.tool_names == ("get_weather",)   # names match offers case-insensitively; the offer's spelling
+    for tc in ({"type": "function", "name": "web_search"}, {"type": "tool", "name": "web_search"}):   # Responses,
+        assert compile_request({"tool_choice": tc}, hf, TOOLS, False).tool_names == ("web_search",)  # Anthropic
+    anyc = compile_request({"tool_choice": {"type": "any"}}, hf, TOOLS, False)
+    assert anyc.kind == "tool_call" and len(anyc.tool_names) == len(TOOLS)
 
 
 def test_tokenizer_from_chat_tokenizer_is_shared(hf, lt):

@@ -433,7 +433,7 @@ def _structured(req: dict) -> tuple[str, str, Any, bool] | None:
 def _forced_tools(req: dict, tools: list) -> tuple[list[dict], int | None] | None:
     """The tools a forced call may use and the call limit, or None when calls are not forced."""
     tc = req.get("tool_choice")
-    if tc is None or tc in ("auto", "none"):
+    if tc is None or tc in ("auto", "none") or (isinstance(tc, dict) and tc.get("type") in ("auto", "none")):
         return None
     one = req.get("parallel_tool_calls") is False
     if tc == "required" or (isinstance(tc, dict) and tc.get("type") == "any"):
@@ -467,7 +467,8 @@ def compile_request(req: dict, tok: Any = None, tools: list | None = None, think
     """
     if tools is None:
         tools = req.get("tools") or []
-    if req.get("tool_choice") == "none":
+    tc = req.get("tool_choice")
+    if tc == "none" or (isinstance(tc, dict) and tc.get("type") == "none"):
         tools = []
     for t in tools:
         fn = _tool_function(t)
