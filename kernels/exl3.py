@@ -280,7 +280,11 @@ def exl3_grouped(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor, rows: torch.
     part = torch.empty((S, G, M, N), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, BLOCK_M) * (N // BLOCK_N), S, G)
     _gemm_kernel[grid](xh, _words(w), ids, rows, part, M, N, D, N // 16, w.trellis[0].numel() // 2, per,
-                       K2=w.K2, CB=w.cb, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=8)
+                       K2=w.K2, CB=w.cb, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=8,
+                       # no software pipelining: the trellis loads are gathers, which the pipeliner turns into 4-byte
+                       # cp.async copies through 80 KB of shared memory (seen in the sm_90 PTX); one stage keeps
+                       # them plain cached loads as in the reconstruct kernel
+                       num_stages=1)
     return _had_out(part, w, ids, out_dtype)
 
 
