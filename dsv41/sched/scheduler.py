@@ -288,6 +288,9 @@ class Scheduler:
 
     def _finish(self, req: Request, ev: FinishEvent, admitted: bool = True) -> None:
         req.finish(ev)
+        ttft = f"{req.first_token_time - req.arrival:.3f}" if req.first_token_time else "-"
+        log.info("done %d prompt=%d reply=%d finish=%s ttft=%s seconds=%.3f", req.id, req.prompt_len,
+                 len(req.output_ids), ev.reason, ttft, req.finish_time - req.arrival)
         if admitted:
             self.running.remove(req)
             self.budget.release(req.reserved_bytes)
