@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -311,7 +312,7 @@ def main(argv=None) -> int:
                                   f"fills (its TTFT {r['long_ttft_s']:.3f} s); running reply worst stall "
                                   f"{r['worst_stall_s']:.3f} s (median gap {r['median_gap_s']:.3f} s)")
 
-    cmd = "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:]))
+    cmd = "python " + shlex.join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:]))
     lines = [f"# serve_bench: {c.model}", "", f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              f"- command: `{cmd}`", f"- server: {a.url}", f"- machine: {machine()}"]
     if a.note:
