@@ -19,6 +19,8 @@ from functools import lru_cache
 
 import torch
 
+from dsv41.model.linear import tiled
+
 __all__ = [
     "Exl3FormatError", "CB_3INST", "CB_MCG", "CB_MUL1", "MCG_MARKER", "MUL1_MARKER",
     "exl3_tensors", "codebook_of", "bits_of", "window_ends", "tile_positions", "unpack_windows",
@@ -49,10 +51,6 @@ MUL1_INV_BITS, MUL1_BIAS_BITS = 0x1EEE, 0xC931
 # so every entry is fp32(1/sqrt(128)).
 HAD_DIM = 128
 HAD_SCALE_F32 = float(torch.tensor(1.0 / math.sqrt(HAD_DIM), dtype=torch.float32))
-
-# Row count of one product in exl3_linear: a fixed count makes a row's float32 result independent of the other
-# rows in the call (torch's CPU matmul picks kernels by row count; see "Exactness" in docs/architecture.md).
-ROW_TILE = 32
 
 SUBKEYS = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias", "scale")
 
@@ -281,8 +279,8 @@ def exl3_linear(x: torch.Tensor, tensors: dict, w_rot: torch.Tensor | None = Non
     """y = x @ W (+ bias) in float32 without forming W: y = H(H(x * suh) @ W~) * svh, H = blockdiag(H128).
 
     x: [..., in] any float dtype; returns float32 [..., out]. `w_rot` is W~ if the caller already decoded it
-    (decode_trellis). The product runs in fixed tiles of ROW_TILE rows so each row's result is independent of how
-    many rows share the call."""
+    (decode_trellis). The product runs in fixed row tiles (dsv41.model.linear.tiled), so each row's result is
+    independent of how many rows share the call."""
     trellis, K, cb, suh, svh, bias = _parse(tensors)
     n_in, n_out = trellis.shape[0] * 16, trellis.shape[1] * 16
     if x.shape[-1] != n_in:
@@ -292,12 +290,7 @@ def exl3_linear(x: torch.Tensor, tensors: dict, w_rot: torch.Tensor | None = Non
     lead = x.shape[:-1]
     xh = hadamard_128_rows(x.reshape(-1, n_in).float() * suh.float().to(x.device))
     w = w_rot.float().to(x.device)
-    rows = xh.shape[0]
-    pad = (-rows) % ROW_TILE
-    if pad:
-        xh = torch.cat((xh, xh.new_zeros(pad, n_in)))
-    y = torch.cat([xh[i:i + ROW_TILE] @ w for i in range(0, xh.shape[0], ROW_TILE)])[:rows]
-    y = hadamard_128_rows(y) * svh.float().to(x.device)
+    y = hadamard_128_rows(tiled(lambda t: t @ w, xh)) * svh.float().to(x.device)
     if bias is not None:
         y = y + bias.float().to(x.device)
     return y.reshape(*lead, n_out)
