@@ -23,7 +23,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from dsv41.api import sse
+from dsv41.api import anthropic, responses, sse
 from dsv41.api.auth import OPEN_PATHS, KeyCheck
 from dsv41.api.errors import ApiError, bad_request, context_exceeded, from_decode_error
 from dsv41.api.metrics import Metrics
@@ -656,6 +656,8 @@ def create_app(cfg, metrics: Metrics | None = None, on_startup=None, on_shutdown
         Route("/v1/health", health, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),
         Route("/v1/metrics", metrics_text, methods=["GET"]),
+        *responses.routes(),
+        *anthropic.routes(),
     ]
     from contextlib import asynccontextmanager
 
