@@ -31,6 +31,7 @@ from dsv41.model.state import SeqState
 class Draft:
     tokens: torch.Tensor       # [block_size] int64: d_1 .. d_block_size
     logits: torch.Tensor       # [block_size, vocab] float32: head logits + Markov bias (the pick's distribution)
+    head_logits: torch.Tensor  # [block_size, vocab] float32: the shared head's logits before the Markov bias
     confidence: torch.Tensor   # [block_size] float32 logits of the confidence head
 
 
@@ -126,5 +127,6 @@ class DSpark:
                 prev = torch.nonzero(row[0] == best)[0]                           # ties to the lower id
                 toks.append(prev[0])
                 rows.append(row[0])
-            out.append(Draft(tokens=torch.stack(toks), logits=torch.stack(rows), confidence=torch.stack(conf)))
+            out.append(Draft(tokens=torch.stack(toks), logits=torch.stack(rows), head_logits=logits[b].clone(),
+                             confidence=torch.stack(conf)))
         return out
