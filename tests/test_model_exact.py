@@ -147,3 +147,32 @@ def test_bad_input_raises_typed_error(model):
     with pytest.raises(InputError):
         model.forward([SeqInput(st, torch.tensor([1])), SeqInput(st, torch.tensor([2]))])
     assert st.length == 0
+
+
+def test_image_rows(model):
+    """Image positions: embedding replaced by the given rows, hashed as DEAD, routed with bias_vl; still batch-
+    and chunk-invariant."""
+    t = model.t
+    ids = _tokens(20, 8)
+    ids[5:10] = model.cfg.image_token_id
+    tt = torch.full((20,), -1)
+    tt[5:10] = torch.tensor([0, 1, 1, 2, 3])
+    g = torch.Generator().manual_seed(9)
+    emb = torch.randn(20, t.hidden_size, generator=g)
+    st = model.new_state()
+    ref = model.forward([SeqInput(st, ids, embeds=emb, token_type=tt)])[0]
+    assert (st.engram_history[5:10] == -1).all() and (st.engram_history[:5] >= 0).all()
+    st2, other = model.new_state(), model.new_state()
+    parts = [model.forward([SeqInput(st2, ids[:7], embeds=emb[:7], token_type=tt[:7]),
+                            SeqInput(other, _tokens(11, 12))])[0],
+             model.forward([SeqInput(st2, ids[7:], embeds=emb[7:], token_type=tt[7:])])[0]]
+    assert torch.equal(torch.cat(parts), ref)
+    emb2 = emb.clone()
+    emb2[6] += 1
+    changed = model.forward([SeqInput(model.new_state(), ids, embeds=emb2, token_type=tt)])[0]
+    assert torch.equal(changed[:6], ref[:6]) and not torch.equal(changed[6:], ref[6:])
+    moe = model.blocks[0].moe
+    x = torch.randn(8, t.hidden_size, generator=g)
+    _, ids_vl = moe.route(x, torch.ones(8, dtype=torch.bool))
+    s = torch.sqrt(torch.nn.functional.softplus(x @ moe.gate.t()))
+    assert torch.equal(ids_vl, torch.sort(s + moe.bias_vl, dim=1, descending=True, stable=True).indices[:, :moe.top_k])
