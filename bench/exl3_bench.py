@@ -55,7 +55,6 @@ def ceilings():
     t_copy = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50, return_mode="median") * 1e-3
     t_read = triton.testing.do_bench(lambda: a.sum(dtype=torch.float32), warmup=5, rep=50,
                                      return_mode="median") * 1e-3
-    del a, b
     m = 8192
     x = torch.randn(m, m, dtype=torch.float16, device=DEVICE)
     y = torch.randn(m, m, dtype=torch.float16, device=DEVICE)

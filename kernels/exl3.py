@@ -21,17 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.model.exl3 import (CB_MUL1, HAD_DIM, HAD_SCALE_F32, Exl3FormatError, _parse, _sylvester, bits_of,
-                              codebook_of)
+from dsv41.model.exl3 import HAD_DIM, HAD_SCALE_F32, Exl3FormatError, _parse, _sylvester
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64     # fixed: a row's arithmetic must not depend on the row count
 TARGET_PROGRAMS = 512                      # split the input dimension until (out/BLOCK_N)*split reaches this
 HAD_ROWS = 16                              # rows per Hadamard program (tl.dot needs >= 16)
-
-# MUL1 scale and offset: fp16 0x1eee = 1774 * 2^-18 and fp16 0xc931 = -1329 * 2^-7, exact in float32.
-MUL1_INV = 0.00676727294921875
-MUL1_BIAS = -10.3828125
-
 
 @triton.jit
 def _codebook(w, CB: tl.constexpr):
@@ -39,7 +33,8 @@ def _codebook(w, CB: tl.constexpr):
     if CB == 2:
         x = w * 0x83DCD12D
         s = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
-        # (1024 + byte sum) * fp16(0x1eee) + fp16(0xc931): exact in float32, so one rounding like the fp16 fma
+        # (1024 + byte sum) * fp16(0x1eee) + fp16(0xc931) = ... * 1774*2^-18 - 1329*2^-7: exact in float32, so one
+        # rounding like the fp16 fma
         v = (s + 1024).to(tl.float32) * 0.00676727294921875 + (-10.3828125)
         return v.to(tl.float16)
     else:
@@ -324,4 +319,4 @@ def exl3_linear_prompt(x: torch.Tensor, w: Exl3Weight, w_rot: torch.Tensor | Non
 
 
 __all__ = ["Exl3Weight", "exl3_grouped", "exl3_linear_triton", "exl3_reconstruct", "exl3_linear_prompt",
-           "BLOCK_M", "BLOCK_N", "BLOCK_K", "CB_MUL1", "bits_of", "codebook_of"]
+           "BLOCK_M", "BLOCK_N", "BLOCK_K"]
