@@ -1,7 +1,7 @@
 """Bitwise exactness of the CPU float32 forward: a row's logits are a pure function of its sequence's tokens,
 however rows are grouped into forwards (docs/architecture.md "Exactness"; docs/model.md)."""
-import torch
 import pytest
+import torch
 
 from dsv41.model.linear import ROW_TILE, linear, tiled
 from dsv41.model.model import InputError, Model, SeqInput
@@ -85,7 +85,7 @@ def test_mixed_round_prefill_chunk_with_decode_rows(model):
     ref_a, ref_b, ref_c = (_one_pass(model, s)[0] for s in (a_ids, b_ids, c_ids))
     sa, sb, sc = model.new_state(), model.new_state(), model.new_state()
     model.forward([SeqInput(sb, b_ids[:18]), SeqInput(sc, c_ids[:20])])
-    outs_a, outs_c = [], []
+    outs_a = []
     outs_a.append(model.forward([SeqInput(sa, a_ids[:11])])[0])
     mixed = model.forward([SeqInput(sa, a_ids[11:30], logits="all"), SeqInput(sb, b_ids[18:19], logits="last"),
                            SeqInput(sc, c_ids[20:21], logits="all")])

@@ -8,8 +8,8 @@ Image rows have the gate forced to 0. The hash ids come from dsv41.model.engram_
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

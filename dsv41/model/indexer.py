@@ -67,7 +67,7 @@ class Indexer:
                 ktile = torch.cat([ktile, ktile.new_zeros((KEY_TILE - ktile.shape[0], ktile.shape[1]))])
             kt = ktile.t()
 
-            def tile_scores(qt, wt):
+            def tile_scores(qt, wt, kt=kt):
                 r = qt.shape[0]
                 s = (qt.reshape(r * self.n_heads, self.head_dim) @ kt).view(r, self.n_heads, KEY_TILE)
                 s = torch.relu(s) * scale

@@ -67,7 +67,7 @@ class Layout:
         return tuple(r.index for r in self.layers if r.owns_compressor)
 
     @classmethod
-    def from_config(cls, t: TextConfig) -> "Layout":
+    def from_config(cls, t: TextConfig) -> Layout:
         L = t.num_hidden_layers
         kv_src = set(t.kv_source_layer_ids)
         idx_src = set(t.index_source_layer_ids)

@@ -14,7 +14,7 @@ Last-dim reductions (sum, mean, amax) and last-dim softmax run row by row and ar
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -10,9 +10,10 @@ top-k list and the candidate source its candidate blocks; later layers read the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -146,12 +147,13 @@ class Model:
 
     @classmethod
     def load(cls, ckpt: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-             share: RankShare = RankShare(0, 1), qat: bool = True, index_keys: str = "intended",
-             comm: Comm | None = None) -> "Model":
+             share: RankShare | None = None, qat: bool = True, index_keys: str = "intended",
+             comm: Comm | None = None) -> Model:
         """Load a checkpoint. qat=False makes the three QAT fake-quants (window KV, compressed KV, indexer q/k)
         the identity; index_keys="quirk" reproduces the release's indexer-key publication (arch.md §2.8)."""
         if device != "cpu" or dtype != torch.float32:
             raise ValueError("the reference forward runs on CPU in float32")
+        share = share or RankShare(0, 1)
         if share.world > 1 and (comm is None or comm.world != share.world):
             raise ValueError("a tensor-parallel share needs a Comm of the same world size")
         d = Path(ckpt)
@@ -223,7 +225,7 @@ class Model:
         pre = torch.zeros(ids.numel(), t.hc_mult)
         pre[:, 0] = 1.0
         taps = [None] * len(t.dspark_target_layer_ids)
-        shared = [dict() for _ in segs]
+        shared = [{} for _ in segs]
         for blk in self.blocks:
             r = blk.role
             if blk.engram is not None:

@@ -33,7 +33,7 @@ class SeqState:
     engram_history: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     published_keys: tuple[int, int] | None = None
 
-    def snapshot(self) -> "SeqState":
+    def snapshot(self) -> SeqState:
         """An independent copy at the current token boundary (tensors cloned)."""
         return SeqState(
             length=self.length,
@@ -46,7 +46,7 @@ class SeqState:
             published_keys=copy.copy(self.published_keys),
         )
 
-    def restore(self, snap: "SeqState") -> None:
+    def restore(self, snap: SeqState) -> None:
         """Back to the snapshot's boundary exactly (the snapshot stays usable)."""
         s = snap.snapshot()
         self.length = s.length
