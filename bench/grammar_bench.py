@@ -162,7 +162,8 @@ def main() -> None:
             if m is not None:
                 m.consume(seqs[i][k])
 
-    # The same batch-B rounds with llguidance pools of other sizes (the default is 80% of the CPUs, up to 32).
+    # The same batch-B rounds with llguidance pools of other sizes (dsv41 uses MASK_THREADS; llguidance's own
+    # default is 80% of the CPUs, up to 32).
     import llguidance
     from dsv41.grammar import matchers as grammar_matchers
     default_pool = grammar_matchers._executor()

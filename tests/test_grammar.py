@@ -249,9 +249,13 @@ def _leap_second_ok(checker):
     """RFC 3339 (the JSON Schema meaning of date-time/time) allows a leap second ":60", which llguidance produces
     and rfc3339-validator refuses; check the rest of the value as usual."""
     fc = jsonschema.FormatChecker()
+    try:
+        import rfc3339_validator  # noqa: F401
+    except ImportError:
+        # Without it jsonschema skips date-time and checks time with strptime, which refuses RFC 3339 fractions.
+        fc.checks("time")(lambda value: True)
+        return fc
     for fmt in ("date-time", "time"):
-        if fmt not in checker.checkers:   # rfc3339-validator absent: jsonschema does not check these formats
-            continue
         inner = checker.checkers[fmt][0]
 
         def check(value, inner=inner):

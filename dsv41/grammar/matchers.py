@@ -9,6 +9,7 @@ The scheduler's side of structured output:
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Sequence
 
@@ -101,6 +102,10 @@ class Matcher:
 # ---------------------------------------------------------------------------------------------------------------
 # Batches.
 
+# A JSON mask costs ~15 µs and a reasoning mask ~2 µs, so thread hand-off dominates a wide pool: on the H200 host
+# (16 CPUs) 32 masks took 0.6 ms on 1 thread, 0.86 ms on 4 and 1.2 ms on llguidance's default 12
+# (bench/results/grammar-h200.md). Four threads stay close to the best there and still split heavy grammars.
+MASK_THREADS = 4
 _EXECUTOR: llg.LLExecutor | None = None
 _EXECUTOR_LOCK = threading.Lock()
 
@@ -109,7 +114,7 @@ def _executor() -> llg.LLExecutor:
     global _EXECUTOR
     with _EXECUTOR_LOCK:
         if _EXECUTOR is None:
-            _EXECUTOR = llg.LLExecutor()
+            _EXECUTOR = llg.LLExecutor(max(1, min(MASK_THREADS, os.cpu_count() or 1)))
         return _EXECUTOR
 
 
