@@ -27,10 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from dsv41.grammar import allocate_bitmask, apply_mask, compile_request, fill_masks, llg_tokenizer  # noqa: E402
+from dsv41.grammar import allocate_bitmask, apply_mask, compile_request, fill_masks, llg_tokenizer
 
 EOS = 1
 
@@ -165,6 +165,7 @@ def main() -> None:
     # The same batch-B rounds with llguidance pools of other sizes (dsv41 uses MASK_THREADS; llguidance's own
     # default is 80% of the CPUs, up to 32).
     import llguidance
+
     from dsv41.grammar import matchers as grammar_matchers
     default_pool = grammar_matchers._executor()
     pools = {}

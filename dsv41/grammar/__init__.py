@@ -2,5 +2,5 @@
 from dsv41.grammar.compile import GrammarError, GrammarSpec, Vocab, compile_request, llg_tokenizer, vocab_for
 from dsv41.grammar.matchers import Matcher, allocate_bitmask, apply_mask, fill_masks
 
-__all__ = ["GrammarError", "GrammarSpec", "Matcher", "allocate_bitmask", "apply_mask", "compile_request",
-           "fill_masks", "llg_tokenizer", "Vocab", "vocab_for"]
+__all__ = ["GrammarError", "GrammarSpec", "Matcher", "Vocab", "allocate_bitmask", "apply_mask", "compile_request",
+           "fill_masks", "llg_tokenizer", "vocab_for"]

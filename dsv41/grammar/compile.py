@@ -293,12 +293,14 @@ def _raw_value_rule(schema: Any, root: dict) -> str:
             return "(" + " | ".join(_lit(v) for v in dict.fromkeys(strings)) + ") \"</\""
     pattern = s.get("pattern")
     if isinstance(pattern, str):
-        body = pattern[1:] if pattern.startswith("^") else pattern
+        body = pattern.removeprefix("^")
         body = body[:-1] if body.endswith("$") and not body.endswith("\\$") else body
         return "/(" + llg.regex_to_lark(body) + ")<\\//"
     lo, hi = s.get("minLength"), s.get("maxLength")
     if isinstance(lo, int) or isinstance(hi, int):
-        return "/(.|\\n){%d,%s}<\\//" % (lo if isinstance(lo, int) else 0, hi if isinstance(hi, int) else "")
+        lo = lo if isinstance(lo, int) else 0
+        hi = hi if isinstance(hi, int) else ""
+        return f"/(.|\\n){{{lo},{hi}}}<\\//"
     return "/(.|\\n)*<\\//"
 
 
@@ -505,7 +507,7 @@ def compile_request(req: dict, tok: Any = None, tools: list | None = None, think
                 raise GrammarError(f"{param} must be a non-empty grammar string", param)
             try:
                 user = any_to_lark(value)
-            except Exception as e:   # the converter raises plain exceptions on malformed GBNF
+            except Exception as e:  # noqa: BLE001 - the converter raises plain exceptions on malformed GBNF
                 raise GrammarError(f"{param}: {e}", param) from None
             subs.append({"name": "client", "lark_grammar": user})
             answer = "@client"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import llguidance as llg
 import llguidance.torch as llg_torch
