@@ -176,3 +176,13 @@ def test_image_rows(model):
     _, ids_vl = moe.route(x, torch.ones(8, dtype=torch.bool))
     s = torch.sqrt(torch.nn.functional.softplus(x @ moe.gate.t()))
     assert torch.equal(ids_vl, torch.sort(s + moe.bias_vl, dim=1, descending=True, stable=True).indices[:, :moe.top_k])
+
+
+def test_logits_none_and_last(model):
+    ids = _tokens(12, 13)
+    ref, _ = _one_pass(model, ids)
+    a, b = model.new_state(), model.new_state()
+    out = model.forward([SeqInput(a, ids[:7], logits="none"), SeqInput(b, ids, logits="last")])
+    assert out[0].shape == (0, model.t.vocab_size) and a.length == 7
+    assert torch.equal(out[1], ref[-1:])
+    assert torch.equal(model.forward([SeqInput(a, ids[7:], logits="last")])[0], ref[-1:])

@@ -41,12 +41,12 @@ def hc_mixes(streams: torch.Tensor, site: HcSite, sinkhorn_iters: int, hc_eps: f
     comb = torch.softmax(logits, dim=-1) + hc_eps
 
     def norm_cols(c):
-        col = _sum([c[:, j:j + 1, :] for j in range(hc)])          # [n, 1, hc]
-        return c / (col + hc_eps)
+        col = _sum(c.unbind(1))                                     # [n, hc]: Σ_j c[:, j, k]
+        return c / (col[:, None, :] + hc_eps)
 
     def norm_rows(c):
-        row = _sum([c[:, :, k:k + 1] for k in range(hc)])          # [n, hc, 1]
-        return c / (row + hc_eps)
+        row = _sum(c.unbind(2))                                     # [n, hc]: Σ_k c[:, j, k]
+        return c / (row[:, :, None] + hc_eps)
 
     comb = norm_cols(comb)
     for _ in range(sinkhorn_iters - 1):
