@@ -11,8 +11,8 @@ stages as full blocks (single-pass mHC, attention, MoE with the stage's experts)
 query sees the stage's ring (the last sliding_window context positions) plus ALL block positions — bidirectional
 inside the block. Then collapse with the last pre, mtp.2.norm, the shared head, and the Markov steps
 d_{i+1} = argmax(logits_i + H·E[d_i]), d_0 = next_token. Confidence_i = proj([x_i ; E[d_i]]) where x_i is the
-normed collapsed hidden of block position i (the head's input); the spec leaves its use open, so it is returned
-as is. Drafting reads the state and never writes it.
+collapsed hidden of block position i before mtp.2.norm (as the TensorFold port reads "x_collapsed"); the spec leaves
+its use open, so it is returned as is. Drafting reads the state and never writes it.
 """
 from __future__ import annotations
 
@@ -112,8 +112,8 @@ class DSpark:
             y = m.comm.all_reduce(blk.moe(x))
             streams = hc_expand(y, streams, post_f, comb_f)
             pre = pre_f
-        x = rms_norm(hc_collapse(streams, pre), self.norm, t.rms_norm_eps)
-        logits = m.comm.all_gather_cols(linear(x, m.head)).view(B, S, -1)
+        x = hc_collapse(streams, pre)
+        logits = m.comm.all_gather_cols(linear(rms_norm(x, self.norm, t.rms_norm_eps), m.head)).view(B, S, -1)
         x = x.view(B, S, -1)
         out = []
         for b, (_, tok) in enumerate(items):
