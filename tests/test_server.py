@@ -324,6 +324,29 @@ def test_structured_output_follows_the_grammar(client):
     assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("response_format")
 
 
+def test_forced_tool_call_plain_and_streamed(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                         "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city", "unit"]}}}]
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools,
+              tool_choice="required", max_tokens=60, temperature=0, extra_body=NO_THINK)
+    r = client.chat.completions.create(**kw)
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    assert args["city"] in ("Paris", "Rome") and args["unit"] in ("c", "f")
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    # with tools offered the role chunk comes just before the first delta; the name first, then argument pieces
+    assert chunks[0].choices[0].delta.role == "assistant"
+    pieces = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert pieces[0].function.name == "get_weather" and pieces[0].id.startswith("call_")
+    assert json.loads("".join(p.function.arguments or "" for p in pieces)) == args
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not any(c.choices[0].delta.content for c in chunks)
+
+
 def test_zz_sigterm_drains_running_replies(server):
     """Last in the module: SIGTERM stops admitting, lets the running reply finish, then the process exits."""
     result: dict = {}
