@@ -11,7 +11,7 @@ for m in numpy safetensors tokenizers msgspec starlette uvicorn uvloop zmq:pyzmq
   $PY -c "import $mod" 2>/dev/null || need+=("$pkg")
 done
 if [ "${1:-}" = "--test" ]; then
-  for m in pytest hypothesis jsonschema openai anthropic httpx; do
+  for m in pytest hypothesis jsonschema openai anthropic httpx triton; do
     $PY -c "import $m" 2>/dev/null || need+=("$m")
   done
 fi
