@@ -239,6 +239,18 @@ def test_disconnect_frees_the_sequence(server):
     assert metric(server.url, "request_finished_total", '{reason="cancelled"}') >= 1
 
 
+def test_disconnect_of_a_plain_request_frees_it_too(server):
+    before = metric(server.url, "client_disconnections_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=1.0,
+                   json={"prompt": ids_prompt(8), "max_tokens": 400, "ignore_eos": True})
+    t0 = time.monotonic()
+    while metric(server.url, "requests_running") != 0:
+        assert time.monotonic() - t0 < 5, "the abandoned request kept its sequence"
+        time.sleep(0.05)
+    assert metric(server.url, "client_disconnections_total") == before + 1
+
+
 def test_keepalive_while_the_prompt_fills(server):
     body = {"prompt": ids_prompt(11, 480), "max_tokens": 1, "stream": True}
     lines = []
