@@ -517,10 +517,11 @@ class Items:
                          output_index=self.output.index(item), delta=piece)
 
     def finish(self, status: str) -> list[dict]:
+        self.close(status)
         if not any(it["type"] in ("message", "function_call") for it in self.output):
             self._begin({"id": _id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
                          "content": []})
-        self.close(status)
+            self.close(status)
         for it in self.output:
             it["status"] = status if it["status"] == "in_progress" else it["status"]
         return self.output
