@@ -17,7 +17,15 @@ import tokenizers
 import torch
 
 from dsv41 import BUILTIN_TOKENIZER_DIR
-from dsv41.grammar import GrammarError, allocate_bitmask, apply_mask, compile_request, fill_masks, llg_tokenizer
+from dsv41.grammar import (
+    GrammarError,
+    allocate_bitmask,
+    apply_mask,
+    compile_request,
+    fill_draft_masks,
+    fill_masks,
+    llg_tokenizer,
+)
 
 EOS, THINK_CLOSE, DSML = 1, 128822, 128825
 
@@ -564,6 +572,33 @@ def test_rollback_eos_when_accepting_but_not_stopped(hf, lt):
     assert m.consume(EOS)
     m.rollback(1)
     assert m.is_accepting() and m.cut_draft(enc(hf, "c")) == enc(hf, "c")
+
+
+def test_draft_masks_equal_serial_masks(hf, lt):
+    spec = compile_request({"tool_choice": "required"}, hf, TOOLS, True)
+    ids = drive(spec, hf, 11) + [EOS]
+    _, masks = _masks_along(spec, ids)
+    rng = random.Random(1)
+    for _ in range(8):
+        p = rng.randrange(len(ids))
+        k = rng.randint(0, 5)
+        draft = ids[p:p + k]
+        m = spec.matcher()
+        assert m.consume_many(ids[:p])
+        bm = allocate_bitmask(8)
+        fill_draft_masks([(m, 1, draft)], bm)
+        for j in range(len(draft) + 1):
+            if p + j < len(ids):
+                assert torch.equal(bm[1 + j], masks[p + j][0]), (p, j)
+            else:   # after EOS: never sampled, EOS-only
+                assert allowed_ids(bm, 1 + j).tolist() == [EOS]
+        assert len(m) == p                     # the matcher did not move
+        one = allocate_bitmask(1)
+        m.fill_mask(one)
+        assert torch.equal(one[0], masks[p][0])
+    with pytest.raises(ValueError):
+        choice = compile_request({"guided_choice": ["yes"]}, hf, None, False)
+        fill_draft_masks([(choice.matcher(), 0, enc(hf, "no"))], allocate_bitmask(8))   # illegal draft
 
 
 def test_cut_draft_is_longest_legal_prefix(hf, lt):

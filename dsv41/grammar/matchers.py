@@ -161,6 +161,46 @@ def fill_masks(matchers: Sequence[Matcher | None], bitmask: torch.Tensor) -> Non
             bitmask[i, :w] = scratch[i, :w]
 
 
+def fill_draft_masks(items: Sequence[tuple[Matcher, int, Sequence[int]]], bitmask: torch.Tensor) -> None:
+    """Masks for verifying drafts: for each (matcher, row, draft), `bitmask[row]` <- the mask now and
+    `bitmask[row + 1 + j]` <- the mask after `draft[: j + 1]`. The draft must be legal (cut it with `cut_draft`
+    first); the matchers are left where they were. Rows after an EOS in a draft are EOS-only (never sampled)."""
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or not bitmask.is_cpu or not bitmask.is_contiguous():
+        raise ValueError("bitmask must be a contiguous CPU int32 tensor [rows, words]")
+    work: dict[int, list] = {}
+    for m, row, draft in items:
+        draft = [int(t) for t in draft]
+        if row + len(draft) >= bitmask.shape[0]:
+            raise ValueError(f"draft rows {row}..{row + len(draft)} past a bitmask of {bitmask.shape[0]} rows")
+        if m.is_error():
+            for j in range(len(draft) + 1):
+                _eos_only(bitmask, row + j, m.vocab.eos)
+            continue
+        if m.vocab.eos in draft:
+            # llguidance's own rollback miscounts an EOS taken when stopped; nothing is sampled after EOS anyway.
+            k = draft.index(m.vocab.eos)
+            for j in range(k, len(draft)):
+                _eos_only(bitmask, row + 1 + j, m.vocab.eos)
+            draft = draft[:k]
+        if len(m.cut_draft(draft)) != len(draft):
+            raise ValueError("the draft is not legal here: cut it with Matcher.cut_draft first")
+        work.setdefault(m.vocab.words, []).append((m._m, row, draft))
+    for words, rows in work.items():
+        target = bitmask if words == bitmask.shape[1] else torch.zeros(bitmask.shape[0], words, dtype=torch.int32)
+        drafted = [r for r in rows if r[2]]
+        plain = [(lm, row) for lm, row, draft in rows if not draft]   # llguidance refuses empty drafts
+        if drafted:
+            llg_torch.fill_next_token_bitmask_par_with_draft_tokens(_executor(), drafted, target)
+        if plain:
+            llg_torch.fill_next_token_bitmask_par(_executor(), plain, target)
+        if target is not bitmask:
+            w = min(words, bitmask.shape[1])
+            for _, row, draft in rows:
+                for j in range(len(draft) + 1):
+                    bitmask[row + j].zero_()
+                    bitmask[row + j, :w] = target[row + j, :w]
+
+
 _BITS: dict[torch.device, torch.Tensor] = {}
 
 
