@@ -96,6 +96,7 @@ def app_with_keys():
 def test_auth_gates_every_route_but_health(app_with_keys):
     c = app_with_keys
     assert c.get("/health").status_code == 503          # open, but the model is not loaded here
+    assert c.get("/").status_code == 503
     r = c.get("/v1/models")
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert r.json()["error"]["code"] == "invalid_api_key"

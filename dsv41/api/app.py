@@ -652,6 +652,7 @@ def create_app(cfg, metrics: Metrics | None = None, on_startup=None, on_shutdown
         Route("/v1/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/detokenize", detokenize, methods=["POST"]),
+        Route("/", health, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/health", health, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-OPEN_PATHS = frozenset({"/health", "/v1/health"})
+OPEN_PATHS = frozenset({"/", "/health", "/v1/health"})
 
 
 class KeyCheck:
