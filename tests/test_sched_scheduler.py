@@ -229,3 +229,34 @@ def test_prompt_rows_fit_the_stall_target_while_replies_decode():
     p = s2.plan_round()
     s2._measure(p, 1.0)
     assert s2.row_cost_s == pytest.approx(0.1)
+
+
+class _BrokenRunner:
+    """A runner whose forward raises (as a model error would); it keeps no states."""
+
+    def __init__(self):
+        self.dropped = []
+
+    def execute(self, plan, matchers=None):
+        raise RuntimeError("boom")
+
+    def drop(self, seqs):
+        self.dropped.extend(seqs)
+
+
+def test_a_failed_round_fails_its_requests_and_the_loop_goes_on():
+    import asyncio
+
+    async def run():
+        s = Scheduler(runner=_BrokenRunner(), budget=MemoryBudget(10**9, COST))
+        s.start()
+        r = s.submit(req(3))
+        evs = [ev async for ev in s.stream(r)]
+        assert evs[-1].reason == "error" and "boom" in evs[-1].error
+        assert s.budget.used == 0 and s.n_running == 0 and s.runner.dropped == [r.id]
+        r2 = s.submit(req(2))                  # the loop is still alive
+        evs2 = [ev async for ev in s.stream(r2)]
+        assert evs2[-1].reason == "error"
+        await s.stop()
+
+    asyncio.run(asyncio.wait_for(run(), 30))

@@ -144,32 +144,49 @@ class Scheduler:
 
     # --- the round loop ------------------------------------------------------------------------------------------
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            plan = self.plan_round()
-            if not plan.rows:
-                if plan.ops:                        # only frees: still tell the runner
-                    await loop.run_in_executor(self._executor, self.runner.execute, plan)
-                if self._stopped:
-                    return
-                self._wake.clear()
-                if self._work_pending():
-                    continue
-                await self._wake.wait()
-                continue
-            t0 = time.perf_counter()
-            matchers = {r.id: r.matcher for r in self.running if r.matcher is not None}
             try:
-                result = await loop.run_in_executor(self._executor, self.runner.execute, plan, matchers or None)
-            except Exception as e:  # noqa: BLE001 - a failed forward fails its requests, not the server
-                log.exception("round %d failed", plan.round)
-                self._fail_round(plan, e)
-                continue
-            self.last_round_s = time.perf_counter() - t0
-            self._measure(plan, self.last_round_s)
-            if self._plan_has_decode:
-                self.worst_round_s = max(self.worst_round_s, self.last_round_s)
-            self.commit_round(plan, result)
+                if not await self._one_round():
+                    return
+            except Exception as e:  # noqa: BLE001 - a bug in one round must not leave every request hanging
+                log.exception("scheduler round failed; failing the running requests")
+                self._fail_all(e)
+                await asyncio.sleep(0.05)      # a failure that repeats must not spin the loop
+
+    async def _one_round(self) -> bool:
+        """Plan, run and commit one round (or wait for work). False once stopped."""
+        loop = asyncio.get_running_loop()
+        plan = self.plan_round()
+        if not plan.rows:
+            if plan.ops:                        # only frees: still tell the runner
+                await loop.run_in_executor(self._executor, self.runner.execute, plan)
+            if self._stopped:
+                return False
+            self._wake.clear()
+            if not self._work_pending():
+                await self._wake.wait()
+            return True
+        t0 = time.perf_counter()
+        matchers = {r.id: r.matcher for r in self.running if r.matcher is not None}
+        try:
+            result = await loop.run_in_executor(self._executor, self.runner.execute, plan, matchers or None)
+        except Exception as e:  # noqa: BLE001 - a failed forward fails its requests, not the server
+            log.exception("round %d failed", plan.round)
+            self._fail_round(plan, e)
+            return True
+        self.last_round_s = time.perf_counter() - t0
+        self._measure(plan, self.last_round_s)
+        if self._plan_has_decode:
+            self.worst_round_s = max(self.worst_round_s, self.last_round_s)
+        self.commit_round(plan, result)
+        return True
+
+    def _fail_all(self, err: Exception) -> None:
+        """Drop every running sequence (their states may be out of step with the bookkeeping) and fail them."""
+        self.runner.drop([r.id for r in self.running])
+        for req in list(self.running):
+            self._finish(req, FinishEvent("error", error=f"the engine failed: {type(err).__name__}: {err}"))
+        self._to_close = []
 
     def _work_pending(self) -> bool:
         return any(r.cancelled for r in self.waiting) or any(r.cancelled for r in self.running) or (
