@@ -45,6 +45,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     min_p: float = 0.0
     thinking: bool = True
     reasoning_effort: Literal["minimal", "low", "medium", "high", "xhigh", "max"] = "high"
+    thinking_budget: int = 0             # reply tokens of open reasoning before the close is forced; 0 = none
+    loop_guard: bool = False             # default of the per-request reasoning loop guard
     seed_random: bool = False            # no seed in the request: draw a random one instead of the prompt-derived one
     seed_salt: str = "0"
     # streaming and life cycle
@@ -61,7 +63,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
         for f in ("max_streams", "prefill_chunk", "max_tokens"):
             if getattr(self, f) < 1:
                 raise bad(f, "must be at least 1")
-        for f in ("context", "max_waiting", "top_k"):
+        for f in ("context", "max_waiting", "top_k", "thinking_budget"):
             if getattr(self, f) < 0:
                 raise bad(f, "must not be negative")
         if self.stall_target_s < 0:
@@ -109,6 +111,10 @@ FIELD_HELP: dict[str, str] = {
     "min_p": "default min-p (0 = off)",
     "thinking": "chat requests think unless they say otherwise",
     "reasoning_effort": "default reasoning effort while thinking",
+    "thinking_budget": "default thinking budget: after this many reply tokens of open reasoning the server forces "
+                       "the close (`\\n</think>\\n\\n`) and the reply goes on into its answer; 0 = none (requests "
+                       "set `thinking_budget`)",
+    "loop_guard": "default of the reasoning loop guard (serving.md §3.7; requests set `loop_guard`)",
     "seed_random": "a request without a seed draws a fresh random seed (default: derived from its prompt ids, so "
                    "identical conversations sample identically)",
     "seed_salt": "salt mixed into the prompt-derived seed",

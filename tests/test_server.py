@@ -143,6 +143,23 @@ def test_thinking_reply_counts_reasoning_tokens(client):
     assert r.usage.completion_tokens_details.reasoning_tokens <= r.usage.completion_tokens
 
 
+def test_thinking_budget_forces_the_close(server, client):
+    close = httpx.post(server.url + "/tokenize", json={"prompt": "\n</think>\n\n", "add_special_tokens": False})
+    close_ids = close.json()["tokens"]
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Think briefly."}],
+                                       max_tokens=12, temperature=0, logprobs=False,
+                                       extra_body={"chat_template_kwargs": {"thinking": True}, "thinking_budget": 3,
+                                                   "return_token_ids": True, "ignore_eos": True})
+    ids = r.choices[0].model_extra["token_ids"]
+    assert ids[3:3 + len(close_ids)] == close_ids            # 3 drawn reasoning tokens, then the forced close
+    think_end = httpx.post(server.url + "/tokenize", json={"prompt": "</think>", "add_special_tokens": False})
+    (end_id,) = think_end.json()["tokens"]
+    assert r.usage.completion_tokens_details.reasoning_tokens == 3 + close_ids.index(end_id) + 1
+    bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                                "thinking_budget": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "thinking_budget"
+
+
 def test_max_tokens_and_stop(client):
     base = client.completions.create(model="tiny", prompt=ids_prompt(3), max_tokens=24, temperature=0,
                                      extra_body={"ignore_eos": True})

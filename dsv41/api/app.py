@@ -260,9 +260,20 @@ async def chat_completions(request: HttpRequest) -> Response:
     max_tokens = _max_tokens(eng, len(ids), asked, "messages",
                              "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     params = _sampling(eng, req, ids, bool(req.logprobs), (req.top_logprobs or 0) if req.logprobs else 0)
-    r = _submit(eng, Request(prompt_ids=ids, params=params, max_tokens=max_tokens, eos_ids=eng.eos_ids,
-                             ignore_eos=req.ignore_eos, stop=_stops(req.stop), detokenizer=_detokenizer(eng),
-                             matcher=matcher))
+    from dsv41.sched.controls import (ControlError, ControlledRequest, parse_controls, reasoning_control,
+                                      wait_background_turn)
+    try:
+        budget, loop_guard, background = parse_controls(raw, default_budget=eng.cfg.thinking_budget,
+                                                        default_loop_guard=eng.cfg.loop_guard)
+    except ControlError as e:
+        raise bad_request(e.message, param=e.param) from None
+    control = reasoning_control(eng.tok, thinking=prompt.thinking, grammar=matcher is not None, budget=budget,
+                                loop_guard=loop_guard)
+    if background:
+        await wait_background_turn(eng.sched)
+    r = _submit(eng, ControlledRequest(prompt_ids=ids, params=params, max_tokens=max_tokens, eos_ids=eng.eos_ids,
+                                       ignore_eos=req.ignore_eos, stop=_stops(req.stop),
+                                       detokenizer=_detokenizer(eng), matcher=matcher, control=control))
     from dsv41.chat.parser import ReplyParser
     tools = getattr(prompt, "tools", None) or None
     parser = ReplyParser(thinking=prompt.thinking, tools=tools,
