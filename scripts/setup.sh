@@ -11,8 +11,9 @@ for m in numpy safetensors tokenizers msgspec starlette uvicorn uvloop zmq:pyzmq
   $PY -c "import $mod" 2>/dev/null || need+=("$pkg")
 done
 if [ "${1:-}" = "--test" ]; then
-  for m in pytest hypothesis jsonschema openai anthropic httpx triton; do
-    $PY -c "import $m" 2>/dev/null || need+=("$m")
+  for m in pytest hypothesis jsonschema openai anthropic httpx triton rfc3339_validator:rfc3339-validator; do
+    mod=${m%%:*}; pkg=${m##*:}
+    $PY -c "import $mod" 2>/dev/null || need+=("$pkg")
   done
 fi
 if [ ${#need[@]} -gt 0 ]; then
