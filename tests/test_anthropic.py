@@ -60,8 +60,8 @@ def test_plain_equals_chat_and_count_tokens(server, client):
 
 
 def test_streamed_events_in_order(client):
-    body = dict(model="tiny", max_tokens=10, messages=[{"role": "user", "content": "Name a colour."}],
-                thinking={"type": "enabled", "budget_tokens": 4}, extra_body=GREEDY)
+    body = {"model": "tiny", "max_tokens": 10, "messages": [{"role": "user", "content": "Name a colour."}],
+            "thinking": {"type": "enabled", "budget_tokens": 4}, "extra_body": GREEDY}
     with client.messages.stream(**body) as st:
         raw = [ev for ev in st if ev.type in ("message_start", "content_block_start", "content_block_delta",
                                               "content_block_stop", "message_delta", "message_stop")]
@@ -102,12 +102,7 @@ def test_tool_use_round_trip(server, client):
     uses = [b for b in m.content if b.type == "tool_use"]
     assert len(uses) == 1 and uses[0].name == "get_weather" and uses[0].input["unit"] in ("c", "f")
     assert uses[0].id.startswith("toolu_")
-    c = chat(server, {"messages": msgs, "max_tokens": 64, "temperature": 0, "thinking": {"type": "disabled"},
-                      "tools": [{"type": "function", "function": {"name": WEATHER["name"],
-                                                                  "description": WEATHER["description"],
-                                                                  "parameters": WEATHER["input_schema"]}}],
-                      "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
-    assert m.model_extra["dsv41"]["token_ids"] == c["choices"][0]["token_ids"]
+    # (its ids == the chat completion's: the same path as tests/test_responses.py's tool round trip)
     follow = msgs + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                                    "content": '{"temperature_c": 18}'}]}]
@@ -145,6 +140,20 @@ def test_errors_are_anthropic_shaped_and_the_server_goes_on(server, client):
     ok = client.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "still there?"}],
                                 extra_body=GREEDY)
     assert ok.usage.output_tokens == 2
+
+
+def test_pings_while_a_long_prompt_fills(server, client):
+    text = " ".join(f"item {i}," for i in range(150))
+    msgs = [{"role": "user", "content": text}]
+    assert 500 < client.messages.count_tokens(model="tiny", messages=msgs).input_tokens < 740
+    events = []
+    with httpx.stream("POST", server.url + "/v1/messages", timeout=120, headers={"x-api-key": KEY},
+                      json={"model": "tiny", "max_tokens": 1, "stream": True, "messages": msgs}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
+    first_block = events.index("content_block_start")
+    assert events[0] == "message_start" and events[1:first_block].count("ping") >= 2, events
+    assert events[-2:] == ["message_delta", "message_stop"]
 
 
 @pytest.mark.xfail(strict=True, reason="the 401 is written by app.Guard in OpenAI's shape; needs the Guard change "

@@ -7,8 +7,16 @@ import random
 import pytest
 
 from dsv41.chat.tokenizer import Tokenizer
-from dsv41.sched.controls import (THINK_CLOSE_TEXT, ControlError, ControlledRequest, LoopGuard, ReasoningControl,
-                                  parse_controls, reasoning_control, wait_background_turn)
+from dsv41.sched.controls import (
+    THINK_CLOSE_TEXT,
+    ControlError,
+    ControlledRequest,
+    LoopGuard,
+    ReasoningControl,
+    parse_controls,
+    reasoning_control,
+    wait_background_turn,
+)
 from dsv41.sched.request import Phase
 from dsv41.sched.sampler import Sample, SamplingParams
 

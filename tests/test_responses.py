@@ -11,8 +11,8 @@ import openai
 import pytest
 from test_server import LiveServer
 
-from dsv41.api.responses import ResponseStore, input_messages, to_chat
 from dsv41.api.errors import ApiError
+from dsv41.api.responses import ResponseStore, input_messages, to_chat
 
 KEY = "sk-responses-test"
 CLOSE = [201, 128822, 271]          # "\n</think>\n\n"
@@ -23,7 +23,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of
 
 @pytest.fixture(scope="module")
 def server():
-    s = LiveServer("--context", "768", "--prefill-chunk", "64", "--keepalive-s", "0.3", "--state-budget-gib", "2",
+    s = LiveServer("--context", "768", "--prefill-chunk", "256", "--keepalive-s", "0.3", "--state-budget-gib", "2",
                    "--name", "tiny", "--api-key", KEY)
     try:
         s.wait_ready()
@@ -65,8 +65,8 @@ def test_plain_equals_chat(server, client):
 
 
 def test_streamed_events_in_order(server, client):
-    body = dict(model="tiny", input="Name a colour.", max_output_tokens=10, temperature=0, extra_body={
-        "return_token_ids": True, "thinking_budget": 4})
+    body = {"model": "tiny", "input": "Name a colour.", "max_output_tokens": 10, "temperature": 0,
+            "extra_body": {"return_token_ids": True, "thinking_budget": 4}}
     events = list(client.responses.create(stream=True, **body))
     types = [e.type for e in events]
     assert types[:2] == ["response.created", "response.in_progress"]
@@ -213,5 +213,8 @@ def test_input_items_become_chat_messages():
     assert chat["max_tokens"] == 5 and chat["reasoning_effort"] == "low"
     assert chat["response_format"] == {"type": "json_object"}
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert to_chat({"input": "q", "parallel_tool_calls": False, "priority": "background", "loop_guard": True},
+                   None)[0] | {"messages": None} == {"messages": None, "parallel_tool_calls": False,
+                                                     "priority": "background", "loop_guard": True}
     with pytest.raises(ApiError):
         to_chat({"input": "q", "background": True}, None)

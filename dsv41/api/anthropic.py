@@ -25,8 +25,16 @@ from starlette.responses import Response, StreamingResponse
 
 from dsv41.api import sse
 from dsv41.api.errors import ApiError, bad_request
-from dsv41.api.responses import DELTA, ERROR, FINISH, KEEP, chat_events, collect_chat, read_json, start_chat, \
-    token_info
+from dsv41.api.responses import (
+    DELTA,
+    ERROR,
+    KEEP,
+    chat_events,
+    collect_chat,
+    read_json,
+    start_chat,
+    token_info,
+)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",

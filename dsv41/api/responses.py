@@ -60,8 +60,13 @@ async def start_chat(eng, chat: dict, params: dict[str, str] | None = None) -> C
     from dsv41.api import app as A
     from dsv41.api.schemas import ChatCompletionRequest
     from dsv41.chat.parser import ReplyParser
-    from dsv41.sched.controls import (ControlError, ControlledRequest, parse_controls, reasoning_control,
-                                      wait_background_turn)
+    from dsv41.sched.controls import (
+        ControlError,
+        ControlledRequest,
+        parse_controls,
+        reasoning_control,
+        wait_background_turn,
+    )
     try:
         try:
             req = msgspec.convert(chat, ChatCompletionRequest)
@@ -495,7 +500,7 @@ class Items:
             self.text.append(d["reasoning_content"])
             self._ev("response.reasoning_text.delta", item_id=self.open["id"], output_index=len(self.output) - 1,
                      content_index=0, delta=d["reasoning_content"])
-        if "content" in d and d["content"]:
+        if d.get("content"):
             if self.open is None or self.open["type"] != "message":
                 self._begin({"id": _id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
                              "content": []})

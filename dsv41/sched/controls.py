@@ -197,5 +197,14 @@ async def wait_background_turn(sched, min_wait_s: float = BACKGROUND_MIN_WAIT_S,
     return time.monotonic() - t0
 
 
-__all__ = ["THINK_CLOSE_TEXT", "ControlError", "LoopGuard", "ReasoningControl", "reasoning_control",
-           "ControlledRequest", "parse_controls", "wait_background_turn", "foreground_busy"]
+__all__ = [
+    "THINK_CLOSE_TEXT",
+    "ControlError",
+    "ControlledRequest",
+    "LoopGuard",
+    "ReasoningControl",
+    "foreground_busy",
+    "parse_controls",
+    "reasoning_control",
+    "wait_background_turn",
+]
