@@ -117,10 +117,9 @@ def test_tool_round_trip_with_previous_response_id(server, client):
                                  reasoning={"effort": "none"}, max_output_tokens=6, temperature=0,
                                  extra_body={"return_token_ids": True})
     assert r2.previous_response_id == r.id and r2.output_text
-    # the same conversation sent whole, without the store
+    # the same conversation sent whole (the client's usual `input += response.output`), without the store
     whole = [{"role": "user", "content": "Weather in Paris, in celsius?"},
-             {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
-             *out]
+             *[o.model_dump(exclude_none=True) for o in r.output], *out]
     r3 = client.responses.create(model="tiny", input=whole, tools=[WEATHER], reasoning={"effort": "none"},
                                  max_output_tokens=6, temperature=0, store=False,
                                  extra_body={"return_token_ids": True})
