@@ -314,6 +314,8 @@ def test_64_clients_with_disconnects_then_idle_and_rss_stable(server, http):
     stats = _load(server.url, LOAD_S)
     _idle(http)
     rss1 = rss_kib(server.proc.pid)
+    print(f"load {LOAD_S:g} s x 64 clients: {stats['ok']} replies, {stats['dropped']} left early; "
+          f"VmRSS {rss0 // 1024} -> {rss1 // 1024} MiB")
     assert not warm["bad"] and not stats["bad"], (warm["bad"] + stats["bad"])[:5]
     assert stats["ok"] > 64 and stats["dropped"] > 8, stats
     # RSS after the second pass stays near the first: no per-request leak (64 MiB + 10% slack for allocator noise)

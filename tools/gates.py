@@ -16,6 +16,8 @@ import argparse
 import base64
 import concurrent.futures as cf
 import json
+import os
+import platform
 import random
 import re
 import struct
@@ -683,6 +685,8 @@ DEFAULT_FAMILIES = ["requests_running", "requests_waiting", "prompt_tokens_total
 def write_report(path: Path, results: list[Result], args: argparse.Namespace, argv: list[str], started: str) -> None:
     lines = ["# Release gates", "", f"Command: `python tools/gates.py {' '.join(argv)}`", "",
              f"Server: {args.url} (model {args.model!r}); started {started}", "",
+             f"Client machine: {platform.node()}, {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs "
+             f"(a loopback server shares it)", "",
              "| check | result | passed | seconds | asserts |", "|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.name} | {r.status} | {r.passed}/{r.total} | {r.seconds:.1f} | {r.asserts} |")
