@@ -86,12 +86,14 @@ class Request:
     stop: list[str] = field(default_factory=list)
     detokenizer: object | None = None       # IncrementalDetokenizer-like: push(id) -> str; None = no text
     matcher: object | None = None           # dsv41.grammar Matcher when the reply is constrained
+    cache_salt: str | None = None           # kept states are shared only between requests of one salt (kept.py)
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
 
     # filled by the scheduler
     phase: Phase = Phase.WAITING
     filled: int = 0                          # prompt rows already in the state
+    cached_tokens: int = 0                   # prompt rows resumed from a kept state (usage.cached_tokens)
     output_ids: list[int] = field(default_factory=list)
     reserved_bytes: int = 0
     first_token_time: float | None = None

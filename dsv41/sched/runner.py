@@ -12,7 +12,8 @@ import time
 import msgspec
 import torch
 
-from dsv41.comm.plan import FreeSeq, NewSeq, StepPlan
+from dsv41.comm.plan import DropState, FreeSeq, NewSeq, RestoreState, SaveState, StepPlan
+from dsv41.sched.kept import KeptStates
 from dsv41.sched.sampler import Sample, SamplingParams, sample_row
 
 _params_decoder = msgspec.msgpack.Decoder(SamplingParams)
@@ -42,6 +43,7 @@ class ModelRunner:
         self.SeqInput = seq_input_cls
         self.states: dict[int, object] = {}
         self.params: dict[int, SamplingParams] = {}
+        self.kept = KeptStates()                  # kept prompt states (snapshots), key -> SeqState
 
     def execute(self, plan: StepPlan, matchers: dict | None = None) -> RoundResult:
         """Apply the plan's ops, run its rows in one forward, draw a token for each row whose logits it asks for.
@@ -59,7 +61,7 @@ class ModelRunner:
                 self.states[op.seq] = self.model.new_state()
                 self.params[op.seq] = _params_decoder.decode(op.params)
             else:
-                raise PlanError(f"round {plan.round}: state op {type(op).__name__} is not served yet")
+                self._kept_op(plan, op)
         inputs = []
         for r in plan.rows:
             st = self.states.get(r.seq)
@@ -88,7 +90,24 @@ class ModelRunner:
                 m = ms[k] if ms else None
                 if m is not None and not m.consume(s.token_id):
                     errors[r.seq] = f"the grammar refused token {s.token_id}: {m.error}"
+        for op in plan.after:
+            self._kept_op(plan, op)
         return RoundResult(plan.round, samples, time.perf_counter() - t0, errors)
+
+    def _kept_op(self, plan: StepPlan, op) -> None:
+        """SaveState / RestoreState / DropState (dsv41.sched.kept): snapshots at token boundaries."""
+        if isinstance(op, DropState):
+            self.kept.drop(op.key)
+        elif isinstance(op, (SaveState, RestoreState)):
+            st = self.states.get(op.seq)
+            if st is None:
+                raise PlanError(f"round {plan.round}: {type(op).__name__} for unknown sequence {op.seq}")
+            if isinstance(op, SaveState):
+                self.kept.save(op.key, st)
+            else:
+                self.kept.restore(op.key, st)
+        else:
+            raise PlanError(f"round {plan.round}: state op {type(op).__name__} is not served yet")
 
     @staticmethod
     def _mask(rows: list[torch.Tensor], ms: list) -> list[torch.Tensor]:

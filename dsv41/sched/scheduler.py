@@ -20,7 +20,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dsv41.comm.plan import FreeSeq, NewSeq, SeqRows, StepPlan
+from dsv41.comm.plan import DropState, FreeSeq, NewSeq, RestoreState, SaveState, SeqRows, StepPlan
 from dsv41.sched.memory import MemoryBudget
 from dsv41.sched.request import FinishEvent, Phase, Request, TokenEvent
 from dsv41.sched.runner import RoundResult, encode_params
@@ -46,7 +46,7 @@ class TooLarge(SchedulerError):
 
 class Scheduler:
     def __init__(self, runner, budget: MemoryBudget, *, max_streams: int = 32, max_waiting: int = 1024,
-                 prefill_chunk: int = 2048, stall_target_s: float = 1.0, metrics=None):
+                 prefill_chunk: int = 2048, stall_target_s: float = 1.0, metrics=None, kept=None):
         self.runner = runner
         self.budget = budget
         self.max_streams = max_streams
@@ -55,6 +55,10 @@ class Scheduler:
         self.stall_target_s = stall_target_s
         self.row_cost_s = 0.0                   # running estimate of a round's seconds per row (0: none measured yet)
         self.metrics = metrics
+        self.kept = kept                          # dsv41.sched.kept.KeptIndex, or None: no kept prompt states
+        self._to_keep: list[Request] = []         # finished replies whose prompt + reply state is to be kept
+        self._marks: dict[int, list[int]] = {}    # per filling sequence: boundaries still to keep, ascending
+        self._drop_keys: list[bytes] = []         # kept snapshots to drop (their save may not have happened)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []          # admitted, in admission order
         self._to_close: list[int] = []
@@ -210,6 +214,7 @@ class Scheduler:
         for r in [r for r in self.running if r.cancelled]:
             self._finish(r, FinishEvent("cancelled"))
         close, self._to_close = self._to_close, []
+        kept_ops = self._kept_finished()
         # admission: arrival order; the head waits if its state does not fit yet (no overtaking: no starvation)
         opened = []
         while self.waiting and len(self.running) < self.max_streams:
@@ -223,7 +228,9 @@ class Scheduler:
             head.admit_time = time.monotonic()
             self.running.append(head)
             opened.append(NewSeq(head.id, encode_params(head.params)))
+            opened += self._kept_resume(head)
         rows = []
+        after = []
         self._prompt_rows = {}
         for r in self.running:
             if r.phase is Phase.DECODE:
@@ -231,11 +238,57 @@ class Scheduler:
         self._plan_has_decode = bool(rows)
         room = self.prompt_room(decoding=bool(rows))
         for r, n in self._prompt_shares(room):
+            n, saves = self._kept_cut(r, n)
+            after += saves
             last = r.filled + n == r.prompt_len
             rows.append(SeqRows(r.id, r.filled, r.prompt_ids[r.filled:r.filled + n], [n - 1] if last else []))
             self._prompt_rows[r.id] = n
-        ops = [FreeSeq(s) for s in close] + opened
-        return StepPlan(self._round, ops=ops, rows=rows)
+        ops = kept_ops + [FreeSeq(s) for s in close] + opened
+        return StepPlan(self._round, ops=ops, rows=rows, after=after)
+
+    # --- kept prompt states (dsv41/sched/kept.py) -----------------------------------------------------------------
+    def _kept_save(self, seq: int, ids: list[int], salt: str | None) -> list:
+        """Ops that keep sequence `seq`'s state after `ids` (drops of the states evicted for it first)."""
+        got = self.kept.plan_save(ids, salt)
+        if got is None:
+            return []
+        e, evicted = got
+        return [DropState(v.key) for v in evicted] + [SaveState(seq, e.key)]
+
+    def _kept_finished(self) -> list:
+        """Before finished sequences are freed: drops still owed, then keep each finished reply's prompt + reply
+        (all but the last drawn token, which was never fed): the next turn's prompt starts with it."""
+        ops: list = [DropState(k) for k in self._drop_keys]
+        self._drop_keys = []
+        keep, self._to_keep = self._to_keep, []
+        if self.kept is not None:
+            for r in keep:
+                ops += self._kept_save(r.id, r.prompt_ids + r.output_ids[:-1], r.cache_salt)
+        return ops
+
+    def _kept_resume(self, req: Request) -> list:
+        """At admission: resume from the longest kept boundary of the prompt, and note the boundaries to keep."""
+        if self.kept is None:
+            return []
+        ops = []
+        e = self.kept.lookup(req.prompt_ids, req.cache_salt)
+        if e is not None:
+            req.filled = req.cached_tokens = e.length
+            ops.append(RestoreState(req.id, e.key))
+        self._marks[req.id] = [m for m in self.kept.marks(req.prompt_ids) if m > req.filled]
+        return ops
+
+    def _kept_cut(self, req: Request, n: int) -> tuple[int, list]:
+        """End this round's prompt chunk at the next boundary to keep (chunking never changes results) and keep
+        the state there after the forward."""
+        marks = self._marks.get(req.id)
+        if not marks:
+            return n, []
+        m = marks[0]
+        if req.filled + n < m:
+            return n, []
+        marks.pop(0)
+        return m - req.filled, self._kept_save(req.id, req.prompt_ids[:m], req.cache_salt)
 
     MIN_PROMPT_ROWS = 16
 
@@ -308,6 +361,9 @@ class Scheduler:
         ttft = f"{req.first_token_time - req.arrival:.3f}" if req.first_token_time else "-"
         log.info("done %d prompt=%d reply=%d finish=%s ttft=%s seconds=%.3f", req.id, req.prompt_len,
                  len(req.output_ids), ev.reason, ttft, req.finish_time - req.arrival)
+        self._marks.pop(req.id, None)
+        if admitted and self.kept is not None and ev.reason in ("stop", "length"):
+            self._to_keep.append(req)
         if admitted:
             self.running.remove(req)
             self.budget.release(req.reserved_bytes)
@@ -323,6 +379,11 @@ class Scheduler:
         for req in [r for r in self.running if r.id in seqs]:
             self._finish(req, FinishEvent("error", error=f"the engine failed: {type(err).__name__}: {err}"))
         self._to_close = [s for s in self._to_close if s not in seqs]
+        self._to_keep = [r for r in self._to_keep if r.id not in seqs]
+        for op in plan.ops + plan.after:      # saves of a failed round may not have happened: forget them
+            if isinstance(op, (SaveState, RestoreState)) and self.kept is not None:
+                self.kept.forget(op.key)
+                self._drop_keys.append(op.key)
 
 
 __all__ = ["Scheduler", "SchedulerError", "QueueFull", "ShuttingDown", "TooLarge", "Request", "TokenEvent",
