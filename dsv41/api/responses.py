@@ -75,9 +75,8 @@ async def start_chat(eng, chat: dict, params: dict[str, str] | None = None) -> C
         if not req.messages:
             raise bad_request("the conversation is empty: send at least one message", param="messages")
         try:
-            budget, loop_guard, background = parse_controls(
-                chat, default_budget=int(getattr(eng.cfg, "thinking_budget", 0) or 0),
-                default_loop_guard=bool(getattr(eng.cfg, "loop_guard", False)))
+            budget, loop_guard, background = parse_controls(chat, default_budget=eng.cfg.thinking_budget,
+                                                            default_loop_guard=eng.cfg.loop_guard)
         except ControlError as e:
             raise bad_request(e.message, param=e.param) from None
         prompt = A._chat_prompt(eng, chat)
