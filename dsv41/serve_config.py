@@ -37,6 +37,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     prefill_chunk: int = 2048            # prompt rows per round (one or several prompts)
     stall_target_s: float = 1.0          # while replies decode, prompt rows per round fit this many seconds
     state_budget_gib: float = 0.0        # bytes for sequence states; 0 = auto (a share of free memory)
+    prompt_cache_gib: float = 2.0        # bytes for kept prompt states (dsv41/sched/kept.py); 0 = none kept
     # request defaults
     max_tokens: int = 32768
     temperature: float = 1.0
@@ -70,6 +71,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise bad("stall_target_s", "must not be negative")
         if self.state_budget_gib < 0:
             raise bad("state_budget_gib", "must not be negative")
+        if self.prompt_cache_gib < 0:
+            raise bad("prompt_cache_gib", "must not be negative")
         if not (0.0 < self.top_p <= 1.0):
             raise bad("top_p", "must be in (0, 1]")
         if not (0.0 <= self.min_p <= 1.0):
@@ -104,6 +107,10 @@ FIELD_HELP: dict[str, str] = {
                       "between tokens behind long prompts; 0 = always full chunks",
     "state_budget_gib": "memory for sequence states (KV, compressed KV, indexer keys, Engram history), reserved at "
                         "admission for prompt + max_tokens; 0 = auto: half the free memory after the weights load",
+    "prompt_cache_gib": "memory for kept prompt states: a request resumes from the longest kept state its prompt "
+                        "starts with (same cache_salt) and computes only the rest; states are kept at the end of the "
+                        "system + tools prefix, before the generation header and at prompt + reply, least recently "
+                        "used evicted first; 0 = keep none",
     "max_tokens": "reply-length default when a request gives none (capped to the room left in the context)",
     "temperature": "default temperature (T <= 0 = greedy)",
     "top_p": "default nucleus mass",

@@ -159,7 +159,7 @@ class Reply:
 
     def usage(self) -> Usage:
         n = len(self.r.output_ids)
-        return Usage(self.r.prompt_len, n, self.r.prompt_len + n, PromptTokensDetails(0),
+        return Usage(self.r.prompt_len, n, self.r.prompt_len + n, PromptTokensDetails(self.r.cached_tokens),
                      CompletionTokensDetails(self.reasoning_tokens()))
 
     def reasoning_tokens(self) -> int:
@@ -273,7 +273,8 @@ async def chat_completions(request: HttpRequest) -> Response:
         await wait_background_turn(eng.sched)
     r = _submit(eng, ControlledRequest(prompt_ids=ids, params=params, max_tokens=max_tokens, eos_ids=eng.eos_ids,
                                        ignore_eos=req.ignore_eos, stop=_stops(req.stop),
-                                       detokenizer=_detokenizer(eng), matcher=matcher, control=control))
+                                       detokenizer=_detokenizer(eng), matcher=matcher, control=control,
+                                       cache_salt=req.cache_salt))
     from dsv41.chat.parser import ReplyParser
     tools = getattr(prompt, "tools", None) or None
     parser = ReplyParser(thinking=prompt.thinking, tools=tools,
@@ -415,7 +416,8 @@ async def completions(request: HttpRequest) -> Response:
     want_lp = req.logprobs is not None
     params = _sampling(eng, req, ids, want_lp, req.logprobs or 0)
     r = _submit(eng, Request(prompt_ids=ids, params=params, max_tokens=max_tokens, eos_ids=eng.eos_ids,
-                             ignore_eos=req.ignore_eos, stop=_stops(req.stop), detokenizer=_detokenizer(eng)))
+                             ignore_eos=req.ignore_eos, stop=_stops(req.stop), detokenizer=_detokenizer(eng),
+                             cache_salt=req.cache_salt))
     reply = Reply(eng, r, thinking=False)
     rid = "cmpl-" + secrets.token_hex(16)
     model = req.model if req.model in (eng.name,) else eng.name

@@ -98,6 +98,24 @@ def free_memory_bytes(device: str) -> int:
     return 8 << 30
 
 
+def _kept_index(cfg: ServeConfig, ckpt: Path, text: dict, cost, tok):
+    """The kept prompt states' index (dsv41/sched/kept.py), or None with --prompt-cache-gib 0. The model identity
+    in every key: the checkpoint's path and config, the tokenizer and this code's version."""
+    if cfg.prompt_cache_gib <= 0:
+        return None
+    import dataclasses
+    import hashlib
+
+    from dsv41.sched.kept import KeptIndex
+    ident = hashlib.sha256(f"{__version__}|{ckpt.resolve()}|{tok.path}|".encode()
+                           + (ckpt / "config.json").read_bytes()).hexdigest()
+    user, = tok.encode("<\uff5cUser\uff5c>", special=True)
+    assistant, = tok.encode("<\uff5cAssistant\uff5c>", special=True)
+    return KeptIndex(int(cfg.prompt_cache_gib * (1 << 30)), dataclasses.replace(cost, margin=1.0).bytes_for,
+                     model_id=ident, user_id=user, assistant_id=assistant,
+                     window=int(text.get("sliding_window", 0)), chunk=cfg.prefill_chunk)
+
+
 def load_engine(cfg: ServeConfig, metrics=None) -> Engine:
     import torch
 
@@ -141,7 +159,7 @@ def load_engine(cfg: ServeConfig, metrics=None) -> Engine:
     runner = ModelRunner(model)
     sched = Scheduler(runner, budget, max_streams=cfg.max_streams, max_waiting=cfg.max_waiting,
                       prefill_chunk=cfg.prefill_chunk, stall_target_s=cfg.stall_target_s,
-                      metrics=metrics)
+                      metrics=metrics, kept=_kept_index(cfg, ckpt, text, cost, tok))
     eos = raw.get("eos_token_id", text.get("eos_token_id", 1))
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos])
     return Engine(cfg=cfg, name=cfg.name or ckpt.name, tok=tok, sched=sched, context_len=context,

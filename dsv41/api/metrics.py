@@ -100,6 +100,8 @@ class Metrics:
             gauge("num_requests_running", s.n_running, "vLLM name of requests_running")
             gauge("num_requests_waiting", s.n_waiting, "vLLM name of requests_waiting")
             gauge("kv_cache_usage_perc", round(s.budget.usage, 6), "vLLM name of kv_cache_usage_ratio")
+            if getattr(s, "kept", None) is not None:
+                lines.extend(s.kept.metric_lines(p))
         lines.append(f"# HELP {p}requests_total HTTP requests by route and status")
         lines.append(f"# TYPE {p}requests_total counter")
         for (route, status), n in sorted(self.requests_total.items()):

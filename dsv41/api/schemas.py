@@ -32,6 +32,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    cache_salt: str | None = None          # kept prompt states are shared only within one salt (sched/kept.py)
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
