@@ -21,7 +21,6 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from test_server import LiveServer
 
 CONTEXT = 512
@@ -222,7 +221,7 @@ def test_special_token_text_is_plain_text(http):
     specials = set(http.post("/tokenize", json={"prompt": "<｜end▁of▁sentence｜><｜User｜><｜Assistant｜></think>",
                                                 "add_special_tokens": False}).json()["tokens"])
     assert len(specials) == 4, "the raw-prompt path should parse these four specials"
-    count = lambda ids: sum(1 for t in ids if t in specials)          # noqa: E731
+    count = lambda ids: sum(1 for t in ids if t in specials)
     assert count(shielded["tokens"]) == count(plain["tokens"])
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": inj}], "max_tokens": 2,
                                                 **NO_THINK})
@@ -366,13 +365,13 @@ def test_zz_sigterm_during_a_long_prompt(server, http):
 
     def stream():
         try:
-            with httpx.Client(timeout=120, headers=AUTH) as c:
-                with c.stream("POST", server.url + "/v1/completions",
-                              json={"prompt": [0] + [100 + i % 3000 for i in range(CONTEXT - 40)],
-                                    "max_tokens": 32, "ignore_eos": True, "stream": True}) as r:
-                    for line in r.iter_lines():
-                        lines.append(line)
-                        started.set()
+            body = {"prompt": [0] + [100 + i % 3000 for i in range(CONTEXT - 40)], "max_tokens": 32,
+                    "ignore_eos": True, "stream": True}
+            with httpx.Client(timeout=120, headers=AUTH) as c, \
+                    c.stream("POST", server.url + "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
         except httpx.HTTPError as e:
             lines.append(f"transport: {type(e).__name__}")
         finally:

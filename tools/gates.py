@@ -60,8 +60,7 @@ def expect(cond: bool, what: str) -> None:
 class Client:
     def __init__(self, url: str, api_key: str | None, timeout: float, model: str | None):
         self.url = url.rstrip("/")
-        if self.url.endswith("/v1"):
-            self.url = self.url[:-3]
+        self.url = self.url.removesuffix("/v1")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
                                  limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
@@ -78,7 +77,7 @@ class Client:
             raise CheckFailed(f"POST {path} -> {r.status_code}: {r.text[:300]}")
         return r.json()
 
-    def stream(self, path: str, body: dict) -> "Stream":
+    def stream(self, path: str, body: dict) -> Stream:
         """POST with stream=true; reads the raw SSE bytes (comments included) and parses the frames."""
         if self.model and "model" not in body:
             body = {"model": self.model, **body}
@@ -630,11 +629,11 @@ class Gates:
         res.total += 1
         r = self.c.get("/metrics")
         expect(r.status_code == 200, f"/metrics -> {r.status_code}")
-        names = set(re.findall(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{[^}]*\})? ", r.text, re.M))
+        names = set(re.findall(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{[^}]*\})? ", r.text, re.MULTILINE))
         missing = []
         for fam in self.a.metric_families:
-            if not any(n == fam or n.endswith(":" + fam) or n.endswith(":" + fam + "_bucket")
-                       or n == fam + "_bucket" for n in names):
+            if not any(n in (fam, fam + "_bucket") or n.endswith((":" + fam, ":" + fam + "_bucket"))
+                       for n in names):
                 missing.append(fam)
         expect(not missing, f"families missing from /metrics: {missing}")
         res.passed += 1
@@ -685,8 +684,8 @@ DEFAULT_FAMILIES = ["requests_running", "requests_waiting", "prompt_tokens_total
 def write_report(path: Path, results: list[Result], args: argparse.Namespace, argv: list[str], started: str) -> None:
     lines = ["# Release gates", "", f"Command: `python tools/gates.py {' '.join(argv)}`", "",
              f"Server: {args.url} (model {args.model!r}); started {started}", "",
-             f"Client machine: {platform.node()}, {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs "
-             f"(a loopback server shares it)", "",
+             (f"Client machine: {platform.node()}, {platform.system()} {platform.machine()}, {os.cpu_count()} "
+              f"CPUs (a loopback server shares it)"), "",
              "| check | result | passed | seconds | asserts |", "|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.name} | {r.status} | {r.passed}/{r.total} | {r.seconds:.1f} | {r.asserts} |")
