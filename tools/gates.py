@@ -522,30 +522,38 @@ class Gates:
 
     # ---- 9
     def resumed_equals_cold(self, res: Result) -> None:
+        # a fresh cache_salt per run: the first request is cold even on a server that has seen this conversation;
+        # the next turn is sent under the run's salt (resumes) and under another fresh salt (cold)
+        salt, other = (f"gates-{random.getrandbits(64):016x}" for _ in range(2))
         hist = [{"role": "system", "content": PROSE * 3},
                 {"role": "user", "content": "Tell me about the keeper."}]
         body = {"messages": hist, "max_tokens": self.a.tokens, "temperature": 0, "ignore_eos": True,
                 "return_token_ids": True, **NO_THINK}
+
+        def cached(r: dict) -> int:
+            return ((r.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
         res.total += 1
-        cold = self.c.post("/v1/chat/completions", body)
-        warm = self.c.post("/v1/chat/completions", body)
+        cold = self.c.post("/v1/chat/completions", {**body, "cache_salt": salt})
+        warm = self.c.post("/v1/chat/completions", {**body, "cache_salt": salt})
         expect(reply_ids(cold) == reply_ids(warm), "the same conversation sent twice gave other ids")
         res.passed += 1
-        cached = ((warm.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        # the next turn of the same conversation: resumes from the kept prefix
         res.total += 1
         hist2 = hist + [{"role": "assistant", "content": warm["choices"][0]["message"].get("content") or ""},
                         {"role": "user", "content": "And then?"}]
-        nxt = self.c.post("/v1/chat/completions", {**body, "messages": hist2})
-        cached2 = ((nxt.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        nxt2 = self.c.post("/v1/chat/completions", {**body, "messages": hist2})
-        expect(reply_ids(nxt) == reply_ids(nxt2), "the next turn sent twice gave other ids")
-        if cached == 0 and cached2 == 0:
+        nxt = self.c.post("/v1/chat/completions", {**body, "messages": hist2, "cache_salt": salt})
+        nxt_cold = self.c.post("/v1/chat/completions", {**body, "messages": hist2, "cache_salt": other})
+        expect(reply_ids(nxt) == reply_ids(nxt_cold), "the next turn resumed != the same turn cold")
+        res.passed += 1
+        if cached(warm) == 0 and cached(nxt) == 0:
             raise CheckSkipped("cached_tokens stayed 0 on a repeated prefix: the server keeps no prompt states "
                                "(resume not exercised; replies of repeated requests are equal)")
-        expect(cached > 0, f"the repeated conversation resumed nothing (cached_tokens {cached})")
+        res.total += 1
+        expect(cached(cold) == 0, f"the first request under a fresh cache_salt resumed {cached(cold)} tokens")
+        expect(cached(warm) > 0, f"the repeated conversation resumed nothing (cached_tokens {cached(warm)})")
         res.passed += 1
-        res.notes.append(f"cached_tokens {cached} (repeat), {cached2} (next turn)")
+        res.notes.append(f"cached_tokens: cold {cached(cold)}, repeat {cached(warm)}, next turn {cached(nxt)} "
+                         f"(under another salt {cached(nxt_cold)}); prompt {warm['usage']['prompt_tokens']} tokens")
 
     # ---- 10
     def length_sweep(self, res: Result) -> None:
@@ -665,8 +673,9 @@ CHECKS = {
     "drafted_equals_serial": "/v1/completions with token-id prompts, ignore_eos, return_token_ids: the default "
                              "request and `\"draft\": false` give the same ids (greedy and T=0.6 seeded)",
     "concurrent_equals_solo": "greedy and seeded token-id prompts: burst and staggered replies == solo replies (ids)",
-    "resumed_equals_cold": "a conversation sent twice, then its next turn twice: equal ids, and the repeat "
-                           "reports cached_tokens > 0 (skipped when the server keeps no prompt states)",
+    "resumed_equals_cold": "a conversation sent twice under a fresh cache_salt: equal ids, cached_tokens 0 then > 0; "
+                           "its next turn under that salt (resumed) == under another fresh salt (cold) (skipped "
+                           "when the server keeps no prompt states)",
     "length_sweep": "prompts of the first L ids of one text, L = 1..N and the neighbours of every chunk/window/"
                     "group size (flags and /health): the same greedy reply in ascending, descending and shuffled "
                     "request order",
