@@ -143,7 +143,8 @@ def test_leader_first_and_divergent_rank_is_caught():
             with pytest.raises(DigestMismatch) as e:
                 for p in plans():
                     lead.send(p)
-                    get(q)
+                    if p.round <= 2:                 # the follower reports only while it lives
+                        get(q)
                     lead.verify(p.round, plan_digest(p))
             assert e.value.round == 2 and e.value.rank == 1
             assert "round 2: rank 1 digest 00000000000000000000000000000000" in str(e.value)
@@ -191,7 +192,8 @@ def test_killed_follower_is_named_within_heartbeat_timeout(when):
                 get(q)
                 for p in plans():
                     lead.send(p)
-                    get(q)
+                    if p.round <= 2:                 # the follower reports only while it lives
+                        get(q)
                     if p.round == 2 and when == "between_steps":
                         lead.verify(p.round, plan_digest(p))
                     if p.round == 2:
