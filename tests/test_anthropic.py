@@ -56,7 +56,7 @@ def test_plain_equals_chat_and_count_tokens(server, client):
     assert m.content[0].text == c["choices"][0]["message"]["content"]
     n = client.messages.count_tokens(model="tiny", system="Be brief.", thinking={"type": "disabled"},
                                      messages=[{"role": "user", "content": "What is 17*19?"}])
-    assert n.input_tokens == m.usage.input_tokens == c["usage"]["prompt_tokens"]
+    assert n.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens == c["usage"]["prompt_tokens"]
 
 
 def test_streamed_events_in_order(client):
@@ -108,7 +108,8 @@ def test_tool_use_round_trip(server, client):
                                                    "content": '{"temperature_c": 18}'}]}]
     m2 = client.messages.create(model="tiny", max_tokens=6, messages=follow, tools=[WEATHER],
                                 thinking={"type": "disabled"}, extra_body=GREEDY)
-    assert m2.stop_reason in ("max_tokens", "end_turn", "tool_use") and m2.usage.input_tokens > m.usage.input_tokens
+    assert m2.stop_reason in ("max_tokens", "end_turn", "tool_use") and m2.usage.input_tokens + m2.usage.cache_read_input_tokens > \
+        m.usage.input_tokens + m.usage.cache_read_input_tokens
 
 
 def test_errors_are_anthropic_shaped_and_the_server_goes_on(server, client):

@@ -42,7 +42,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 PARAMS = {"max_tokens": "max_tokens", "response_format": "output_format", "stop": "stop_sequences",
           "chat_template_kwargs": "thinking"}
 _PASS = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "thinking_budget", "loop_guard",
-         "priority", "chat_template_kwargs", "reasoning_effort")
+         "priority", "chat_template_kwargs", "reasoning_effort", "cache_salt")
 PING = b'event: ping\ndata: {"type":"ping"}\n\n'
 
 
@@ -313,8 +313,9 @@ def content_blocks(final) -> list[dict]:
 
 def _usage(run, output: bool = True) -> dict:
     r = run.r
-    return {"input_tokens": r.prompt_len, "output_tokens": len(r.output_ids) if output else 0,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    # Anthropic counts cache reads apart from input_tokens
+    return {"input_tokens": r.prompt_len - r.cached_tokens, "output_tokens": len(r.output_ids) if output else 0,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": r.cached_tokens}
 
 
 def _message_id() -> str:

@@ -90,7 +90,8 @@ async def start_chat(eng, chat: dict, params: dict[str, str] | None = None) -> C
             await wait_background_turn(eng.sched)
         r = A._submit(eng, ControlledRequest(prompt_ids=ids, params=sp, max_tokens=max_tokens, eos_ids=eng.eos_ids,
                                              ignore_eos=req.ignore_eos, stop=A._stops(req.stop),
-                                             detokenizer=A._detokenizer(eng), matcher=matcher, control=control))
+                                             detokenizer=A._detokenizer(eng), matcher=matcher, control=control,
+                                             cache_salt=req.cache_salt))
     except ApiError as e:
         raise _renamed(e, params) from None
     tools = prompt.tools or None
@@ -234,7 +235,7 @@ def _not_found(rid: str) -> ApiError:
 PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
           "reasoning_effort": "reasoning.effort", "chat_template_kwargs": "reasoning"}
 _PASS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos", "parallel_tool_calls",
-         "thinking_budget", "loop_guard", "priority", "chat_template_kwargs", "thinking")
+         "thinking_budget", "loop_guard", "priority", "chat_template_kwargs", "thinking", "cache_salt")
 _UNSUPPORTED = {"background": "background responses are not served (send background: false)",
                 "conversation": "conversations are not served; use previous_response_id",
                 "prompt": "stored prompt templates are not served"}
@@ -553,7 +554,7 @@ def response_object(rid: str, created: int, body: dict, chat: dict, run: ChatRun
     usage = None
     if run is not None and finish is not None:
         n = len(r.output_ids)
-        usage = {"input_tokens": r.prompt_len, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n,
+        usage = {"input_tokens": r.prompt_len, "input_tokens_details": {"cached_tokens": r.cached_tokens}, "output_tokens": n,
                  "output_tokens_details": {"reasoning_tokens": run.reply.reasoning_tokens()},
                  "total_tokens": r.prompt_len + n}
     tools = [{"type": "function", **t["function"]} for t in chat.get("tools") or []]
