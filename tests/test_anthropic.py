@@ -157,8 +157,6 @@ def test_pings_while_a_long_prompt_fills(server, client):
     assert events[-2:] == ["message_delta", "message_stop"]
 
 
-@pytest.mark.xfail(strict=True, reason="the 401 is written by app.Guard in OpenAI's shape; needs the Guard change "
-                                       "named in docs/apis.md")
 def test_bad_key_error_is_anthropic_shaped(server):
     r = httpx.post(server.url + "/v1/messages", json={"model": "tiny", "max_tokens": 2,
                                                       "messages": [{"role": "user", "content": "x"}]},

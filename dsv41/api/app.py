@@ -618,14 +618,16 @@ class Guard:
                 if not self.state.keys.ok(Headers(scope=scope)):
                     err = ApiError(401, "A valid API key is required", code="invalid_api_key",
                                    headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
-                    return await err.response()(scope, receive, send_counted)
+                    # Anthropic clients expect their own error shape on their routes.
+                    resp = anthropic.error_response(err) if path.startswith("/v1/messages") else err.response()
+                    return await resp(scope, receive, send_counted)
             await self.app(scope, receive, send_counted)
         finally:
             self.state.metrics.request_done(_route_label(path), status_box[0])
 
 
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
-           "/metrics")
+           "/metrics", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses")
 
 
 def _route_label(path: str) -> str:
@@ -646,6 +648,12 @@ async def _http_error(request, exc: HTTPException) -> Response:
         return ApiError(501, f"{request.method} is not served on {request.url.path}",
                         code="not_implemented").response()
     return ApiError(exc.status_code, str(exc.detail)).response()
+
+
+async def _too_deep(request, exc: RecursionError) -> Response:
+    # msgspec (and the schema compilers) give up on absurdly nested JSON by raising RecursionError: the client's fault.
+    return ApiError(400, "the request body nests too deeply; flatten it (JSON nesting is limited)",
+                    code="invalid_request").response()
 
 
 async def _server_error(request, exc: Exception) -> Response:
@@ -684,7 +692,8 @@ def create_app(cfg, metrics: Metrics | None = None, on_startup=None, on_shutdown
             await on_shutdown(state)
 
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error})
+                    exception_handlers={ApiError: _api_error, HTTPException: _http_error, RecursionError: _too_deep,
+                                        Exception: _server_error})
     app.state.dsv41 = state
     return Guard(app, state), state
 
