@@ -234,3 +234,72 @@ def test_resume_equals_cold_in_the_release_quirk_mode(ckpt):
     rest = _fill(model, st2, ids[11:], 4)
     assert torch.equal(rest, cold_logits[11:])
     assert _decode(model, st2, rest[-1], 3, GREEDY) == want
+
+
+# ---- the scheduler's use of the index (no model: the test plays the runner) -----------------------------------
+
+def test_scheduler_cuts_at_marks_saves_on_finish_and_resumes():
+    import asyncio  # noqa: F401 - Request makes an asyncio.Queue
+    from dsv41.comm.plan import DropState, FreeSeq, NewSeq, RestoreState, SaveState
+    from dsv41.sched.memory import MemoryBudget, StateCost
+    from dsv41.sched.request import Request
+    from dsv41.sched.runner import RoundResult
+    from dsv41.sched.sampler import Sample
+    from dsv41.sched.scheduler import Scheduler
+
+    USER, ASSISTANT = 9, 8
+    kept = KeptIndex(10**6, lambda n: 100 + n, model_id="m", user_id=USER, assistant_id=ASSISTANT)
+    class Runner:                 # only `drop` is called here (the failed round); plans are answered by hand
+        def drop(self, seqs):
+            pass
+
+    s = Scheduler(runner=Runner(), budget=MemoryBudget(10**9, StateCost(1000, (), 1, margin=1.0)), prefill_chunk=64,
+                  kept=kept)
+
+    def run(r, token=5, rounds=20):
+        plans = []
+        for _ in range(rounds):
+            p = s.plan_round()
+            plans.append(p)
+            if not p.rows:
+                break
+            s.commit_round(p, RoundResult(p.round, [(x.seq, Sample(token)) for x in p.rows if x.logits], 0.0))
+        return plans
+
+    prompt = [0] + [3] * 15 + [USER] + [4] * 10 + [ASSISTANT, 6]             # user at 16, assistant at 27
+    r1 = s.submit(Request(prompt_ids=prompt, params=SamplingParams(temperature=0), max_tokens=3,
+                          eos_ids=frozenset({1}), cache_salt="a"))
+    plans = run(r1)
+    first = plans[0]
+    assert [type(o) for o in first.ops] == [NewSeq]
+    assert [len(x.ids) for x in first.rows] == [16]                        # cut at the system prefix
+    assert [type(o) for o in first.after] == [SaveState]
+    assert [len(x.ids) for x in plans[1].rows] == [12] and [type(o) for o in plans[1].after] == [SaveState]
+    assert [len(x.ids) for x in plans[2].rows] == [1]                       # the header row, whose logits draw
+    assert r1.output_ids == [5, 5, 5] and r1.cached_tokens == 0
+    fin = next(p for p in plans if any(isinstance(o, FreeSeq) for o in p.ops))
+    assert [type(o) for o in fin.ops] == [SaveState, FreeSeq]               # prompt + reply[:-1] before the free
+    assert kept.lookup(prompt + [5, 5, 9], "a").length == len(prompt) + 2
+    assert kept.lookup(prompt + [5, 5, 9]) is None
+    kept.check()
+    # the next turn resumes at prompt + reply[:-1], rows from there
+    nxt = prompt + [5, 5, 5, USER, 4, ASSISTANT, 6]
+    r2 = s.submit(Request(prompt_ids=nxt, params=SamplingParams(temperature=0), max_tokens=1,
+                          eos_ids=frozenset({1}), cache_salt="a"))
+    p = s.plan_round()
+    assert [type(o) for o in p.ops] == [NewSeq, RestoreState]
+    assert r2.cached_tokens == r2.filled == len(prompt) + 2 and p.rows[0].start == len(prompt) + 2
+    # another salt starts cold
+    r3 = s.submit(Request(prompt_ids=nxt, params=SamplingParams(temperature=0), max_tokens=1,
+                          eos_ids=frozenset({1}), cache_salt="b"))
+    s.commit_round(p, RoundResult(p.round, [(x.seq, Sample(1)) for x in p.rows if x.logits], 0.0))
+    p = s.plan_round()
+    assert RestoreState not in [type(o) for o in p.ops] and r3.cached_tokens == 0
+    # a failed round forgets the saves it planned and drops their snapshots next round
+    saves = [o.key for o in p.ops + p.after if isinstance(o, SaveState)]
+    assert saves
+    s._fail_round(p, RuntimeError("boom"))
+    assert all(k not in kept for k in saves)
+    p = s.plan_round()
+    assert [o.key for o in p.ops if isinstance(o, DropState)] == saves
+    kept.check()
