@@ -54,6 +54,13 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     keepalive_s: float = 10.0
     shutdown_grace_s: float = 30.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # tensor parallel (docs/tp.md)
+    tp: int = 1                          # ranks serving one model; rank 0 serves HTTP, the others only the model
+    rank: int = 0
+    master: str = "127.0.0.1:29500"      # rank 0's HOST:PORT as the other ranks reach it (uses PORT..PORT+2)
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 30.0
+    tp_start_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ServeConfigError:
@@ -83,6 +90,15 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise bad("keepalive_s", "must be positive")
         if self.shutdown_grace_s < 0:
             raise bad("shutdown_grace_s", "must not be negative")
+        if self.tp < 1:
+            raise bad("tp", "must be at least 1")
+        if not (0 <= self.rank < self.tp):
+            raise bad("rank", f"must be in 0..{self.tp - 1} (--tp {self.tp})")
+        if not (0 < self.heartbeat_interval_s < self.heartbeat_timeout_s):
+            raise bad("heartbeat_interval_s", f"must be positive and below --heartbeat-timeout-s "
+                                              f"({self.heartbeat_timeout_s:g})")
+        if self.tp_start_timeout_s <= 0:
+            raise bad("tp_start_timeout_s", "must be positive")
 
 
 FIELD_HELP: dict[str, str] = {
@@ -128,6 +144,14 @@ FIELD_HELP: dict[str, str] = {
     "keepalive_s": "seconds between ': keepalive' SSE comments while a streamed request waits or its prompt fills",
     "shutdown_grace_s": "on SIGTERM: stop admitting, let running replies finish for this long, then cancel them",
     "log_level": "server log level",
+    "tp": "tensor-parallel ranks (1 or 2; docs/tp.md): rank 0 serves HTTP and schedules, every rank runs its share "
+          "of the model on the plans rank 0 sends; scripts/serve.sh --tp 2 starts both ranks on one host",
+    "rank": "this process's rank (0 = the HTTP server; >= 1 = a follower that runs the model only)",
+    "master": "rank 0's HOST:PORT as the other ranks reach it; the lane uses PORT, PORT+1 and PORT+2",
+    "heartbeat_interval_s": "seconds between heartbeats between ranks",
+    "heartbeat_timeout_s": "a rank silent this long is lost: the other stops with a line naming it (in-flight "
+                           "requests end with an error)",
+    "tp_start_timeout_s": "how long a rank waits at start-up for the others (either may start first)",
 }
 
 
