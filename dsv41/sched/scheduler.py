@@ -359,8 +359,8 @@ class Scheduler:
     def _finish(self, req: Request, ev: FinishEvent, admitted: bool = True) -> None:
         req.finish(ev)
         ttft = f"{req.first_token_time - req.arrival:.3f}" if req.first_token_time else "-"
-        log.info("done %d prompt=%d reply=%d finish=%s ttft=%s seconds=%.3f", req.id, req.prompt_len,
-                 len(req.output_ids), ev.reason, ttft, req.finish_time - req.arrival)
+        log.info("done %d prompt=%d cached=%d reply=%d finish=%s ttft=%s seconds=%.3f", req.id, req.prompt_len,
+                 req.cached_tokens, len(req.output_ids), ev.reason, ttft, req.finish_time - req.arrival)
         self._marks.pop(req.id, None)
         if admitted and self.kept is not None and ev.reason in ("stop", "length"):
             self._to_keep.append(req)
