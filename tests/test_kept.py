@@ -71,7 +71,7 @@ def test_eviction_least_recently_used_first_and_longest_first_within_a_conversat
     assert ix.bytes == 100 * 3 + 10 * 60
     ix.lookup(b)                  # b is now the most recent
     # a new 40-token state needs 500: evict from a first, its longest boundary first (a shrink, not a drop)
-    got, evicted = ix.plan_save(b[:40])
+    _, evicted = ix.plan_save(b[:40])
     assert [e.length for e in evicted] == [30]
     assert ix.lookup(a).length == 10
     assert ix.bytes <= ix.budget
@@ -239,7 +239,6 @@ def test_resume_equals_cold_in_the_release_quirk_mode(ckpt):
 # ---- the scheduler's use of the index (no model: the test plays the runner) -----------------------------------
 
 def test_scheduler_cuts_at_marks_saves_on_finish_and_resumes():
-    import asyncio  # noqa: F401 - Request makes an asyncio.Queue
     from dsv41.comm.plan import DropState, FreeSeq, NewSeq, RestoreState, SaveState
     from dsv41.sched.memory import MemoryBudget, StateCost
     from dsv41.sched.request import Request

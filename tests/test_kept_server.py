@@ -89,7 +89,7 @@ def cold_url(servers):
 
 def metrics(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=30).text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^dsv41:(kept_\w+) (\S+)$", text, re.M)}
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^dsv41:(kept_\w+) (\S+)$", text, re.MULTILINE)}
 
 
 def chat(url: str, messages, salt, *, thinking=False, tools=None, sampled=False, max_tokens=6):
