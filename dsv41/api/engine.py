@@ -41,6 +41,7 @@ class Engine:
     checkpoint: str
     device: str
     created: int = field(default_factory=lambda: int(time.time()))
+    lane: object = None              # dsv41.sched.tp.TPLane with --tp > 1 (rank 0), else None
 
 
 def cache_root() -> Path:
@@ -121,9 +122,7 @@ def load_engine(cfg: ServeConfig, metrics=None) -> Engine:
 
     from dsv41.chat.tokenizer import Tokenizer
     from dsv41.model.model import Model
-    from dsv41.sched.memory import MemoryBudget, state_cost
     from dsv41.sched.runner import ModelRunner
-    from dsv41.sched.scheduler import Scheduler
 
     ckpt = Path(cfg.model) if cfg.model else builtin_checkpoint()
     if not (ckpt / "config.json").is_file():
@@ -135,6 +134,8 @@ def load_engine(cfg: ServeConfig, metrics=None) -> Engine:
                                                            else BUILTIN_TOKENIZER_DIR)
     tok = Tokenizer.from_dir(tok_dir)
     t0 = time.monotonic()
+    if cfg.tp > 1:
+        return _load_tp(cfg, metrics, ckpt, raw, text, device, tok)
     try:
         model = Model.load(str(ckpt), device=device, dtype=torch.float32)
     except ValueError as e:
@@ -146,6 +147,37 @@ def load_engine(cfg: ServeConfig, metrics=None) -> Engine:
         device = "cpu"
         model = Model.load(str(ckpt), device=device, dtype=torch.float32)
     log.info("model loaded from %s on %s in %.1f s", ckpt, device, time.monotonic() - t0)
+    return _build(cfg, metrics, ckpt, raw, text, device, tok, ModelRunner(model), None)
+
+
+def _load_tp(cfg: ServeConfig, metrics, ckpt: Path, raw: dict, text: dict, device: str, tok) -> Engine:
+    """Rank 0 of --tp N: wait for the followers, open the ring, load this rank's share; the runner sends each plan
+    to the followers and checks their digests (dsv41/sched/tp.py)."""
+    import torch
+
+    from dsv41.model.model import Model
+    from dsv41.model.weights import RankShare
+    from dsv41.sched.runner import ModelRunner
+    from dsv41.sched.tp import DigestingModel, TPLane
+
+    lane = TPLane.open(cfg.master, cfg.tp, device, heartbeat_interval=cfg.heartbeat_interval_s,
+                       heartbeat_timeout=cfg.heartbeat_timeout_s, start_timeout=cfg.tp_start_timeout_s,
+                       step_timeout=900.0)
+    try:
+        t0 = time.monotonic()
+        model = Model.load(str(ckpt), device=device, dtype=torch.float32, share=RankShare(0, cfg.tp), comm=lane.comm)
+        log.info("rank 0 share of %s loaded on %s in %.1f s", ckpt, device, time.monotonic() - t0)
+        return _build(cfg, metrics, ckpt, raw, text, device, tok, lane.wrap(ModelRunner(DigestingModel(model))),
+                      lane)
+    except BaseException as e:
+        lane.die(e)
+        lane.close()
+        raise
+
+
+def _build(cfg: ServeConfig, metrics, ckpt: Path, raw: dict, text: dict, device: str, tok, runner, lane) -> Engine:
+    from dsv41.sched.memory import MemoryBudget, state_cost
+    from dsv41.sched.scheduler import Scheduler
 
     cost = state_cost(text, elem_bytes=4)
     budget_bytes = int(cfg.state_budget_gib * (1 << 30)) if cfg.state_budget_gib > 0 else \
@@ -156,7 +188,6 @@ def load_engine(cfg: ServeConfig, metrics=None) -> Engine:
     if context < 2:
         raise StartError(f"the state budget ({budget_bytes} bytes) does not hold even one short sequence; raise "
                          f"--state-budget-gib")
-    runner = ModelRunner(model)
     sched = Scheduler(runner, budget, max_streams=cfg.max_streams, max_waiting=cfg.max_waiting,
                       prefill_chunk=cfg.prefill_chunk, stall_target_s=cfg.stall_target_s,
                       metrics=metrics, kept=_kept_index(cfg, ckpt, text, cost, tok))
@@ -164,4 +195,4 @@ def load_engine(cfg: ServeConfig, metrics=None) -> Engine:
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos])
     return Engine(cfg=cfg, name=cfg.name or ckpt.name, tok=tok, sched=sched, context_len=context,
                   vocab_size=int(text["vocab_size"]), eos_ids=eos_ids, bos_id=tok.bos_id,
-                  think_end_id=tok.think_end_id, checkpoint=str(ckpt), device=device)
+                  think_end_id=tok.think_end_id, checkpoint=str(ckpt), device=device, lane=lane)

@@ -60,8 +60,19 @@ async def _serve(cfg: ServeConfig) -> int:
         eng.sched.start()
         metrics.scheduler = eng.sched
         state.engine = eng
+        if eng.lane is not None:
+            eng.lane.attach(loop, lane_failed)
         print(f"dsv41: ready: model {eng.name!r} ({eng.checkpoint}) on {eng.device}, context {eng.context_len}, "
               f"{cfg.max_streams} streams", flush=True)
+
+    def lane_failed(why: str) -> None:
+        # a rank of --tp N was lost (or diverged): its rounds already failed their requests; stop admitting, exit 1
+        nonlocal exit_code
+        exit_code = 1
+        print(f"dsv41: {why}; exiting", file=sys.stderr, flush=True)
+        if server.dsv41.engine is not None:
+            server.dsv41.engine.sched.begin_drain()
+        server.should_exit = True
 
     async def on_startup(state) -> None:
         server._loop = asyncio.get_running_loop()
@@ -70,6 +81,8 @@ async def _serve(cfg: ServeConfig) -> int:
     async def on_shutdown(state) -> None:
         if state.engine is not None:
             await state.engine.sched.stop()
+            if state.engine.lane is not None:
+                state.engine.lane.close()       # followers stop (cleanly, unless the lane failed)
 
     app, state = create_app(cfg, metrics, on_startup, on_shutdown)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, http="h11", lifespan="on", access_log=False,
@@ -95,6 +108,9 @@ async def _serve(cfg: ServeConfig) -> int:
 
 
 def serve(cfg: ServeConfig) -> int:
+    if cfg.rank > 0:                    # a follower of --tp N: the model only, no HTTP (dsv41/sched/follower.py)
+        from dsv41.sched.follower import run_follower
+        return run_follower(cfg)
     import uvloop
     # The round's forward holds the GIL between torch ops; a 0.5 ms switch interval (default 5 ms) keeps the event
     # loop answering sockets and keepalives promptly while it runs (serving.md §6.8).

@@ -1,0 +1,78 @@
+"""The follower loop: a rank >= 1 of a tensor-parallel server runs the model only, no HTTP.
+
+`python -m dsv41 serve --tp 2 --rank 1 --master HOST:PORT [same --model]` (scripts/serve.sh --tp 2 starts it on one
+host). It connects to rank 0 (either may start first; each waits --tp-start-timeout-s), opens the ring, loads its
+share of the checkpoint, then runs every plan rank 0 sends through the same ModelRunner code rank 0 uses, and
+answers each round with the digest of its logits rows (dsv41/sched/tp.py says why logits only). It exits 0 when
+rank 0 shuts down cleanly, and 1 with a line naming the rank when rank 0 is lost, failed, or the ranks diverged.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dsv41.comm.channel import Follower
+from dsv41.comm.plan import CommError
+from dsv41.comm.ring import open_ring
+from dsv41.sched.tp import DigestingModel, ring_comm
+from dsv41.serve_config import ServeConfig
+
+
+def follower_device(want: str, rank: int, same_host: bool) -> str:
+    """cpu, or this rank's GPU: on one host rank r uses cuda:r (the cuda-ipc ring needs every rank's GPU visible)."""
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise CommError(f"rank {rank}: --device cuda: no CUDA device is visible")
+    return f"cuda:{rank if same_host else 0}"
+
+
+def run_follower(cfg: ServeConfig) -> int:
+    """Serve plans until rank 0 says stop (0) or the lane fails (1, with a line that names the rank)."""
+    from dsv41.api.engine import builtin_checkpoint
+    from dsv41.model.model import Model
+    from dsv41.model.weights import RankShare
+    from dsv41.sched.runner import ModelRunner
+
+    rank, world = cfg.rank, cfg.tp
+    tag = f"dsv41: rank {rank} of {world}"
+    ckpt = Path(cfg.model) if cfg.model else builtin_checkpoint()
+    if not (ckpt / "config.json").is_file():
+        print(f"{tag}: --model {ckpt}: no config.json there", file=sys.stderr, flush=True)
+        return 1
+    print(f"{tag}: waiting for rank 0 at {cfg.master}", flush=True)
+    rounds = 0
+    try:
+        with Follower(cfg.master, rank, world, heartbeat_interval=cfg.heartbeat_interval_s,
+                      heartbeat_timeout=cfg.heartbeat_timeout_s, start_timeout=cfg.tp_start_timeout_s) as chan:
+            device = follower_device(cfg.device, rank, chan.same_host)
+            ring = open_ring(rank, world, device, master=cfg.master, session=chan.session,
+                             same_host=chan.same_host, timeout=max(cfg.heartbeat_timeout_s, 10.0))
+            try:
+                t0 = time.monotonic()
+                model = Model.load(str(ckpt), device=device, dtype=torch.float32, share=RankShare(rank, world),
+                                   comm=ring_comm(ring, world))
+                print(f"{tag}: ready: {ckpt} on {device}, ring {ring.kind}, loaded in "
+                      f"{time.monotonic() - t0:.1f} s", flush=True)
+                dm = DigestingModel(model)
+                runner = ModelRunner(dm)
+                while (plan := chan.recv()) is not None:
+                    runner.execute(plan)            # draws unmasked tokens too; only rank 0's draws count
+                    chan.reply(plan.round, dm.take_digest())
+                    rounds += 1
+            finally:
+                ring.close()
+    except CommError as e:
+        print(f"{tag}: stopping after {rounds} rounds: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{tag}: interrupted after {rounds} rounds", file=sys.stderr, flush=True)
+        return 130
+    except Exception as e:  # noqa: BLE001 - rank 0 was told why (Follower.__exit__ sends Error); say it here too
+        print(f"{tag}: failed after {rounds} rounds: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    print(f"{tag}: rank 0 shut down; {rounds} rounds served", flush=True)
+    return 0
