@@ -2,8 +2,49 @@
 # Serve dsv41 (OpenAI-compatible). Installs what it needs, then `python -m dsv41 serve "$@"`.
 # No arguments: the built-in tiny checkpoint (made once, cached under ${XDG_CACHE_HOME:-~/.cache}/dsv41/) on
 # 127.0.0.1:8000, on the GPU when there is one. `--model DIR`, `--host`, `--port`, all flags: docs/server.md.
+# `--tp 2` (no --rank): both ranks on this host, rank 1 in the background, stopped with rank 0 (docs/tp.md).
+# `--tp 2 --rank 1 --master HOST:PORT`: only that rank (a follower on another node).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec ${PYTHON:-python3} -m dsv41 serve "$@"
+PY=${PYTHON:-python3}
+
+tp=${DSV41_TP:-1}
+rank_given=${DSV41_RANK:+1}
+prev=""
+for a in "$@"; do
+  case "$a" in
+    --tp=*) tp=${a#--tp=} ;;
+    --rank|--rank=*) rank_given=1 ;;
+  esac
+  [ "$prev" = "--tp" ] && tp=$a
+  prev=$a
+done
+if [ "$tp" = "1" ] || [ -n "$rank_given" ]; then
+  exec $PY -m dsv41 serve "$@"
+fi
+
+# every rank on this host: the followers in the background; rank 0 (HTTP) in front. Rank 0 stops them cleanly
+# when it exits; if it is killed, the trap stops them; if one of them dies, rank 0 exits naming it.
+pids=()
+for ((r = 1; r < tp; r++)); do
+  $PY -m dsv41 serve "$@" --rank "$r" &
+  pids+=($!)
+done
+$PY -m dsv41 serve "$@" --rank 0 &
+r0=$!
+stop() {
+  kill -TERM "$r0" 2>/dev/null || true
+  wait "$r0" 2>/dev/null || true
+  kill -TERM "${pids[@]}" 2>/dev/null || true
+}
+trap 'stop; exit 143' TERM
+trap 'stop; exit 130' INT
+set +e
+wait "$r0"
+rc=$?
+sleep 1                                  # rank 0's Shutdown reaches the followers; then nothing may outlive us
+kill -TERM "${pids[@]}" 2>/dev/null
+wait "${pids[@]}" 2>/dev/null
+exit "$rc"
