@@ -376,6 +376,22 @@ def test_forced_tool_call_plain_and_streamed(client):
     assert not any(c.choices[0].delta.content for c in chunks)
 
 
+def test_forced_call_cut_by_max_tokens_is_length(client):
+    """A forced call that max_tokens cuts mid-arguments is reported as "length", never as a complete call."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                         "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city", "unit"]}}}]
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools,
+              tool_choice="required", max_tokens=30, temperature=0, extra_body=NO_THINK)
+    # 30 tokens reach past the call's name into its arguments (the whole block is ~54 tokens)
+    assert client.chat.completions.create(**kw).choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    names = [tc.function.name for c in chunks for tc in (c.choices[0].delta.tool_calls or []) if tc.function.name]
+    assert names == ["get_weather"], "the cut must fall inside the call's arguments"
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_zz_sigterm_drains_running_replies(server):
     """Last in the module: SIGTERM stops admitting, lets the running reply finish, then the process exits."""
     result: dict = {}

@@ -246,6 +246,12 @@ def _grammar(eng, raw: dict, prompt):
     return spec.matcher() if spec is not None else None
 
 
+def _finish_reason(reason: str, final) -> str:
+    """"tool_calls" for a reply that ended on its calls; a reply cut by max_tokens stays "length" even inside a call
+    (its arguments may be cut short), as OpenAI and vLLM report it."""
+    return "tool_calls" if final.tool_calls and reason != "length" else reason
+
+
 async def chat_completions(request: HttpRequest) -> Response:
     eng = _engine(request)
     body = await request.body()
@@ -304,7 +310,7 @@ async def chat_completions(request: HttpRequest) -> Response:
         raise _finish_error(fin)
     _, final = parser.finish()
     message = final.message()
-    finish_reason = "tool_calls" if final.tool_calls else fin.reason
+    finish_reason = _finish_reason(fin.reason, final)
     choice = {"index": 0, "message": message, "logprobs": {"content": logprobs} if req.logprobs else None,
               "finish_reason": finish_reason}
     if fin.stop_sequence is not None:
@@ -369,7 +375,7 @@ async def _chat_stream(request, eng, r: Request, reply: Reply, parser, rid: str,
                 extra["stop_reason"] = ev.stop_sequence
             if return_ids:
                 extra["token_ids"] = list(r.output_ids)
-            yield chunk({}, "tool_calls" if final.tool_calls else ev.reason, logprobs=pending_lp or None, **extra)
+            yield chunk({}, _finish_reason(ev.reason, final), logprobs=pending_lp or None, **extra)
             if include_usage:
                 yield sse.frame({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                                  "choices": [], "usage": msgspec.to_builtins(reply.usage())})
