@@ -32,8 +32,15 @@ log = logging.getLogger("dsv41.tp")
 def ring_comm(ring, world: int):
     """The model's Comm over a ring: rank-order sums, logits gathered along the vocabulary."""
     from dsv41.model.model import Comm
-    return Comm(world=world, all_reduce=ring.all_reduce_sum,
-                all_gather_cols=lambda t: torch.cat(list(ring.all_gather(t)), dim=1))
+
+    def all_gather_cols(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() == 0:
+            # a round whose rows want no logits (a prompt chunk short of its end): nothing to exchange, and every
+            # rank runs the same plan, so every rank skips alike (ShmRing.all_gather cannot view 0 bytes as floats)
+            return t.new_empty(t.shape[0], t.shape[1] * world)
+        return torch.cat(list(ring.all_gather(t)), dim=1)
+
+    return Comm(world=world, all_reduce=ring.all_reduce_sum, all_gather_cols=all_gather_cols)
 
 
 class DigestingModel:
@@ -79,7 +86,7 @@ class TPLane:
                         start_timeout=start_timeout, step_timeout=step_timeout)
         try:
             ring = open_ring(0, world, device, master=master, session=leader.session, same_host=leader.same_host,
-                             timeout=max(heartbeat_timeout, 10.0))
+                             timeout=heartbeat_timeout)
         except BaseException as e:
             leader.fail(f"rank 0 could not open the ring: {e}")
             leader.close()
