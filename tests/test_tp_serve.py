@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMON = ["--context", "256", "--state-budget-gib", "1", "--prefill-chunk", "16", "--prompt-cache-gib", "0",
+COMMON = ["--context", "256", "--state-budget-gib", "1", "--prefill-chunk", "16",
           "--shutdown-grace-s", "5", "--name", "tiny"]
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 if os.environ.get("DSV41_MODEL"):
@@ -316,3 +316,30 @@ def test_serve_sh_tp2_starts_both_ranks_and_stops_them(one_rank):
         assert out == [], f"ranks left running: {out}"
     finally:
         s.stop()
+
+
+def test_kept_states_resume_on_both_ranks(one_rank, two_ranks):
+    """A second turn resumes from the state kept after the first (RestoreState runs on both ranks): same tokens as
+    one rank, and rank 1 agrees (the lane stays up)."""
+    r0, r1 = two_ranks
+    turn = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Name a colour."}]
+
+    def chat(url, messages):
+        body = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, "chat_template_kwargs": {"thinking": False}}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        j = r.json()
+        return j["choices"][0], j["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    for url in (one_rank.url, r0.url):
+        first, _ = chat(url, turn)
+        nxt = turn + [{"role": "assistant", "content": first["message"]["content"]},
+                      {"role": "user", "content": "Another one."}]
+        second, cached = chat(url, nxt)
+        if url == one_rank.url:
+            want = (first["token_ids"], second["token_ids"])
+        else:
+            assert (first["token_ids"], second["token_ids"]) == want
+            assert cached > 0, "the second turn did not resume from a kept state"
+    assert r0.proc.poll() is None and r1.proc.poll() is None
