@@ -50,7 +50,7 @@ def run_follower(cfg: ServeConfig) -> int:
                       heartbeat_timeout=cfg.heartbeat_timeout_s, start_timeout=cfg.tp_start_timeout_s) as chan:
             device = follower_device(cfg.device, rank, chan.same_host)
             ring = open_ring(rank, world, device, master=cfg.master, session=chan.session,
-                             same_host=chan.same_host, timeout=max(cfg.heartbeat_timeout_s, 10.0))
+                             same_host=chan.same_host, timeout=cfg.heartbeat_timeout_s)
             try:
                 t0 = time.monotonic()
                 model = Model.load(str(ckpt), device=device, dtype=torch.float32, share=RankShare(rank, world),
