@@ -261,7 +261,8 @@ def test_rank_1_killed_mid_stream_rank_0_started_first():
         assert rc == 1
         said = r0.first(r"lane failed: rank 1 lost")
         assert said is not None, r0.text()[-2000:]
-        assert said - killed[0] < hb, f"rank 0 noticed after {said - killed[0]:.1f} s"
+        # at once when it is in a ring wait (the pid is gone), else by the heartbeat (+ its 50 ms polls, a loaded box)
+        assert said - killed[0] < hb + 1.0, f"rank 0 noticed after {said - killed[0]:.1f} s"
     finally:
         r0.stop()
         if r1 is not None:
