@@ -5,61 +5,18 @@ prefix. A small --prompt-cache-gib on the first makes eviction happen within the
 """
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from test_server import LiveServer
+
 CACHE_GIB = 0.003          # ~3 MiB: a handful of states of this module's prompts (~2 KiB a position)
 
 
-class Server:
-    def __init__(self, *args: str):
-        cmd = [sys.executable, "-m", "dsv41", "serve", "--host", "127.0.0.1", "--port", "0", *args]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
-        self.lines: list[str] = []
-        self.url = ""
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            m = re.search(r"listening on (http://\S+)", line)
-            if m and not self.url:
-                self.url = m.group(1)
-
-    def wait_ready(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + "".join(self.lines[-40:]))
-            if self.url:
-                try:
-                    if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-            time.sleep(0.2)
-        raise RuntimeError("server not ready in time:\n" + "".join(self.lines[-40:]))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+def Server(*args: str) -> LiveServer:
+    return LiveServer(*args, env={"OMP_NUM_THREADS": "1"})
 
 
 ARGS = ("--context", "1024", "--prefill-chunk", "64", "--state-budget-gib", "1", "--name", "tiny")
