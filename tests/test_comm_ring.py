@@ -57,6 +57,9 @@ def ring_worker(rank: int, master: str, q, device: str = "cpu"):
                 b = ring.broadcast(parts[1] if rank == 1 else torch.empty_like(parts[1]), src=1)
                 out[(ring.kind, i)] = (digest(s.cpu()), torch.equal(s, rank_order_sum(parts)),
                                        torch.equal(g, torch.stack(parts)), torch.equal(b, parts[1]), s.dtype)
+            empty = torch.empty(3, 0, device=device)     # a round with no rows of some kind: no bytes, same shape
+            out[(ring.kind, "empty")] = [tuple(ring.all_gather(empty).shape), tuple(ring.all_reduce_sum(empty).shape),
+                                         tuple(ring.broadcast(empty, src=1).shape)]
             odd = torch.arange(7, dtype=torch.float32, device=device) + rank
             out[(ring.kind, "odd")] = ring.all_reduce_sum(odd).tolist()
             big = partial(99, rank, 2048, torch.float32).to(device)    # a prompt chunk: 42 MB, 640 pieces
@@ -117,6 +120,7 @@ def check_pair(res: dict, kinds: tuple[str, str]) -> None:
             assert dt == dtype
             parts = [partial(i, r, rows, dtype) for r in range(2)]
             assert d0 == digest(rank_order_sum(parts))                  # == the CPU's rank-order sum, any transport
+        assert res[0][(kind, "empty")] == res[1][(kind, "empty")] == [(2, 3, 0), (3, 0), (3, 0)]
         assert res[0][(kind, "odd")] == res[1][(kind, "odd")] == [float(2 * x + 1) for x in range(7)]
         big = [partial(99, r, 2048, torch.float32) for r in range(2)]
         assert res[0][(kind, "big")] == res[1][(kind, "big")] == digest(rank_order_sum(big))

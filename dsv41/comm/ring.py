@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 import pickle
@@ -103,6 +104,17 @@ class Ring:
         self.close()
 
 
+def _skip_empty(op):
+    """A collective on a zero-element tensor sends nothing and takes no round: every rank runs the same plan, so
+    every rank calls it with the same empty shape (and a 0-byte buffer cannot be viewed as another dtype)."""
+    @functools.wraps(op)
+    def wrapped(self, t: torch.Tensor, *args, **kw):
+        if t.numel() == 0:
+            return t.new_empty((self.world, *t.shape) if op.__name__ == "all_gather" else t.shape)
+        return op(self, t, *args, **kw)
+    return wrapped
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
@@ -129,12 +141,14 @@ class DistRing(Ring):
             raise StartTimeout(f"rank {rank}: torch.distributed {backend} rendezvous at {host}:{port} failed: "
                                f"{e}") from None
 
+    @_skip_empty
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         b = _as_bytes(t)
         out = torch.empty(self.world * b.numel(), dtype=torch.uint8, device=b.device)
         self.dist.all_gather_into_tensor(out, b)
         return out.view(self.world, -1).view(t.dtype).view(self.world, *t.shape)
 
+    @_skip_empty
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         buf = t.contiguous() if self.rank == src else torch.empty_like(t, memory_format=torch.contiguous_format)
         self.dist.broadcast(_as_bytes(buf), src)
@@ -351,6 +365,7 @@ class ShmRing(Ring):
         self.ctl.wait(k)
         return k
 
+    @_skip_empty
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         src = _as_bytes(t)
         out = torch.empty(self.world, src.numel(), dtype=torch.uint8)
@@ -360,6 +375,7 @@ class ShmRing(Ring):
                 out[j, a:b] = self._slot(j, k)[: b - a]
         return out.view(t.dtype).view(self.world, *t.shape)
 
+    @_skip_empty
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         src = _as_bytes(t)
         out = torch.empty(t.shape, dtype=t.dtype)
@@ -374,6 +390,7 @@ class ShmRing(Ring):
                 acc.add_(p)
         return out
 
+    @_skip_empty
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         mine = _as_bytes(t) if self.rank == src else None
         out = t.contiguous().clone() if self.rank == src else torch.empty(t.shape, dtype=t.dtype)
@@ -452,6 +469,7 @@ class CudaIpcRing(Ring):
         step = self.cap // esize * esize
         return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)] or [(0, 0)]
 
+    @_skip_empty
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         src = _as_bytes(t)
         out = torch.empty(self.world, src.numel(), dtype=torch.uint8, device=self.device)
@@ -461,6 +479,7 @@ class CudaIpcRing(Ring):
             self.done[k % 2].record(stream)
         return out.view(t.dtype).view(self.world, *t.shape)
 
+    @_skip_empty
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         src = _as_bytes(t)
         out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
@@ -476,6 +495,7 @@ class CudaIpcRing(Ring):
             self.done[k % 2].record(stream)
         return out
 
+    @_skip_empty
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         out = t.contiguous().clone() if self.rank == src else torch.empty(t.shape, dtype=t.dtype,
                                                                           device=self.device)

@@ -34,10 +34,7 @@ def ring_comm(ring, world: int):
     from dsv41.model.model import Comm
 
     def all_gather_cols(t: torch.Tensor) -> torch.Tensor:
-        if t.numel() == 0:
-            # a round whose rows want no logits (a prompt chunk short of its end): nothing to exchange, and every
-            # rank runs the same plan, so every rank skips alike (ShmRing.all_gather cannot view 0 bytes as floats)
-            return t.new_empty(t.shape[0], t.shape[1] * world)
+        # a round whose rows want no logits gathers an empty [0, V/world]: the ring returns [world, 0, V/world]
         return torch.cat(list(ring.all_gather(t)), dim=1)
 
     return Comm(world=world, all_reduce=ring.all_reduce_sum, all_gather_cols=all_gather_cols)
