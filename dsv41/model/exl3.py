@@ -231,19 +231,28 @@ def _sylvester(n: int) -> torch.Tensor:
     return (1 - 2 * par).double()
 
 
-def _had_rows_fp16(w: torch.Tensor) -> torch.Tensor:
+def _had_rows_fp16(w: torch.Tensor, chunk: int = 512) -> torch.Tensor:
     """fp16 H128 . w over blocks of 128 rows, as exllamav3's preapply_had_l/_r compute it on the GPU: a float32
     GEMM with H = +-fp32(1/sqrt(128)), whose every output is the fused multiply-add chain over the 128 inputs in
     index order (checked against exllamav3 1.6.5 on the H200: this order matches all outputs, the exact sum does
     not), then rounded to fp16. Each fma is emulated in float64 (the product of an fp16 and an fp32 value is exact
-    there) and rounded to float32."""
+    there) and rounded to float32. The block columns are processed `chunk` at a time so the accumulators stay in
+    cache (the arithmetic per element is the same whatever the chunk)."""
     k, n = w.shape
-    x = w.double().view(k // HAD_DIM, HAD_DIM, n)
-    h = (_sylvester(HAD_DIM) * HAD_SCALE_F32).view(1, HAD_DIM, HAD_DIM, 1)        # [1, out i, in j, 1]
-    acc = torch.zeros((k // HAD_DIM, HAD_DIM, n), dtype=torch.float64)
-    for j in range(HAD_DIM):
-        acc = (acc + h[:, :, j] * x[:, j:j + 1, :]).float().double()
-    return acc.view(k, n).half()
+    kb = k // HAD_DIM
+    x = w.view(kb, HAD_DIM, n).permute(1, 0, 2).reshape(HAD_DIM, kb * n)      # [128 inputs, every block column]
+    sgn = _sylvester(HAD_DIM)                                                   # [out i, in j], +-1
+    out = torch.empty((HAD_DIM, kb * n), dtype=torch.float16)
+    for c0 in range(0, kb * n, chunk):
+        c1 = min(kb * n, c0 + chunk)
+        xs = x[:, c0:c1].double() * HAD_SCALE_F32                              # exact: fp16 x fp32 in float64
+        acc32 = torch.zeros((HAD_DIM, c1 - c0), dtype=torch.float32)
+        acc64 = torch.empty((HAD_DIM, c1 - c0), dtype=torch.float64)
+        for j in range(HAD_DIM):
+            torch.addcmul(acc32, sgn[:, j:j + 1], xs[j:j + 1], out=acc64)     # acc + (+-1)(s x_j): one rounding
+            acc32.copy_(acc64)                                                  # to float32: the fma's rounding
+        out[:, c0:c1] = acc32
+    return out.view(HAD_DIM, kb, n).permute(1, 0, 2).reshape(k, n)
 
 
 def dequant_exl3(tensors: dict) -> torch.Tensor:
