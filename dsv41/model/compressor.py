@@ -40,6 +40,7 @@ class Compressor:
         if pending_kv is not None and pending_kv.shape[0]:
             kv = torch.cat([pending_kv, kv], dim=0)
             gate = torch.cat([st.partial_gate[self.layer], gate], dim=0)
+        st.note_group_rows(self.layer, first, kv, gate)        # a marked forward can reopen the group (rollback)
         usable = kv.shape[0] // self.ratio * self.ratio
         st.partial_kv[self.layer] = kv[usable:].clone()
         st.partial_gate[self.layer] = gate[usable:].clone()
