@@ -249,6 +249,8 @@ def _vision_present(weight_map: dict[str, str]) -> bool:
 def check_inventory(weight_map: dict[str, str], cfg: ModelConfig) -> dict[str, TensorSpec]:
     """Names only: every expected tensor present, nothing unknown. Returns the inventory that applies."""
     inv = expected_tensors(cfg, vision=_vision_present(weight_map))
+    # The Engram tables may live in another folder (--engram DIR; EngramStore checks them there): absent here is fine.
+    inv = {n: s for n, s in inv.items() if s.fmt != "engram" or n in weight_map}
     for name in inv:
         if name not in weight_map:
             raise WeightError(name, "missing from the checkpoint's weight_map")
