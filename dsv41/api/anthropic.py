@@ -1,7 +1,7 @@
 """The Anthropic Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) on the chat path.
 
 A Messages body is converted into the chat completion body it means (`to_chat`) and submitted through the same steps
-as `/v1/chat/completions` (dsv41.api.responses.start_chat): same prompt ids, sampling, grammar, tokens. The chat
+as `/v1/chat/completions` (dsv41.api.app.prepare_chat): same prompt ids, sampling, grammar, tokens. The chat
 parser's deltas become content blocks (thinking, text, tool_use) and Anthropic stream events.
 
 Conversion (docs/apis.md): `system` (a string or text blocks) -> a leading system message; user `text`/`image`
@@ -24,17 +24,22 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 
 from dsv41.api import sse
-from dsv41.api.errors import ApiError, bad_request
-from dsv41.api.responses import (
+from dsv41.api.app import (
     DELTA,
     ERROR,
     KEEP,
-    chat_events,
-    collect_chat,
-    read_json,
-    start_chat,
-    token_info,
+    TOKEN,
+    chat_controls,
+    chat_grammar,
+    chat_prompt,
+    collect,
+    engine,
+    json_response,
+    prepare_chat,
+    read_object,
+    reply_events,
 )
+from dsv41.api.errors import ApiError, bad_request
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -325,21 +330,20 @@ def _message_id() -> str:
 # ================================================================================================ routes
 @anthropic_errors
 async def create_message(request: HttpRequest) -> Response:
-    from dsv41.api.app import _engine
-    eng = _engine(request)
-    body = await read_json(request)
+    eng = engine(request)
+    body = await read_object(request)
     if "stream" in body and not isinstance(body["stream"], bool):
         raise bad_request("`stream` must be a boolean", param="stream")
-    run = await start_chat(eng, to_chat(body), PARAMS)
+    run = await prepare_chat(eng, to_chat(body), params=PARAMS)
     mid = _message_id()
     if body.get("stream"):
         return StreamingResponse(_stream(request, eng, run, mid, bool(body.get("return_token_ids"))),
                                  media_type="text/event-stream", headers=sse.HEADERS)
-    fin, final = await collect_chat(request, eng, run)
+    fin, final = await collect(request, eng, run)
     out = {"id": mid, "type": "message", "role": "assistant", "model": run.model, "content": content_blocks(final),
            "stop_reason": _stop_reason(fin, bool(final.tool_calls)), "stop_sequence": fin.stop_sequence,
-           "usage": _usage(run), "dsv41": token_info(run, bool(body.get("return_token_ids")))}
-    return Response(msgspec.json.encode(out), media_type="application/json")
+           "usage": _usage(run), "dsv41": run.reply.info(bool(body.get("return_token_ids")))}
+    return json_response(out)
 
 
 def _event(typ: str, data: dict) -> bytes:
@@ -376,7 +380,9 @@ async def _stream(request, eng, run, mid: str, want_ids: bool):
         return out
 
     has_calls = False
-    async for kind, v in chat_events(request, eng, run):
+    async for kind, v in reply_events(request, eng, run):
+        if kind == TOKEN:
+            continue
         if kind == KEEP:
             yield PING
             continue
@@ -420,25 +426,19 @@ async def _stream(request, eng, run, mid: str, want_ids: bool):
         delta = {"stop_reason": _stop_reason(fin, has_calls or bool(final.tool_calls)),
                  "stop_sequence": fin.stop_sequence}
         yield _event("message_delta", {"delta": delta, "usage": {"output_tokens": len(run.r.output_ids)},
-                                       "dsv41": token_info(run, want_ids)})
+                                       "dsv41": run.reply.info(want_ids)})
         yield _event("message_stop", {})
         return
 
 
 @anthropic_errors
 async def count_tokens(request: HttpRequest) -> Response:
-    from dsv41.api import app as A
-    eng = A._engine(request)
-    body = await read_json(request)
-    chat = to_chat(body, counting=True)
-    from dsv41.sched.controls import ControlError, parse_controls
-    try:
-        parse_controls(chat)
-    except ControlError as e:
-        raise bad_request(e.message, param=e.param) from None
-    prompt = A._chat_prompt(eng, chat)
-    A._grammar(eng, chat, prompt)        # a tool_choice / schema the server cannot serve is refused here too
-    return Response(msgspec.json.encode({"input_tokens": len(prompt.token_ids)}), media_type="application/json")
+    eng = engine(request)
+    chat = to_chat(await read_object(request), counting=True)
+    chat_controls(eng, chat)
+    prompt = chat_prompt(eng, chat)
+    chat_grammar(eng, chat, prompt)      # a tool_choice / schema the server cannot serve is refused here too
+    return json_response({"input_tokens": len(prompt.token_ids)})
 
 
 def routes() -> list:

@@ -14,6 +14,7 @@ import logging
 import math
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -23,7 +24,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from dsv41.api import anthropic, responses, sse
+from dsv41.api import sse
 from dsv41.api.auth import OPEN_PATHS, KeyCheck
 from dsv41.api.errors import ApiError, bad_request, context_exceeded, from_decode_error
 from dsv41.api.metrics import Metrics
@@ -49,11 +50,12 @@ class AppState:
         self.load_error: str | None = None
 
 
-def _json(obj: Any, status: int = 200) -> Response:
+def json_response(obj: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
 
 
-def _engine(request: HttpRequest):
+def engine(request: HttpRequest):
+    """The loaded engine; 503 while it loads or after it failed to load."""
     st: AppState = request.app.state.dsv41
     if st.engine is None:
         msg = f"the model failed to load: {st.load_error}" if st.load_error else "the model is loading; retry shortly"
@@ -66,10 +68,16 @@ def _decode(body: bytes, typ):
         raise bad_request("the request body is empty; send a JSON object")
     try:
         return msgspec.json.decode(body, type=typ)
-    except msgspec.ValidationError as e:
+    except msgspec.DecodeError as e:                 # ValidationError included: the message names the field
         raise from_decode_error(e) from None
-    except msgspec.DecodeError as e:
-        raise from_decode_error(e) from None
+
+
+async def read_object(request: HttpRequest) -> dict:
+    """The body as a JSON object (the APIs that convert a body by hand: Responses, Anthropic)."""
+    raw = _decode(await request.body(), Any)
+    if not isinstance(raw, dict):
+        raise bad_request("the request body must be a JSON object")
+    return raw
 
 
 # ------------------------------------------------------------------------------------------------ request fields
@@ -147,6 +155,10 @@ def _detokenizer(eng):
     return IncrementalDetokenizer(eng.tok)
 
 
+def _served_name(eng, asked: str | None) -> str:
+    return asked if asked == eng.name else eng.name
+
+
 # ------------------------------------------------------------------------------------------------ reply pieces
 class Reply:
     """Accumulates one request's events into what the response needs: ids, text, logprobs, timing."""
@@ -184,59 +196,47 @@ class Reply:
     def token_sha(self) -> str:
         return hashlib.sha256(",".join(map(str, self.r.output_ids)).encode()).hexdigest()[:12]
 
-
-async def _events(eng, r: Request):
-    async for ev in eng.sched.stream(r):
-        yield ev
-
-
-async def _watch_disconnect(request: HttpRequest, eng, r: Request) -> None:
-    """For non-streamed replies: the only message left on the socket is the disconnect."""
-    while not r.finished:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            if not r.finished:
-                request.app.state.dsv41.metrics.client_disconnections_total += 1
-                eng.sched.cancel(r)
-            return
+    def info(self, want_ids: bool = False) -> dict:
+        """The `dsv41` object every API's reply carries: token digest, seed, sampling mode, what closed the
+        reasoning (a control), and the ids when asked for there."""
+        r = self.r
+        out = {"token_sha": self.token_sha(), "seed": r.params.seed,
+               "sampling": "greedy" if r.params.greedy else "exact"}
+        ctl = getattr(r, "control", None)
+        if ctl is not None and ctl.closed_by:
+            out["reasoning_closed_by"] = ctl.closed_by
+        if want_ids:
+            out["token_ids"] = list(r.output_ids)
+        return out
 
 
-async def _collect(request: HttpRequest, eng, r: Request, on_event) -> FinishEvent:
-    watcher = asyncio.ensure_future(_watch_disconnect(request, eng, r))
-    try:
-        async for ev in _events(eng, r):
-            on_event(ev)
-            if isinstance(ev, FinishEvent):
-                return ev
-    finally:
-        watcher.cancel()
-        if not r.finished:
-            eng.sched.cancel(r)
-    raise RuntimeError("event stream ended without a finish")   # pragma: no cover
+@dataclass
+class Prepared:
+    """One submitted request: the scheduler's Request and what every API builds its reply from."""
+    r: Request
+    reply: Reply
+    model: str              # the served name the reply reports
+    prompt: Any = None      # chat.policy ChatPrompt (chat requests)
+    parser: Any = None      # chat.parser ReplyParser (chat requests)
 
 
-def _finish_error(ev: FinishEvent) -> ApiError:
-    if ev.reason == "cancelled":
-        return ApiError(503, "the request was cancelled (server shutting down)", type="server_error")
-    return ApiError(500, ev.error or "the engine failed", type="server_error")
-
-
-# ------------------------------------------------------------------------------------------------ chat
-def _chat_prompt(eng, raw: dict):
+def chat_prompt(eng, raw: dict):
     """Render and tokenize a chat request with the server's defaults (dsv41.chat.policy); ChatError -> 400."""
     from dsv41.chat import policy
     from dsv41.chat.errors import ChatError
     try:
         prompt = policy.build_chat_prompt(raw, eng.tok, shield=True, default_thinking=eng.cfg.thinking,
-                                          default_effort=eng.cfg.reasoning_effort)
+                                          default_effort=eng.cfg.reasoning_effort, max_images=eng.cfg.max_images,
+                                          allow_image_urls=eng.cfg.image_urls)
     except ChatError as e:
         raise bad_request(e.message, param=e.param) from None
-    if prompt.images:
-        raise bad_request("image input is not served by this server yet", param="messages")
+    if prompt.images and eng.images is None:
+        raise bad_request("image input is off on this server (its checkpoint has no vision weights, or "
+                          "--max-images is 0); send text only", param="messages")
     return prompt
 
 
-def _grammar(eng, raw: dict, prompt):
+def chat_grammar(eng, raw: dict, prompt):
     """The reply's grammar matcher (structured output, forced tool calls), or None; GrammarError -> 400."""
     from dsv41.grammar.compile import GrammarError, compile_request
     try:
@@ -246,149 +246,60 @@ def _grammar(eng, raw: dict, prompt):
     return spec.matcher() if spec is not None else None
 
 
-def _finish_reason(reason: str, final) -> str:
-    """"tool_calls" for a reply that ended on its calls; a reply cut by max_tokens stays "length" even inside a call
-    (its arguments may be cut short), as OpenAI and vLLM report it."""
-    return "tool_calls" if final.tool_calls and reason != "length" else reason
-
-
-async def chat_completions(request: HttpRequest) -> Response:
-    eng = _engine(request)
-    body = await request.body()
-    req = _decode(body, ChatCompletionRequest)
-    raw = msgspec.json.decode(body)
-    if not req.messages:
-        raise bad_request("`messages` must hold at least one message", param="messages")
-    prompt = _chat_prompt(eng, raw)
-    matcher = _grammar(eng, raw, prompt)
-    ids = list(prompt.token_ids)
-    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = _max_tokens(eng, len(ids), asked, "messages",
-                             "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-    params = _sampling(eng, req, ids, bool(req.logprobs), (req.top_logprobs or 0) if req.logprobs else 0)
-    from dsv41.sched.controls import (ControlError, ControlledRequest, parse_controls, reasoning_control,
-                                      wait_background_turn)
+def chat_controls(eng, raw: dict) -> tuple[int | None, bool, bool]:
+    """(thinking budget, loop guard, background) of a chat body with the server's defaults; ControlError -> 400."""
+    from dsv41.sched.controls import ControlError, parse_controls
     try:
-        budget, loop_guard, background = parse_controls(raw, default_budget=eng.cfg.thinking_budget,
-                                                        default_loop_guard=eng.cfg.loop_guard)
+        return parse_controls(raw, default_budget=eng.cfg.thinking_budget, default_loop_guard=eng.cfg.loop_guard)
     except ControlError as e:
         raise bad_request(e.message, param=e.param) from None
-    control = reasoning_control(eng.tok, thinking=prompt.thinking, grammar=matcher is not None, budget=budget,
-                                loop_guard=loop_guard)
-    if background:
-        await wait_background_turn(eng.sched)
-    r = _submit(eng, ControlledRequest(prompt_ids=ids, params=params, max_tokens=max_tokens, eos_ids=eng.eos_ids,
-                                       ignore_eos=req.ignore_eos, stop=_stops(req.stop),
-                                       detokenizer=_detokenizer(eng), matcher=matcher, control=control,
-                                       cache_salt=req.cache_salt))
+
+
+def _renamed(e: ApiError, params: dict[str, str] | None) -> ApiError:
+    if params and e.param in params:
+        e.param = params[e.param]
+    return e
+
+
+async def prepare_chat(eng, raw: dict, req: ChatCompletionRequest | None = None,
+                       params: dict[str, str] | None = None) -> Prepared:
+    """Submit a chat completion body: prompt (chat.policy), grammar, limits, sampling and seed, reasoning controls.
+    Every API that is the chat path in another shape (Responses, Anthropic) comes through here, so its tokens are
+    the chat route's. `req` is the body already decoded (else decoded from `raw`); an ApiError's `param` is renamed
+    through `params` into the calling API's field names."""
     from dsv41.chat.parser import ReplyParser
-    tools = getattr(prompt, "tools", None) or None
-    parser = ReplyParser(thinking=prompt.thinking, tools=tools,
-                         parallel_tool_calls=req.parallel_tool_calls is not False)
-    reply = Reply(eng, r, prompt.thinking)
-    rid = "chatcmpl-" + secrets.token_hex(16)
-    model = req.model if req.model in (eng.name,) else eng.name
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        gen = _chat_stream(request, eng, r, reply, parser, rid, model, bool(tools), include_usage,
-                           req.return_token_ids)
-        return StreamingResponse(gen, media_type="text/event-stream", headers=sse.HEADERS)
-
-    logprobs: list[dict] = []
-
-    def on_event(ev):
-        if isinstance(ev, TokenEvent):
-            if ev.text:
-                parser.feed(ev.text)
-            if req.logprobs:
-                logprobs.append(reply.chat_logprob(ev))
-        elif ev.text:
-            parser.feed(ev.text)
-
-    fin = await _collect(request, eng, r, on_event)
-    if fin.reason in ("cancelled", "error"):
-        raise _finish_error(fin)
-    _, final = parser.finish()
-    message = final.message()
-    finish_reason = _finish_reason(fin.reason, final)
-    choice = {"index": 0, "message": message, "logprobs": {"content": logprobs} if req.logprobs else None,
-              "finish_reason": finish_reason}
-    if fin.stop_sequence is not None:
-        choice["stop_reason"] = fin.stop_sequence
-    if req.return_token_ids:
-        choice["token_ids"] = list(r.output_ids)
-    out = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": [choice],
-           "usage": reply.usage(), "exact_mode": "exact",
-           "dsv41": {"token_sha": reply.token_sha(), "seed": r.params.seed,
-                     "sampling": "greedy" if r.params.greedy else "exact"}}
-    if fin.stop_sequence is not None:
-        out["stop_sequence"] = fin.stop_sequence
-    return _json(out)
-
-
-async def _chat_stream(request, eng, r: Request, reply: Reply, parser, rid: str, model: str, has_tools: bool,
-                       include_usage: bool, return_ids: bool):
-    created = int(time.time())
-    metrics = request.app.state.dsv41.metrics
-
-    def chunk(delta: dict, finish_reason=None, logprobs=None, **extra) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
-                  "finish_reason": finish_reason}
-        choice.update(extra)
-        return sse.frame({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                          "choices": [choice]})
-
-    pending_lp: list[dict] = []
-    done = False
+    from dsv41.sched.controls import ControlledRequest, reasoning_control, wait_background_turn
     try:
-        if not has_tools:                       # role right after the headers; with tools, before the first delta
-            for d in parser.role_delta():
-                yield chunk(d)
-        async for ev in sse.with_keepalive(_events(eng, r), eng.cfg.keepalive_s):
-            if ev is sse.KEEPALIVE:
-                yield ev
-                continue
-            deltas = parser.feed(ev.text) if ev.text else []
-            if isinstance(ev, TokenEvent) and r.params.logprobs:
-                pending_lp.append(reply.chat_logprob(ev))
-            if isinstance(ev, FinishEvent):
-                if ev.reason in ("cancelled", "error"):
-                    err = _finish_error(ev)
-                    yield sse.frame({"error": {"message": err.message, "type": "server_error"}})
-                    yield sse.DONE
-                    done = True
-                    return
-                tail, final = parser.finish()
-                deltas = list(deltas) + list(tail)
-            for d in deltas:
-                if "role" not in d:
-                    for d0 in parser.role_delta():
-                        yield chunk(d0)
-                yield chunk(d, logprobs=pending_lp or None)
-                pending_lp = []
-            if isinstance(ev, TokenEvent):
-                continue
-            for d0 in parser.role_delta():
-                yield chunk(d0)
-            extra = {}
-            if ev.stop_sequence is not None:
-                extra["stop_reason"] = ev.stop_sequence
-            if return_ids:
-                extra["token_ids"] = list(r.output_ids)
-            yield chunk({}, _finish_reason(ev.reason, final), logprobs=pending_lp or None, **extra)
-            if include_usage:
-                yield sse.frame({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                 "choices": [], "usage": msgspec.to_builtins(reply.usage())})
-            yield sse.DONE
-            done = True
-            return
-    finally:
-        if not done and not r.finished:
-            metrics.client_disconnections_total += 1
-            eng.sched.cancel(r)
+        if req is None:
+            try:
+                req = msgspec.convert(raw, ChatCompletionRequest)
+            except msgspec.ValidationError as e:
+                raise from_decode_error(e) from None
+        if not req.messages:
+            raise bad_request("the conversation is empty: send at least one message", param="messages")
+        prompt = chat_prompt(eng, raw)
+        matcher = chat_grammar(eng, raw, prompt)
+        # image placeholders -> their spans (dsv41/api/images.py: fetch, decode, tower, cached by hash)
+        ids, images = await eng.images.prompt_images(prompt) if prompt.images else (list(prompt.token_ids), [])
+        asked_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = _max_tokens(eng, len(ids), getattr(req, asked_name), "messages", asked_name)
+        sp = _sampling(eng, req, ids, bool(req.logprobs), (req.top_logprobs or 0) if req.logprobs else 0)
+        budget, loop_guard, background = chat_controls(eng, raw)
+        control = reasoning_control(eng.tok, thinking=prompt.thinking, grammar=matcher is not None, budget=budget,
+                                    loop_guard=loop_guard)
+        if background:
+            await wait_background_turn(eng.sched)
+        r = _submit(eng, ControlledRequest(prompt_ids=ids, params=sp, max_tokens=max_tokens, eos_ids=eng.eos_ids,
+                                           ignore_eos=req.ignore_eos, stop=_stops(req.stop),
+                                           detokenizer=_detokenizer(eng), matcher=matcher, control=control,
+                                           cache_salt=req.cache_salt, images=images))
+    except ApiError as e:
+        raise _renamed(e, params) from None
+    parser = ReplyParser(thinking=prompt.thinking, tools=prompt.tools or None,
+                         parallel_tool_calls=req.parallel_tool_calls is not False)
+    return Prepared(r, Reply(eng, r, prompt.thinking), _served_name(eng, req.model), prompt, parser)
 
 
-# ------------------------------------------------------------------------------------------------ completions
 def _completion_prompt(eng, req: CompletionRequest) -> list[int]:
     p = req.prompt
     if isinstance(p, list) and any(not isinstance(x, int) for x in p):
@@ -409,55 +320,221 @@ def _completion_prompt(eng, req: CompletionRequest) -> list[int]:
     return list(p)
 
 
-async def completions(request: HttpRequest) -> Response:
-    eng = _engine(request)
-    body = await request.body()
-    req = _decode(body, CompletionRequest)
+def prepare_completion(eng, req: CompletionRequest) -> Prepared:
+    """Submit a completions body: the given ids or the string's tokens, limits, sampling and seed."""
     if req.suffix:
         raise bad_request("`suffix` is not supported", param="suffix")
     if req.echo:
         raise bad_request("`echo` is not supported", param="echo")
     ids = _completion_prompt(eng, req)
     max_tokens = _max_tokens(eng, len(ids), req.max_tokens, "prompt")
-    want_lp = req.logprobs is not None
-    params = _sampling(eng, req, ids, want_lp, req.logprobs or 0)
+    params = _sampling(eng, req, ids, req.logprobs is not None, req.logprobs or 0)
     r = _submit(eng, Request(prompt_ids=ids, params=params, max_tokens=max_tokens, eos_ids=eng.eos_ids,
                              ignore_eos=req.ignore_eos, stop=_stops(req.stop), detokenizer=_detokenizer(eng),
                              cache_salt=req.cache_salt))
-    reply = Reply(eng, r, thinking=False)
-    rid = "cmpl-" + secrets.token_hex(16)
-    model = req.model if req.model in (eng.name,) else eng.name
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_completion_stream(request, eng, r, reply, rid, model, include_usage,
-                                                    req.return_token_ids, want_lp),
-                                 media_type="text/event-stream", headers=sse.HEADERS)
-    texts: list[str] = []
-    lp = _LegacyLogprobs(reply) if want_lp else None
+    return Prepared(r, Reply(eng, r, thinking=False), _served_name(eng, req.model))
 
-    def on_event(ev):
-        if ev.text:
-            texts.append(ev.text)
-        if lp is not None and isinstance(ev, TokenEvent):
-            lp.add(ev)
 
-    fin = await _collect(request, eng, r, on_event)
-    if fin.reason in ("cancelled", "error"):
-        raise _finish_error(fin)
-    choice = {"index": 0, "text": "".join(texts), "logprobs": lp.body() if lp else None,
-              "finish_reason": fin.reason}
+# ------------------------------------------------------------------------------------------------ the reply loop
+def finish_error(ev: FinishEvent) -> ApiError | None:
+    """The error a finish stands for (cancelled by a shutdown: 503; an engine failure: 500), None for a reply."""
+    if ev.reason == "cancelled":
+        return ApiError(503, "the request was cancelled (server shutting down)", type="server_error")
+    if ev.reason == "error":
+        return ApiError(500, ev.error or "the engine failed", type="server_error")
+    return None
+
+
+async def _watch_disconnect(request: HttpRequest, eng, r: Request) -> None:
+    """For non-streamed replies: the only message left on the socket is the disconnect."""
+    while not r.finished:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            if not r.finished:
+                request.app.state.dsv41.metrics.client_disconnections_total += 1
+                eng.sched.cancel(r)
+            return
+
+
+KEEP, TOKEN, DELTA, FINISH, ERROR = "keepalive", "token", "delta", "finish", "error"
+
+
+async def reply_events(request: HttpRequest, eng, prep: Prepared, stream: bool = True):
+    """The one reply loop every route runs, as (kind, value):
+    (KEEP, None) while nothing is due (streams only), (TOKEN, TokenEvent) for each drawn token, with a chat parser
+    (DELTA, chat delta) for each delta it makes (its role delta included), then one (FINISH, (FinishEvent,
+    FinalMessage | None)) or (ERROR, ApiError). A client that goes away (a streamed consumer that stops, or a
+    non-streamed request's disconnect) cancels the request and is counted."""
+    r, parser = prep.r, prep.parser
+    done = False
+    watcher = None if stream else asyncio.ensure_future(_watch_disconnect(request, eng, r))
+    source = eng.sched.stream(r)
+    try:
+        async for ev in (sse.with_keepalive(source, eng.cfg.keepalive_s) if stream else source):
+            if ev is sse.KEEPALIVE:
+                yield KEEP, None
+                continue
+            if isinstance(ev, TokenEvent):
+                yield TOKEN, ev
+            deltas = parser.feed(ev.text) if parser is not None and ev.text else []
+            if isinstance(ev, FinishEvent):
+                err = finish_error(ev)
+                if err is not None:
+                    done = True
+                    yield ERROR, err
+                    return
+                final = None
+                if parser is not None:
+                    tail, final = parser.finish()
+                    deltas = list(deltas) + list(tail)
+            for d in deltas:
+                yield DELTA, d
+            if isinstance(ev, FinishEvent):
+                done = True
+                yield FINISH, (ev, final)
+                return
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        if not done and not r.finished:
+            if stream:
+                request.app.state.dsv41.metrics.client_disconnections_total += 1
+            eng.sched.cancel(r)
+
+
+async def collect(request: HttpRequest, eng, prep: Prepared, on_token=None):
+    """Run a non-streamed reply to its end: (FinishEvent, FinalMessage | None); on_token(TokenEvent) sees each
+    token. A failed or cancelled reply raises its ApiError."""
+    async for kind, v in reply_events(request, eng, prep, stream=False):
+        if kind == TOKEN and on_token is not None:
+            on_token(v)
+        elif kind == ERROR:
+            raise v
+        elif kind == FINISH:
+            return v
+    raise RuntimeError("event stream ended without a finish")   # pragma: no cover
+
+
+def _stream_error(err: ApiError) -> bytes:
+    return sse.frame({"error": {"message": err.message, "type": "server_error"}}) + sse.DONE
+
+
+def _choice_extra(prep: Prepared, fin: FinishEvent, return_ids: bool) -> dict:
+    extra = {}
     if fin.stop_sequence is not None:
-        choice["stop_reason"] = fin.stop_sequence
-    if req.return_token_ids:
-        choice["token_ids"] = list(r.output_ids)
-        choice["prompt_token_ids"] = ids
-    out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-           "choices": [choice], "usage": reply.usage(), "exact_mode": "exact",
-           "dsv41": {"token_sha": reply.token_sha(), "seed": r.params.seed,
-                     "sampling": "greedy" if r.params.greedy else "exact"}}
+        extra["stop_reason"] = fin.stop_sequence
+    if return_ids:
+        extra["token_ids"] = list(prep.r.output_ids)
+    return extra
+
+
+def _reply_body(prep: Prepared, rid: str, obj: str, choice: dict, fin: FinishEvent) -> dict:
+    out = {"id": rid, "object": obj, "created": int(time.time()), "model": prep.model, "choices": [choice],
+           "usage": prep.reply.usage(), "exact_mode": "exact", "dsv41": prep.reply.info()}
     if fin.stop_sequence is not None:
         out["stop_sequence"] = fin.stop_sequence
-    return _json(out)
+    return out
+
+
+class _Frames:
+    """The SSE frames of one streamed chat or completions reply: chunks, the usage chunk, [DONE]."""
+
+    def __init__(self, rid: str, obj: str, model: str):
+        self.base = {"id": rid, "object": obj, "created": int(time.time()), "model": model}
+
+    def chunk(self, choice: dict) -> bytes:
+        return sse.frame({**self.base, "choices": [{"index": 0, **choice}]})
+
+    def end(self, prep: Prepared, include_usage: bool) -> bytes:
+        usage = sse.frame({**self.base, "choices": [], "usage": msgspec.to_builtins(prep.reply.usage())})
+        return (usage if include_usage else b"") + sse.DONE
+
+
+# ------------------------------------------------------------------------------------------------ chat
+def _finish_reason(reason: str, final) -> str:
+    """"tool_calls" for a reply that ended on its calls; a reply cut by max_tokens stays "length" even inside a call
+    (its arguments may be cut short), as OpenAI and vLLM report it."""
+    return "tool_calls" if final.tool_calls and reason != "length" else reason
+
+
+async def chat_completions(request: HttpRequest) -> Response:
+    eng = engine(request)
+    body = await request.body()
+    req = _decode(body, ChatCompletionRequest)
+    prep = await prepare_chat(eng, msgspec.json.decode(body), req)
+    rid = "chatcmpl-" + secrets.token_hex(16)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_chat_stream(request, eng, prep, rid, include_usage, req.return_token_ids),
+                                 media_type="text/event-stream", headers=sse.HEADERS)
+    logprobs: list[dict] = []
+
+    def on_token(ev: TokenEvent):
+        if req.logprobs:
+            logprobs.append(prep.reply.chat_logprob(ev))
+
+    fin, final = await collect(request, eng, prep, on_token)
+    choice = {"index": 0, "message": final.message(), "logprobs": {"content": logprobs} if req.logprobs else None,
+              "finish_reason": _finish_reason(fin.reason, final), **_choice_extra(prep, fin, req.return_token_ids)}
+    return json_response(_reply_body(prep, rid, "chat.completion", choice, fin))
+
+
+async def _chat_stream(request, eng, prep: Prepared, rid: str, include_usage: bool, return_ids: bool):
+    frames = _Frames(rid, "chat.completion.chunk", prep.model)
+
+    def chunk(delta: dict, finish_reason=None, logprobs=None, **extra) -> bytes:
+        return frames.chunk({"delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
+                             "finish_reason": finish_reason, **extra})
+
+    pending_lp: list[dict] = []
+    if not prep.prompt.tools:               # role right after the headers; with tools, before the first delta
+        for d in prep.parser.role_delta():
+            yield chunk(d)
+    async for kind, v in reply_events(request, eng, prep):
+        if kind == KEEP:
+            yield sse.KEEPALIVE
+        elif kind == TOKEN:
+            if prep.r.params.logprobs:
+                pending_lp.append(prep.reply.chat_logprob(v))
+        elif kind == DELTA:
+            yield chunk(v, logprobs=pending_lp or None)
+            pending_lp = []
+        elif kind == ERROR:
+            yield _stream_error(v)
+        else:
+            fin, final = v
+            yield chunk({}, _finish_reason(fin.reason, final), logprobs=pending_lp or None,
+                        **_choice_extra(prep, fin, return_ids))
+            yield frames.end(prep, include_usage)
+
+
+# ------------------------------------------------------------------------------------------------ completions
+async def completions(request: HttpRequest) -> Response:
+    eng = engine(request)
+    req = _decode(await request.body(), CompletionRequest)
+    prep = prepare_completion(eng, req)
+    want_lp = req.logprobs is not None
+    rid = "cmpl-" + secrets.token_hex(16)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_completion_stream(request, eng, prep, rid, include_usage, req.return_token_ids,
+                                                    want_lp),
+                                 media_type="text/event-stream", headers=sse.HEADERS)
+    texts: list[str] = []
+    lp = _LegacyLogprobs(prep.reply) if want_lp else None
+
+    def on_token(ev: TokenEvent):
+        texts.append(ev.text)
+        if lp is not None:
+            lp.add(ev)
+
+    fin, _ = await collect(request, eng, prep, on_token)
+    texts.append(fin.text)
+    choice = {"index": 0, "text": "".join(texts), "logprobs": lp.body() if lp else None,
+              "finish_reason": fin.reason, **_choice_extra(prep, fin, req.return_token_ids)}
+    if req.return_token_ids:
+        choice["prompt_token_ids"] = list(prep.r.prompt_ids)
+    return json_response(_reply_body(prep, rid, "text_completion", choice, fin))
 
 
 class _LegacyLogprobs:
@@ -471,91 +548,66 @@ class _LegacyLogprobs:
         self.offsets: list[int] = []
         self.offset = 0
 
-    def add(self, ev: TokenEvent) -> dict:
+    def add(self, ev: TokenEvent) -> None:
         t = self.reply.token_str(ev.token_id)
-        start = len(self.tokens)
         self.tokens.append(t)
         self.token_logprobs.append(ev.sample.logprob)
         self.top.append({self.reply.token_str(i): lp for i, lp in (ev.sample.top or [])})
         self.offsets.append(self.offset)
         self.offset += len(t)
-        return start
 
     def body(self, start: int = 0) -> dict:
         return {"tokens": self.tokens[start:], "token_logprobs": self.token_logprobs[start:],
                 "top_logprobs": self.top[start:], "text_offset": self.offsets[start:]}
 
 
-async def _completion_stream(request, eng, r: Request, reply: Reply, rid: str, model: str, include_usage: bool,
-                             return_ids: bool, want_lp: bool):
-    created = int(time.time())
-    metrics = request.app.state.dsv41.metrics
-    lp = _LegacyLogprobs(reply) if want_lp else None
+async def _completion_stream(request, eng, prep: Prepared, rid: str, include_usage: bool, return_ids: bool,
+                             want_lp: bool):
+    frames = _Frames(rid, "text_completion", prep.model)
+    lp = _LegacyLogprobs(prep.reply) if want_lp else None
     sent_lp = 0
 
     def chunk(text: str, finish_reason=None, **extra) -> bytes:
         nonlocal sent_lp
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"text": text, "logprobs": None, "finish_reason": finish_reason, **extra}
         if lp is not None and len(lp.tokens) > sent_lp:
             choice["logprobs"] = lp.body(sent_lp)
             sent_lp = len(lp.tokens)
-        choice.update(extra)
-        return sse.frame({"id": rid, "object": "text_completion", "created": created, "model": model,
-                          "choices": [choice]})
+        return frames.chunk(choice)
 
-    done = False
-    try:
-        async for ev in sse.with_keepalive(_events(eng, r), eng.cfg.keepalive_s):
-            if ev is sse.KEEPALIVE:
-                yield ev
-                continue
-            if isinstance(ev, TokenEvent):
-                if lp is not None:
-                    lp.add(ev)
-                if ev.text or lp is not None:
-                    yield chunk(ev.text)
-                continue
-            if ev.reason in ("cancelled", "error"):
-                err = _finish_error(ev)
-                yield sse.frame({"error": {"message": err.message, "type": "server_error"}})
-                yield sse.DONE
-                done = True
-                return
-            if ev.text:
-                yield chunk(ev.text)
-            extra = {}
-            if ev.stop_sequence is not None:
-                extra["stop_reason"] = ev.stop_sequence
-            if return_ids:
-                extra["token_ids"] = list(r.output_ids)
-            yield chunk("", ev.reason, **extra)
-            if include_usage:
-                yield sse.frame({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                 "choices": [], "usage": msgspec.to_builtins(reply.usage())})
-            yield sse.DONE
-            done = True
-            return
-    finally:
-        if not done and not r.finished:
-            metrics.client_disconnections_total += 1
-            eng.sched.cancel(r)
+    async for kind, v in reply_events(request, eng, prep):
+        if kind == KEEP:
+            yield sse.KEEPALIVE
+        elif kind == TOKEN:
+            if lp is not None:
+                lp.add(v)
+            if v.text or lp is not None:
+                yield chunk(v.text)
+        elif kind == ERROR:
+            yield _stream_error(v)
+        elif kind == FINISH:
+            fin, _ = v
+            if fin.text:
+                yield chunk(fin.text)
+            yield chunk("", fin.reason, **_choice_extra(prep, fin, return_ids))
+            yield frames.end(prep, include_usage)
 
 
 # ------------------------------------------------------------------------------------------------ small routes
 async def models(request: HttpRequest) -> Response:
-    eng = _engine(request)
-    return _json(ModelList([ModelCard(eng.name, eng.created, eng.context_len, eng.context_len)]))
+    eng = engine(request)
+    return json_response(ModelList([ModelCard(eng.name, eng.created, eng.context_len, eng.context_len)]))
 
 
 async def tokenize(request: HttpRequest) -> Response:
-    eng = _engine(request)
+    eng = engine(request)
     body = await request.body()
     req = _decode(body, TokenizeRequest)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send exactly one of `prompt` and `messages`", param="prompt")
     if req.messages is not None:
         raw = msgspec.json.decode(body)
-        prompt = _chat_prompt(eng, raw)
+        prompt = chat_prompt(eng, raw)
         ids = list(prompt.token_ids)
     else:
         ids = eng.tok.encode(req.prompt, special=True)
@@ -564,27 +616,27 @@ async def tokenize(request: HttpRequest) -> Response:
     out = {"count": len(ids), "max_model_len": eng.context_len, "tokens": ids}
     if req.return_token_strs:
         out["token_strs"] = [eng.tok.decode([i]) for i in ids]
-    return _json(out)
+    return json_response(out)
 
 
 async def detokenize(request: HttpRequest) -> Response:
-    eng = _engine(request)
+    eng = engine(request)
     req = _decode(await request.body(), DetokenizeRequest)
     bad = [t for t in req.tokens if not 0 <= t < eng.vocab_size]
     if bad:
         raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{eng.vocab_size - 1})", param="tokens")
-    return _json({"prompt": eng.tok.decode(req.tokens)})
+    return json_response({"prompt": eng.tok.decode(req.tokens)})
 
 
 async def health(request: HttpRequest) -> Response:
     st: AppState = request.app.state.dsv41
     eng = st.engine
     if eng is None:
-        return _json({"status": "error" if st.load_error else "loading", "error": st.load_error}, 503)
+        return json_response({"status": "error" if st.load_error else "loading", "error": st.load_error}, 503)
     if st.keys.enabled:
-        return _json({"status": "ok"})
+        return json_response({"status": "ok"})
     s = eng.sched
-    return _json({"status": "ok", "model": eng.name, "context_length": eng.context_len, "device": eng.device,
+    return json_response({"status": "ok", "model": eng.name, "context_length": eng.context_len, "device": eng.device,
                   "requests_running": s.n_running, "requests_waiting": s.n_waiting,
                   "streams": {"max": s.max_streams, "running": s.n_running},
                   "prompt_tokens_total": s.prompt_tokens_total,
@@ -625,6 +677,7 @@ class Guard:
                     err = ApiError(401, "A valid API key is required", code="invalid_api_key",
                                    headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
                     # Anthropic clients expect their own error shape on their routes.
+                    from dsv41.api import anthropic
                     resp = anthropic.error_response(err) if path.startswith("/v1/messages") else err.response()
                     return await resp(scope, receive, send_counted)
             await self.app(scope, receive, send_counted)
@@ -664,11 +717,13 @@ async def _too_deep(request, exc: RecursionError) -> Response:
 
 async def _server_error(request, exc: Exception) -> Response:
     log.exception("unhandled error on %s", request.url.path)
-    return _json({"error": {"message": f"internal error: {type(exc).__name__}: {exc}", "type": "server_error"}},
+    return json_response({"error": {"message": f"internal error: {type(exc).__name__}: {exc}", "type": "server_error"}},
                  500)
 
 
 def create_app(cfg, metrics: Metrics | None = None, on_startup=None, on_shutdown=None) -> tuple[Starlette, AppState]:
+    # Both build on this module's request preparation: imported here, not at the top, to keep the import one-way.
+    from dsv41.api import anthropic, responses
     metrics = metrics or Metrics()
     state = AppState(cfg, metrics)
     routes = [
@@ -704,4 +759,4 @@ def create_app(cfg, metrics: Metrics | None = None, on_startup=None, on_shutdown
     return Guard(app, state), state
 
 
-__all__ = ["create_app", "AppState", "JSONResponse"]
+__all__ = ["AppState", "JSONResponse", "create_app"]

@@ -1,7 +1,7 @@
 """The OpenAI Responses API (`POST /v1/responses`, `GET`/`DELETE /v1/responses/{id}`) on the chat path.
 
 A Responses body is converted into the chat completion body it means (`to_chat`), and that body goes through the very
-steps `/v1/chat/completions` takes (`start_chat`: dsv41.chat.policy prompt, grammar, limits, sampling): same prompt
+steps `/v1/chat/completions` takes (`app.prepare_chat`: dsv41.chat.policy prompt, grammar, limits, sampling): same prompt
 ids, same seed, same tokens. The chat parser's deltas become Responses output items and stream events.
 
 Conversion (docs/apis.md): `instructions` -> a leading system message; `input` (a string, or items) -> messages:
@@ -21,7 +21,6 @@ import collections
 import secrets
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -29,154 +28,25 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 
 from dsv41.api import sse
+from dsv41.api.app import (
+    DELTA,
+    ERROR,
+    FINISH,
+    KEEP,
+    TOKEN,
+    Prepared,
+    collect,
+    engine,
+    json_response,
+    prepare_chat,
+    read_object,
+    reply_events,
+)
 from dsv41.api.errors import ApiError, bad_request
 from dsv41.sched.request import FinishEvent
 
 STORE_MAX_RESPONSES = 1024
 STORE_MAX_BYTES = 256 << 20
-
-
-# ================================================================================================ the shared chat step
-@dataclass
-class ChatRun:
-    """One submitted chat request: what every API's reply is built from."""
-    r: Any                  # sched Request (ControlledRequest)
-    prompt: Any             # chat.policy ChatPrompt
-    parser: Any             # chat.parser ReplyParser
-    reply: Any              # api.app.Reply (usage, token sha)
-    model: str
-    grammar: bool
-
-
-def _renamed(e: ApiError, params: dict[str, str] | None) -> ApiError:
-    if params and e.param in params:
-        e.param = params[e.param]
-    return e
-
-
-async def start_chat(eng, chat: dict, params: dict[str, str] | None = None) -> ChatRun:
-    """Submit a chat completion body exactly as /v1/chat/completions does (same prompt, grammar, limits, sampling)
-    plus the reasoning controls. ApiError (400/503) with `param` renamed through `params` for the calling API."""
-    from dsv41.api import app as A
-    from dsv41.api.schemas import ChatCompletionRequest
-    from dsv41.chat.parser import ReplyParser
-    from dsv41.sched.controls import (
-        ControlError,
-        ControlledRequest,
-        parse_controls,
-        reasoning_control,
-        wait_background_turn,
-    )
-    try:
-        try:
-            req = msgspec.convert(chat, ChatCompletionRequest)
-        except msgspec.ValidationError as e:
-            raise A.from_decode_error(e) from None
-        if not req.messages:
-            raise bad_request("the conversation is empty: send at least one message", param="messages")
-        try:
-            budget, loop_guard, background = parse_controls(chat, default_budget=eng.cfg.thinking_budget,
-                                                            default_loop_guard=eng.cfg.loop_guard)
-        except ControlError as e:
-            raise bad_request(e.message, param=e.param) from None
-        prompt = A._chat_prompt(eng, chat)
-        matcher = A._grammar(eng, chat, prompt)
-        ids = list(prompt.token_ids)
-        max_tokens = A._max_tokens(eng, len(ids), req.max_tokens, "messages")
-        sp = A._sampling(eng, req, ids, False, 0)
-        control = reasoning_control(eng.tok, thinking=prompt.thinking, grammar=matcher is not None, budget=budget,
-                                    loop_guard=loop_guard)
-        if background:
-            await wait_background_turn(eng.sched)
-        r = A._submit(eng, ControlledRequest(prompt_ids=ids, params=sp, max_tokens=max_tokens, eos_ids=eng.eos_ids,
-                                             ignore_eos=req.ignore_eos, stop=A._stops(req.stop),
-                                             detokenizer=A._detokenizer(eng), matcher=matcher, control=control,
-                                             cache_salt=req.cache_salt))
-    except ApiError as e:
-        raise _renamed(e, params) from None
-    tools = prompt.tools or None
-    parser = ReplyParser(thinking=prompt.thinking, tools=tools, parallel_tool_calls=req.parallel_tool_calls is not False)
-    model = req.model if req.model == eng.name else eng.name
-    return ChatRun(r, prompt, parser, A.Reply(eng, r, prompt.thinking), model, matcher is not None)
-
-
-async def collect_chat(request: HttpRequest, eng, run: ChatRun):
-    """Run a non-streamed reply to its end: (FinishEvent, FinalMessage). A failed/cancelled reply raises ApiError."""
-    from dsv41.api import app as A
-
-    def on_event(ev):
-        if ev.text:
-            run.parser.feed(ev.text)
-
-    fin = await A._collect(request, eng, run.r, on_event)
-    if fin.reason in ("cancelled", "error"):
-        raise A._finish_error(fin)
-    _, final = run.parser.finish()
-    return fin, final
-
-
-KEEP, DELTA, FINISH, ERROR = "keepalive", "delta", "finish", "error"
-
-
-async def chat_events(request: HttpRequest, eng, run: ChatRun):
-    """A streamed reply as (kind, value): (KEEP, None) while nothing is due, (DELTA, chat delta), then one
-    (FINISH, (FinishEvent, FinalMessage)) or (ERROR, ApiError). The request is cancelled if the consumer leaves."""
-    from dsv41.api import app as A
-    r, parser = run.r, run.parser
-    done = False
-    try:
-        async for ev in sse.with_keepalive(A._events(eng, r), eng.cfg.keepalive_s):
-            if ev is sse.KEEPALIVE:
-                yield KEEP, None
-                continue
-            deltas = parser.feed(ev.text) if ev.text else []
-            if isinstance(ev, FinishEvent):
-                if ev.reason in ("cancelled", "error"):
-                    done = True
-                    yield ERROR, A._finish_error(ev)
-                    return
-                tail, final = parser.finish()
-                deltas = list(deltas) + list(tail)
-            for d in deltas:
-                if "role" not in d:
-                    yield DELTA, d
-            if isinstance(ev, FinishEvent):
-                done = True
-                yield FINISH, (ev, final)
-                return
-    finally:
-        if not done and not r.finished:
-            request.app.state.dsv41.metrics.client_disconnections_total += 1
-            eng.sched.cancel(r)
-
-
-def token_info(run: ChatRun, want_ids: bool) -> dict:
-    r = run.r
-    out = {"token_sha": run.reply.token_sha(), "seed": r.params.seed,
-           "sampling": "greedy" if r.params.greedy else "exact"}
-    ctl = getattr(r, "control", None)
-    if ctl is not None and ctl.closed_by:
-        out["reasoning_closed_by"] = ctl.closed_by
-    if want_ids:
-        out["token_ids"] = list(r.output_ids)
-    return out
-
-
-def json_body(obj: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
-
-
-async def read_json(request: HttpRequest, error=bad_request) -> dict:
-    body = await request.body()
-    if not body:
-        raise error("the request body is empty; send a JSON object")
-    try:
-        raw = msgspec.json.decode(body)
-    except msgspec.DecodeError as e:
-        raise error(f"the body is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise error("the request body must be a JSON object")
-    return raw
 
 
 # ================================================================================================ the store
@@ -548,7 +418,7 @@ def items_from_final(final) -> Items:
     return it
 
 
-def response_object(rid: str, created: int, body: dict, chat: dict, run: ChatRun | None, status: str,
+def response_object(rid: str, created: int, body: dict, chat: dict, run: Prepared | None, status: str,
                     output: list[dict], finish: FinishEvent | None = None) -> dict:
     r = run.r if run is not None else None
     usage = None
@@ -577,7 +447,7 @@ def response_object(rid: str, created: int, body: dict, chat: dict, run: ChatRun
            "top_p": r.params.top_p if r is not None else body.get("top_p"), "truncation": "disabled",
            "usage": usage, "user": body.get("user"), "metadata": body.get("metadata") or {}}
     if run is not None and finish is not None:
-        out["dsv41"] = token_info(run, bool(body.get("return_token_ids")))
+        out["dsv41"] = run.reply.info(bool(body.get("return_token_ids")))
         if finish.stop_sequence is not None:
             out["stop_sequence"] = finish.stop_sequence
     return out
@@ -594,9 +464,8 @@ def _conversation_after(conv: list[dict], final) -> list[dict]:
 
 # ================================================================================================ routes
 async def create_response(request: HttpRequest) -> Response:
-    from dsv41.api.app import _engine
-    eng = _engine(request)
-    body = await read_json(request)
+    eng = engine(request)
+    body = await read_object(request)
     store = store_of(request)
     prev_id = body.get("previous_response_id")
     previous = None
@@ -611,23 +480,23 @@ async def create_response(request: HttpRequest) -> Response:
     if "store" in body and not isinstance(body["store"], bool):
         raise bad_request("`store` must be a boolean", param="store")
     chat, conv = to_chat(body, previous)
-    run = await start_chat(eng, chat, PARAMS)
+    run = await prepare_chat(eng, chat, params=PARAMS)
     rid = _id("resp")
     created = int(time.time())
     keep = body.get("store", True) is not False
     if body.get("stream"):
         return StreamingResponse(_stream(request, eng, run, rid, created, body, chat, conv, store if keep else None),
                                  media_type="text/event-stream", headers=sse.HEADERS)
-    fin, final = await collect_chat(request, eng, run)
+    fin, final = await collect(request, eng, run)
     status = _status(fin)
     output = items_from_final(final).finish(status)
     out = response_object(rid, created, body, chat, run, status, output, fin)
     if keep:
         store.put(rid, out, _conversation_after(conv, final))
-    return json_body(out)
+    return json_response(out)
 
 
-async def _stream(request, eng, run: ChatRun, rid: str, created: int, body: dict, chat: dict, conv: list[dict],
+async def _stream(request, eng, run: Prepared, rid: str, created: int, body: dict, chat: dict, conv: list[dict],
                   store: ResponseStore | None):
     seq = 0
 
@@ -641,7 +510,9 @@ async def _stream(request, eng, run: ChatRun, rid: str, created: int, body: dict
     shell = response_object(rid, created, body, chat, run, "in_progress", [])
     yield event("response.created", {"response": shell})
     yield event("response.in_progress", {"response": shell})
-    async for kind, v in chat_events(request, eng, run):
+    async for kind, v in reply_events(request, eng, run):
+        if kind == TOKEN:
+            continue
         if kind == KEEP:
             yield sse.KEEPALIVE
         elif kind == DELTA:
@@ -652,7 +523,7 @@ async def _stream(request, eng, run: ChatRun, rid: str, created: int, body: dict
             yield event("error", {"code": "server_error", "message": v.message, "param": None})
             yield event("response.failed", {"response": failed})
             return
-        else:
+        else:                                   # FINISH
             fin, final = v
             status = _status(fin)
             output = items.finish(status)
@@ -673,14 +544,14 @@ async def get_response(request: HttpRequest) -> Response:
     got = store_of(request).get(rid)
     if got is None:
         raise _not_found(rid)
-    return json_body(got[0])
+    return json_response(got[0])
 
 
 async def delete_response(request: HttpRequest) -> Response:
     rid = request.path_params["response_id"]
     if not store_of(request).delete(rid):
         raise _not_found(rid)
-    return json_body({"id": rid, "object": "response", "deleted": True})
+    return json_response({"id": rid, "object": "response", "deleted": True})
 
 
 def routes() -> list:
