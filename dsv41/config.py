@@ -113,16 +113,18 @@ class VisionConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_wh_ratio: float | None = None
 
 
-class QuantConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Weight format of the checkpoint. Only the official release format is supported now:
-    FP8 E4M3 with ue8m0 32x32 block scales for dense weights, packed FP4 E2M1 for routed experts.
-    EXL3 packs (spec/exl3.md) will add a second `quant_method` here and a second format in weights.py."""
+class QuantConfig(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Weight format of the checkpoint: `fp8` (the official release: FP8 E4M3 with ue8m0 32x32 block scales for
+    dense weights, packed FP4 E2M1 for routed experts; the four fp8 fields are required) or `exl3` (an exllamav3
+    pack, docs/exl3.md: every tensor describes its own rate and codebook, so only the nominal rates are kept)."""
 
     quant_method: str
-    activation_scheme: str
-    weight_block_size: tuple[int, int]
-    scale_fmt: str
-    expert_dtype: str
+    activation_scheme: str | None = None      # fp8 only
+    weight_block_size: tuple[int, int] | None = None
+    scale_fmt: str | None = None
+    expert_dtype: str | None = None
+    bits: float | None = None                 # exl3 only: the pack's nominal bits per weight (informational)
+    head_bits: float | None = None
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -242,6 +244,25 @@ def _convert(section: dict[str, Any], typ: type, prefix: str, fixed: dict[str, A
         raise ConfigError(field, msg) from None
 
 
+_EXL3_RATES = ("bits", "head_bits")
+
+
+def _exl3_quant(qraw: dict[str, Any]) -> QuantConfig:
+    """exllamav3 writes quant_method, version, bits, head_bits, calibration, out_scales, codebook. Each EXL3 tensor
+    carries its own rate and codebook marker (the loader reads them), so the rest is bookkeeping; the fp8 fields
+    would mean a config that mixes two formats."""
+    mixed = [k for k in _FIXED_QUANT if k in qraw]
+    if mixed:
+        raise ConfigError("quantization_config.quant_method", f"'exl3' together with fp8 fields {mixed}")
+    body = {"quant_method": "exl3"}
+    for key in _EXL3_RATES:
+        if qraw.get(key) is not None:
+            if isinstance(qraw[key], bool) or not isinstance(qraw[key], (int, float)):
+                raise ConfigError(f"quantization_config.{key}", f"must be a number, got {qraw[key]!r}")
+            body[key] = float(qraw[key])
+    return QuantConfig(**body)
+
+
 def _parse(raw: dict[str, Any]) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ConfigError("config", "must be a JSON object")
@@ -302,15 +323,18 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         raise ConfigError("quantization_config", "missing; only the official FP8/FP4 checkpoint format is supported")
     method = qraw.get("quant_method")
     if method == "exl3":
-        # Hook: EXL3 packs (spec/exl3.md) get their own QuantConfig variant and weight format in weights.py.
-        raise ConfigError("quantization_config.quant_method", "'exl3' is not supported yet (official fp8 only)")
-    if method != "fp8":
-        raise ConfigError("quantization_config.quant_method", f"{method!r} is not supported (only 'fp8')")
-    _check_fixed(qraw, _FIXED_QUANT, "quantization_config.")
-    for key in _FIXED_QUANT:
-        if key not in qraw:
-            raise ConfigError(f"quantization_config.{key}", f"missing (expected {_FIXED_QUANT[key]!r})")
-    quant = _convert(qraw, QuantConfig, "quantization_config.", {})
+        quant = _exl3_quant(qraw)
+    elif method != "fp8":
+        raise ConfigError("quantization_config.quant_method", f"{method!r} is not supported (only 'fp8', 'exl3')")
+    else:
+        _check_fixed(qraw, _FIXED_QUANT, "quantization_config.")
+        for key in _FIXED_QUANT:
+            if key not in qraw:
+                raise ConfigError(f"quantization_config.{key}", f"missing (expected {_FIXED_QUANT[key]!r})")
+        for key in _EXL3_RATES:
+            if key in qraw:
+                raise ConfigError(f"quantization_config.{key}", "an exl3 field in an fp8 config")
+        quant = _convert(qraw, QuantConfig, "quantization_config.", {})
 
     top = {}
     for key, default in (("bos_token_id", text.bos_token_id), ("eos_token_id", text.eos_token_id),
