@@ -29,6 +29,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: list[str] = []
+    api_key_file: str = ""               # more keys, one a line (dsv41/api/auth.py); read at start
     metrics_open: bool = False
     # shape of the engine
     context: int = 0                     # positions per sequence; 0 = the model's max_position_embeddings
@@ -68,6 +69,12 @@ class ServeConfig(msgspec.Struct, kw_only=True):
 
         if not (0 <= self.port <= 65535):
             raise bad("port", f"{self.port} is not a TCP port")
+        if self.api_key_file:                    # refuse to start (rather than serve open) on a bad key file
+            from dsv41.api.auth import KeyFileError, read_key_file
+            try:
+                read_key_file(self.api_key_file)
+            except KeyFileError as e:
+                raise bad("api_key_file", str(e)) from None
         for f in ("max_streams", "prefill_chunk", "max_tokens"):
             if getattr(self, f) < 1:
                 raise bad(f, "must be at least 1")
@@ -111,6 +118,9 @@ FIELD_HELP: dict[str, str] = {
     "port": "TCP port to listen on (0 = any free port; the chosen one is printed)",
     "api_key": "accepted API key (repeat the flag; env: comma-separated). Set = every route but /health needs "
                "'Authorization: Bearer K' or 'x-api-key: K'",
+    "api_key_file": "file of accepted API keys, one a line: `key` or `label: key`, `#` comments and blank lines "
+                    "skipped; read at start, added to --api-key's; a missing or unreadable file, or one with no "
+                    "key, stops the server from starting",
     "metrics_open": "serve /metrics without a key even when keys are set",
     "context": "positions one sequence may hold (prompt + reply); 0 = the model's max_position_embeddings, lowered "
                "to what the state budget holds for one sequence",

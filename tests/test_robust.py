@@ -21,7 +21,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_server import LiveServer
+from test_server import ROOT, LiveServer
 
 CONTEXT = 512
 KEYS = ["robust-key-1", "robust-key-2"]
@@ -96,24 +96,56 @@ def test_keys_from_env_gate_every_route_but_health(server):
     assert httpx.get(url + "/v1/models", headers={"x-api-key": KEYS[1]}).status_code == 200
 
 
-def test_key_flag_wins_over_env():
-    s = LiveServer("--context", "256", "--state-budget-gib", "1", "--api-key", "flag-key", "--name", "tiny",
-                   env={"DSV41_API_KEY": "env-key"})
+KEY_FILE = """# keys of the robustness test
+alice: file-key-labelled
+
+file-key-bare
+  # an indented comment
+"""
+
+
+def test_key_flag_and_file_and_env(tmp_path):
+    """--api-key wins over the env; --api-key-file's keys are added to the flag's; no key reaches the log."""
+    kf = tmp_path / "keys"
+    kf.write_text(KEY_FILE)
+    s = LiveServer("--context", "256", "--state-budget-gib", "1", "--api-key", "flag-key", "--api-key-file", str(kf),
+                   "--name", "tiny", "--log-level", "debug", env={"DSV41_API_KEY": "env-key"})
     try:
         s.wait_ready()
         assert httpx.get(s.url + "/health").status_code == 200
-        assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer flag-key"}).status_code == 200
-        r = httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer env-key"})
-        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        for k in ("flag-key", "file-key-labelled", "file-key-bare"):
+            assert httpx.get(s.url + "/v1/models", headers={"Authorization": f"Bearer {k}"}).status_code == 200, k
+        assert httpx.get(s.url + "/v1/models", headers={"x-api-key": "file-key-bare"}).status_code == 200
+        for k in ("env-key", "alice", "alice: file-key-labelled", "# keys of the robustness test", "file-key"):
+            r = httpx.get(s.url + "/v1/models", headers={"Authorization": f"Bearer {k}"})
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", k
+            assert k not in r.text
     finally:
         s.stop()
+    log = "".join(s.lines)
+    for k in ("flag-key", "file-key-labelled", "file-key-bare", "env-key"):
+        assert k not in log, f"key {k!r} in the server's output"
 
 
-def test_key_file():
-    from dsv41.serve_config import ServeConfig
-    if "api_key_file" not in ServeConfig.__struct_fields__:
-        pytest.skip("the server has no --api-key-file yet (serving.md §1.2)")
-    raise AssertionError("--api-key-file exists now: write its test (label lines, # comments, reload on mtime)")
+@pytest.mark.parametrize("content, why", [
+    (None, "cannot read the key file"),
+    ("# only a comment\n\n", "holds no key"),
+    ("secret with blanks\n", "line 1"),
+    (b"\xff\xfe\n", "not UTF-8"),
+])
+def test_bad_key_file_refuses_to_start(tmp_path, content, why):
+    import subprocess
+    import sys
+    kf = tmp_path / "keys"
+    if isinstance(content, str):
+        kf.write_text(content)
+    elif content is not None:
+        kf.write_bytes(content)
+    p = subprocess.run([sys.executable, "-m", "dsv41", "serve", "--port", "0", "--api-key-file", str(kf)],
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 2 and "--api-key-file" in p.stderr and why in p.stderr, p.stderr
+    assert "listening" not in p.stdout
+    assert "secret" not in p.stderr                                 # the file's text is not echoed
 
 
 # ------------------------------------------------------------------------------------------------ bad input

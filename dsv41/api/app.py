@@ -45,7 +45,7 @@ class AppState:
     def __init__(self, cfg, metrics: Metrics):
         self.cfg = cfg
         self.metrics = metrics
-        self.keys = KeyCheck(cfg.api_key)
+        self.keys = KeyCheck.from_config(cfg)
         self.engine = None
         self.load_error: str | None = None
 
