@@ -1,0 +1,230 @@
+"""The routed experts of a round (FP4 E2M1 weights, E8M0 scales per 32 along K) as grouped launches over a
+device-built work list.
+
+Reference: the routed part of `dsv41.model.moe.MoE.__call__` on dequantised weights (`dequant_fp4`): for each
+(row, slot) with expert e and routing weight r, `swiglu(x, expert e, limit, r)` = w2(r · silu(min(w1x, limit)) ·
+clamp(w3x, ±limit)); the slots of a row summed in slot order. The shared expert is not included (it is FP8: the
+caller adds it with `fp8_linear`, after the routed sum, as moe.py does).
+
+Launches: (1) gate/up: a program takes one tile of up to BLOCK_M (row, slot) pairs of one expert and a column tile
+of the intermediate dimension, reads w1's and w3's rows of that tile together, applies the clamped SwiGLU and the
+routing weight in registers and writes h (fp32); (2) down: the same tiles times w2, each (row, slot) output written
+to its own place; (3) the slot sum per row in slot order. Weights are unpacked in registers (exact in bf16: an E2M1
+value times a power of two), activations rounded to bf16 for the tensor cores, fp32 accumulation.
+
+Exactness: fixed tile sizes and K order for every row count; each pair's output is computed from its own row only
+and the slot sum has a fixed order, so a row's bits do not depend on the other rows of the round. The work list is
+built on the device (no host synchronisation) and the grid is an upper bound on the number of tiles.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8_linear import INTERPRET, dot_bf16, e8m0_float
+
+BLOCK_M = 64          # (row, slot) pairs per tile
+BLOCK_N_UP = 64       # intermediate columns per gate/up program (w1 and w3 tiles together)
+BLOCK_N_DOWN = 128    # hidden columns per down program
+BLOCK_KB = 32         # packed bytes (64 k) per step
+NUM_WARPS, NUM_STAGES = 4, 3
+SUM_BLOCK = 512
+
+
+@triton.jit
+def _fp4_pair(q, sf):
+    """Packed bytes q (int8 [BKB, BN]) and their float scales -> (even-k values, odd-k values) as float32.
+    E2M1 code c as fp16 bits (c&7)<<9 | sign<<15 is the value times 2^-14 (subnormal 0.5 included)."""
+    b = q.to(tl.int32) & 0xFF
+    lo = b & 0xF
+    hi = b >> 4
+    s = sf * 16384.0
+    vlo = (((lo & 7) << 9) | ((lo & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    vhi = (((hi & 7) << 9) | ((hi & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return vlo * s, vhi * s
+
+
+@triton.jit
+def _moe_up_kernel(x_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, rw_ptr, h_ptr,
+                   H, I, TOPK, limit,
+                   BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, INTERP: tl.constexpr):
+    t = tl.program_id(0)
+    cnt = tl.load(tile_cnt_ptr + t)
+    if cnt == 0:
+        return
+    e = tl.load(tile_e_ptr + t).to(tl.int64)
+    p0 = tl.load(tile_start_ptr + t)
+    offs_p = tl.arange(0, BM)
+    p_ok = offs_p < cnt
+    pair = tl.load(order_ptr + p0 + offs_p, mask=p_ok, other=0)
+    rows = (pair // TOPK).to(tl.int64)
+    rw = tl.load(rw_ptr + pair, mask=p_ok, other=0.0)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    HB = H // 2
+    w1 = w_ptr + (e * 2 * I + offs_n)[None, :] * HB
+    w3 = w1 + I * HB
+    s1 = s_ptr + (e * 2 * I + offs_n)[None, :] * (H // 32)
+    s3 = s1 + I * (H // 32)
+    xr = x_ptr + rows[:, None] * H
+    acc_g = tl.zeros((BM, BN), tl.float32)
+    acc_u = tl.zeros((BM, BN), tl.float32)
+    for b0 in range(0, HB, BKB):
+        b = b0 + tl.arange(0, BKB)
+        xe = tl.load(xr + 2 * b[None, :], mask=p_ok[:, None], other=0.0)
+        xo = tl.load(xr + 2 * b[None, :] + 1, mask=p_ok[:, None], other=0.0)
+        g_lo, g_hi = _fp4_pair(tl.load(w1 + b[:, None]), e8m0_float(tl.load(s1 + b[:, None] // 16)))
+        acc_g = dot_bf16(xe, g_lo, acc_g, INTERP)
+        acc_g = dot_bf16(xo, g_hi, acc_g, INTERP)
+        u_lo, u_hi = _fp4_pair(tl.load(w3 + b[:, None]), e8m0_float(tl.load(s3 + b[:, None] // 16)))
+        acc_u = dot_bf16(xe, u_lo, acc_u, INTERP)
+        acc_u = dot_bf16(xo, u_hi, acc_u, INTERP)
+    gate = tl.minimum(acc_g, limit)
+    up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    h = gate / (1.0 + tl.exp(-gate)) * up * rw[:, None]
+    dst = h_ptr + (p0 + offs_p)[:, None].to(tl.int64) * I + offs_n[None, :]
+    tl.store(dst, h, mask=p_ok[:, None])
+
+
+@triton.jit
+def _moe_down_kernel(h_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, y_ptr, H, I,
+                     BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, INTERP: tl.constexpr):
+    t = tl.program_id(0)
+    cnt = tl.load(tile_cnt_ptr + t)
+    if cnt == 0:
+        return
+    e = tl.load(tile_e_ptr + t).to(tl.int64)
+    p0 = tl.load(tile_start_ptr + t)
+    offs_p = tl.arange(0, BM)
+    p_ok = offs_p < cnt
+    pair = tl.load(order_ptr + p0 + offs_p, mask=p_ok, other=0).to(tl.int64)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    IB = I // 2
+    w = w_ptr + (e * H + offs_n)[None, :] * IB
+    s = s_ptr + (e * H + offs_n)[None, :] * (I // 32)
+    hr = h_ptr + (p0 + offs_p)[:, None].to(tl.int64) * I
+    acc = tl.zeros((BM, BN), tl.float32)
+    for b0 in range(0, IB, BKB):
+        b = b0 + tl.arange(0, BKB)
+        he = tl.load(hr + 2 * b[None, :], mask=p_ok[:, None], other=0.0)
+        ho = tl.load(hr + 2 * b[None, :] + 1, mask=p_ok[:, None], other=0.0)
+        lo, hi = _fp4_pair(tl.load(w + b[:, None]), e8m0_float(tl.load(s + b[:, None] // 16)))
+        acc = dot_bf16(he, lo, acc, INTERP)
+        acc = dot_bf16(ho, hi, acc, INTERP)
+    tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc, mask=p_ok[:, None])
+
+
+@triton.jit
+def _slot_sum_kernel(y_ptr, ids_ptr, out_ptr, H, TOPK, BLOCK: tl.constexpr):
+    """out[r] = 0 + y[r, 0] + y[r, 1] + … over the slots whose expert is on this rank (id >= 0), in slot order."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < H
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in range(0, TOPK):
+        here = (tl.load(ids_ptr + r * TOPK + j) + tl.zeros((BLOCK,), tl.int32)) >= 0
+        acc = acc + tl.load(y_ptr + (r * TOPK + j) * H + offs, mask=ok & here, other=0.0)
+    tl.store(out_ptr + r * H + offs, acc, mask=ok)
+
+
+def max_tiles(n_pairs: int, n_experts: int) -> int:
+    """Upper bound on the work list's tiles: Σ_e ceil(c_e / BLOCK_M) <= n_pairs // BLOCK_M + #experts touched."""
+    return n_pairs // BLOCK_M + min(n_experts, n_pairs)
+
+
+def work_list(expert_ids: torch.Tensor, n_experts: int):
+    """(tile_expert, tile_start, tile_count, order), all on the ids' device, built without host synchronisation.
+    `order` lists the flat (row * k + slot) pair indices grouped by expert (ascending id, stable: row order within
+    an expert; slots with id < 0 go last and belong to no tile); tile t covers order[tile_start[t] : + tile_count[t]]
+    of expert tile_expert[t]; tiles past the real work have count 0."""
+    flat = expert_ids.reshape(-1).to(torch.int64)
+    n_pairs = flat.numel()
+    key = torch.where(flat >= 0, flat, n_experts)
+    order = torch.argsort(key, stable=True).to(torch.int32)
+    counts = torch.bincount(key, minlength=n_experts + 1)[:n_experts]
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = torch.cumsum(tiles, 0)
+    pair_start = torch.cumsum(counts, 0) - counts
+    t = torch.arange(max_tiles(n_pairs, n_experts), device=flat.device)
+    e = torch.searchsorted(tile_end, t, right=True)
+    live = e < n_experts
+    e = e.clamp(max=n_experts - 1)
+    off = (t - (tile_end[e] - tiles[e])) * BLOCK_M
+    cnt = torch.where(live, (counts[e] - off).clamp(0, BLOCK_M), 0)
+    return e.to(torch.int32), (pair_start[e] + off).to(torch.int32), cnt.to(torch.int32), order
+
+
+def stack_experts(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[(w1, s1, w3, s3, w2, s2), …] (checkpoint tensors of each local expert, in local id order) -> (w13 int8
+    [E, 2I, H/2], s13 uint8 [E, 2I, H/32], w2 int8 [E, H, I/2], s2 uint8 [E, H, I/32]) on the first one's device."""
+    def u8(s):
+        return s.view(torch.uint8) if s.dtype == torch.float8_e8m0fnu else s
+    w13 = torch.stack([torch.cat([w1.view(torch.int8), w3.view(torch.int8)]) for w1, _, w3, _, _, _ in experts])
+    s13 = torch.stack([torch.cat([u8(s1), u8(s3)]) for _, s1, _, s3, _, _ in experts])
+    w2 = torch.stack([w.view(torch.int8) for _, _, _, _, w, _ in experts])
+    s2 = torch.stack([u8(s) for _, _, _, _, _, s in experts])
+    return w13, s13, w2, s2
+
+
+def _check(x, w13, s13, w2, s2, expert_ids, weights):
+    if s13.dtype == torch.float8_e8m0fnu:
+        s13 = s13.view(torch.uint8)
+    if s2.dtype == torch.float8_e8m0fnu:
+        s2 = s2.view(torch.uint8)
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"fp4_moe: x must be float32/bfloat16 [n, H], got {x.dtype} {list(x.shape)}")
+    n, hidden = x.shape
+    if w13.dim() != 3 or w13.dtype not in (torch.int8, torch.uint8):
+        raise TypeError(f"fp4_moe: w13 must be packed int8 [E, 2I, H/2], got {w13.dtype} {list(w13.shape)}")
+    n_exp, two_i, hb = w13.shape
+    inter = two_i // 2
+    want = {"w13": (w13, (n_exp, 2 * inter, hidden // 2)), "s13": (s13, (n_exp, 2 * inter, hidden // 32)),
+            "w2": (w2, (n_exp, hidden, inter // 2)), "s2": (s2, (n_exp, hidden, inter // 32))}
+    for name, (t, shape) in want.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"fp4_moe: {name} must be {list(shape)} for x {list(x.shape)}, got {list(t.shape)}")
+        if not t.is_contiguous() or t.device != x.device:
+            raise ValueError(f"fp4_moe: {name} must be contiguous on {x.device}")
+    if s13.dtype != torch.uint8 or s2.dtype != torch.uint8 or w2.dtype not in (torch.int8, torch.uint8):
+        raise TypeError("fp4_moe: scales must be uint8/float8_e8m0fnu and w2 packed int8")
+    if hidden % (2 * BLOCK_KB) or inter % BLOCK_N_UP or inter % (2 * BLOCK_KB) or hidden % BLOCK_N_DOWN:
+        raise ValueError(f"fp4_moe: H={hidden} must be a multiple of {BLOCK_N_DOWN} and I={inter} of {BLOCK_N_UP}")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != n or weights.shape != expert_ids.shape:
+        raise ValueError(f"fp4_moe: expert_ids and weights must be [{n}, k], got {list(expert_ids.shape)} "
+                         f"and {list(weights.shape)}")
+    if expert_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"fp4_moe: expert_ids must be int32/int64, got {expert_ids.dtype}")
+    if x.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError("fp4_moe runs on CUDA (or on CPU under TRITON_INTERPRET=1)")
+    return s13, s2
+
+
+def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+            expert_ids: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
+    """Σ over slots (in slot order) of w2(weight · silu(min(w1x, limit)) · clamp(w3x, ±limit)) for each row's
+    experts -> float32 [n, H]; equals the routed part of `MoE.__call__` with `dequant_fp4` weights up to the bf16
+    rounding of x and h. Slots with expert id < 0 (another rank's) contribute nothing. Layouts: docs/kernels.md."""
+    s13, s2 = _check(x, w13, s13, w2, s2, expert_ids, weights)
+    x = x.contiguous()
+    n, hidden = x.shape
+    n_exp, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = expert_ids.shape[1]
+    out = torch.empty((n, hidden), dtype=torch.float32, device=x.device)
+    if n == 0 or top_k == 0:
+        return out.zero_()
+    ids = expert_ids.to(torch.int32).contiguous()
+    tile_e, tile_start, tile_cnt, order = work_list(ids, n_exp)
+    rw = weights.to(torch.float32).contiguous()
+    n_pairs = n * top_k
+    h = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
+    y = torch.empty((n_pairs, hidden), dtype=torch.float32, device=x.device)
+    tiles = tile_cnt.numel()
+    _moe_up_kernel[(tiles, inter // BLOCK_N_UP)](
+        x, w13, s13, tile_e, tile_start, tile_cnt, order, rw, h, hidden, inter, top_k, float(limit),
+        BM=BLOCK_M, BN=BLOCK_N_UP, BKB=BLOCK_KB, INTERP=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _moe_down_kernel[(tiles, hidden // BLOCK_N_DOWN)](
+        h, w2, s2, tile_e, tile_start, tile_cnt, order, y, hidden, inter,
+        BM=BLOCK_M, BN=BLOCK_N_DOWN, BKB=BLOCK_KB, INTERP=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _slot_sum_kernel[(n, triton.cdiv(hidden, SUM_BLOCK))](y, ids, out, hidden, top_k, BLOCK=SUM_BLOCK)
+    return out

@@ -1,0 +1,123 @@
+"""kernels/fp8_linear.py against its torch reference `linear(x, dequant_fp8(w, scale))`.
+
+Without a GPU the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py) at small shapes; with one (marker gpu) at
+V4.1 shapes. Tolerances:
+- against the reference on bf16-rounded x: the products are then exact in fp32 on both sides and only the fp32
+  summation order differs, so |y - ref| <= 1e-5 · (|x| · |W|ᵀ) elementwise (the sum of the absolute terms);
+- against the plain float32 reference: x is rounded to bf16 (relative 2^-9 per element), so
+  max|y - ref| <= 1e-2 · max|ref|.
+Batch invariance: a row's output is bit-identical alone, among 64 rows (decode path: chunk partials summed by the
+reduction kernel) and in a prompt chunk (more than one row tile: each program sums its chunks itself).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from dsv41.model import quant  # noqa: E402
+from dsv41.model.linear import linear  # noqa: E402
+from kernels.fp8_linear import BLOCK_M, fp8_linear, fp8_split  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _weight(out_f, in_f, seed):
+    g = torch.Generator().manual_seed(seed)
+    # a spread of block magnitudes so the 32x32 scales differ from block to block
+    mag = torch.exp2(torch.randint(-8, 0, (triton.cdiv(out_f, 32), in_f // 32), generator=g).float())
+    w = torch.randn(out_f, in_f, generator=g) * mag.repeat_interleave(32, 0)[:out_f].repeat_interleave(32, 1)
+    return quant.quant_fp8(w)
+
+
+def _x(n, in_f, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, in_f, generator=g) + 0.1
+
+
+def _check_close(y, x, w, s):
+    y = y.cpu().double()
+    W = quant.dequant_fp8(w, s).double()
+    xb = x.cpu().bfloat16().double()
+    bound = 1e-5 * (xb.abs() @ W.abs().t()) + 1e-30
+    err = (y - xb @ W.t()).abs()
+    assert bool((err <= bound).all()), f"max err/bound {(err / bound).max().item():.3g}"
+    ref = linear(x.cpu().float(), W.float()).double()
+    assert (y - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+
+
+# (out, in): partial column tile (96), K not a multiple of BLOCK_K (96), several K chunks (S > 1)
+SHAPES = [(96, 256), (256, 192), (128, 96)]
+
+
+@pytest.mark.parametrize("out_f,in_f", SHAPES)
+@pytest.mark.parametrize("n", [1, 3, 16, 64, 130])
+def test_matches_reference(out_f, in_f, n):
+    w, s = _weight(out_f, in_f, seed=out_f + in_f)
+    x = _x(n, in_f, seed=n)
+    y = fp8_linear(x.to(DEV), w.to(DEV), s.to(DEV))
+    assert y.dtype == torch.float32 and y.shape == (n, out_f)
+    _check_close(y, x, w, s)
+
+
+def test_split_comes_from_the_weight_shape():
+    assert fp8_split(96, 256) == 4 and fp8_split(128, 96) == 2
+    # V4.1: wide weights need no split; narrow ones are cut so one row tile still fills the GPU
+    assert fp8_split(32768, 1280) == 1 and fp8_split(1280, 5120) == 16 and fp8_split(5120, 8192) == 4
+
+
+@pytest.mark.parametrize("out_f,in_f", [(96, 256), (256, 192)])
+def test_row_bits_do_not_depend_on_the_batch(out_f, in_f):
+    w, s = _weight(out_f, in_f, seed=7)
+    x = _x(2 * BLOCK_M + 2, in_f, seed=8).to(DEV)
+    w, s = w.to(DEV), s.to(DEV)
+    big = fp8_linear(x, w, s)                     # more than one row tile: chunks summed in-program
+    mid = fp8_linear(x[:64], w, s)                # one row tile: chunk partials + reduction kernel
+    for r in (0, 5, 63):
+        alone = fp8_linear(x[r:r + 1], w, s)
+        assert torch.equal(alone[0], mid[r]) and torch.equal(alone[0], big[r])
+    moved = fp8_linear(torch.cat([x[100:], x[:100]]), w, s)  # same rows at other places among other rows
+    assert torch.equal(moved[x.shape[0] - 100 + 5], big[5])
+
+
+def test_bf16_input_and_column_slices():
+    w, s = _weight(128, 256, seed=3)
+    x = _x(5, 512, seed=4)
+    y = fp8_linear(x[:, 256:].to(DEV), w.to(DEV), s.to(DEV))        # a strided slice, as wo_a's groups are
+    _check_close(y, x[:, 256:], w, s)
+    yb = fp8_linear(x[:, 256:].bfloat16().to(DEV), w.to(DEV), s.to(DEV))
+    assert torch.equal(yb, y)                                        # x is rounded to bf16 either way
+
+
+def test_empty_and_bad_input():
+    w, s = _weight(64, 64, seed=1)
+    w, s = w.to(DEV), s.to(DEV)
+    assert fp8_linear(torch.zeros(0, 64, device=DEV), w, s).shape == (0, 64)
+    with pytest.raises(TypeError):
+        fp8_linear(torch.ones(2, 64, device=DEV), w.float(), s)
+    with pytest.raises(ValueError):
+        fp8_linear(torch.ones(2, 64, device=DEV), w, s[:, :1].contiguous())
+    with pytest.raises(ValueError):
+        fp8_linear(torch.ones(2, 32, device=DEV), w, s)
+
+
+# --- V4.1 shapes on the GPU ---------------------------------------------------------------------------------------
+
+V41 = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), ("wo_a group", 1024, 4096),
+       ("wo_b", 5120, 8192), ("shared w1", 2304, 5120), ("shared w2", 5120, 2304), ("indexer wq_b", 4096, 1280)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,out_f,in_f", V41)
+def test_v41_shapes_on_gpu(name, out_f, in_f):
+    w, s = _weight(out_f, in_f, seed=out_f ^ in_f)
+    wd, sd = w.cuda(), s.cuda()
+    x = _x(2048, in_f, seed=1).cuda()
+    big = fp8_linear(x, wd, sd)
+    _check_close(big[:256], x[:256], w, s)
+    for n in (1, 3, 16, 64):
+        y = fp8_linear(x[:n], wd, sd)
+        _check_close(y, x[:n], w, s)
+        assert torch.equal(y, big[:n]), f"{name}: rows 0..{n} differ from the same rows among 2048"
+    assert torch.equal(fp8_linear(x[37:38], wd, sd)[0], big[37])
