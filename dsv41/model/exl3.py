@@ -335,9 +335,10 @@ EXL3_TO_OFFICIAL: tuple[tuple[str, str, str], ...] = (
 WO_A_SLICE_ROWS = 1024   # o_lora_rank: rows of the official wo_a per EXL3 slice
 
 
-def official_name(exl3_module: str) -> tuple[str, tuple[int, int] | None, str]:
+def official_name(exl3_module: str, o_lora_rank: int = WO_A_SLICE_ROWS) -> tuple[str, tuple[int, int] | None, str]:
     """(official weight name, rows [lo, hi) of it or None for all, tensor family) of an EXL3 pack's module name
-    (the name before .trellis). KeyError for a module the packs do not quantise."""
+    (the name before .trellis). KeyError for a module the packs do not quantise. A wo_a slice is o_lora_rank rows
+    (the release's 1024 by default)."""
     for pat, rep, family in EXL3_TO_OFFICIAL:
         m = re.fullmatch(pat, exl3_module)
         if m is None:
@@ -345,7 +346,7 @@ def official_name(exl3_module: str) -> tuple[str, tuple[int, int] | None, str]:
         rows = None
         if ".wo_a.slice." in exl3_module:
             g = int(m.group(2))
-            rows = (g * WO_A_SLICE_ROWS, (g + 1) * WO_A_SLICE_ROWS)
+            rows = (g * o_lora_rank, (g + 1) * o_lora_rank)
         return m.expand(rep), rows, ("dspark" if exl3_module.startswith("mtp.") else family)
     raise KeyError(f"no official name for EXL3 module {exl3_module!r}")
 

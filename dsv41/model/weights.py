@@ -281,6 +281,9 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig, share: RankShare = RankShar
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Load and dequantise the share's tensors (see module doc). BF16 and FP8/FP4 tensors come back in `dtype`;
     F32 tensors (hc_*, attn_sink, gate bias) stay float32. Engram tables are checked but not returned."""
+    if cfg.quant.quant_method == "exl3":   # an EXL3 pack: its own inventory and decoder (docs/exl3.md)
+        from dsv41.model.exl3_load import load_exl3_weights
+        return load_exl3_weights(ckpt, cfg, share=share, dtype=dtype, device=device)
     d = Path(ckpt)
     wm = read_weight_map(d)
     inv = check_inventory(wm, cfg)

@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", type=Path, default=BUILTIN_TOKENIZER_DIR,
                     help="tokenizer dir with tokenizer.json (default: the bundled V4.1 tokenizer)")
     ap.add_argument("--vision", action="store_true", help="include the vision tower and aligner tensors")
+    ap.add_argument("--format", choices=("official", "exl3"), default="official",
+                    help="official (FP8/FP4 release format) or exl3 (an EXL3 pack as the reference recipe serves it, "
+                         "random trellis codes; Engram tables in DIR/engram; docs/exl3.md)")
     a = ap.parse_args(argv)
     out: Path = a.out
     out.mkdir(parents=True, exist_ok=True)
@@ -278,7 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg_dict = tiny_config_dict(
         layers=a.layers, hidden=a.hidden, vocab=ids["vocab"], compressed_vocab=int(token_map.max()) + 1,
         image_token_id=ids["image"], noise_token_id=ids["noise"], bos=ids["bos"], eos=ids["eos"], pad=ids["pad"])
-    cfg = write_checkpoint(out, cfg_dict, a.seed, a.vision)
+    if a.format == "exl3":
+        from dsv41.tools.make_tiny_exl3 import write_exl3_pack
+        cfg = write_exl3_pack(out, cfg_dict, a.seed, a.vision, out / "engram")
+    else:
+        cfg = write_checkpoint(out, cfg_dict, a.seed, a.vision)
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     print(f"{out}: {cfg.text.num_hidden_layers} layers + {cfg.text.num_nextn_predict_layers} DSpark, hidden "
           f"{cfg.text.hidden_size}, vocab {cfg.text.vocab_size}, Engram classes "
