@@ -11,6 +11,7 @@ top-k list and the candidate source its candidate blocks; later layers read the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,7 @@ def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, 
                                 topk=t.index_topk, wq_b=W[f"{i}.wq_b.weight"],
                                 weights_proj=W[f"{i}.weights_proj.weight"],
                                 wk=W.get(f"{i}.wk.weight"), k_norm=W.get(f"{i}.k_norm.weight"), eps=eps)
-    if role.engram is not None:
+    if role.engram is not None and engram_rows(role.index) is not None:
         g = f"{p}.engram"
         block.engram = Engram(rows=engram_rows(role.index), wkv=W[f"{g}.wkv.weight"],
                               weight=W[f"{g}.q_weight"].float() * W[f"{g}.k_weight"].float(), eps=eps)
@@ -120,7 +121,8 @@ def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, 
 class Model:
     def __init__(self, cfg: ModelConfig, W: dict[str, torch.Tensor], engram_rows: Callable,
                  hasher: EngramHasher | None,
-                 qat: bool = True, index_keys: str = "intended", comm: Comm | None = None):
+                 qat: bool = True, index_keys: str = "intended", comm: Comm | None = None,
+                 engram_store: EngramStore | None = None):
         if index_keys not in INDEX_KEY_MODES:
             raise ValueError(f"index_keys must be one of {INDEX_KEY_MODES}, got {index_keys!r}")
         self.cfg = cfg
@@ -131,6 +133,7 @@ class Model:
         self.index_keys = index_keys
         self.comm = comm or Comm()
         self.hasher = hasher
+        self.engram_store = engram_store   # None: no Engram layers, or served without the tables (degraded)
         self.embed = W["embed.weight"]
         self.head = W["head.weight"]
         self.norm = W["norm.weight"]
@@ -148,9 +151,13 @@ class Model:
     @classmethod
     def load(cls, ckpt: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
              share: RankShare | None = None, qat: bool = True, index_keys: str = "intended",
-             comm: Comm | None = None) -> Model:
+             comm: Comm | None = None, engram: str | Path | None = None, engram_tables: bool = True,
+             engram_cache_bytes: int = 256 << 20) -> Model:
         """Load a checkpoint. qat=False makes the three QAT fake-quants (window KV, compressed KV, indexer q/k)
-        the identity; index_keys="quirk" reproduces the release's indexer-key publication (arch.md §2.8)."""
+        the identity; index_keys="quirk" reproduces the release's indexer-key publication (arch.md §2.8).
+        engram: the folder holding the Engram tables (default: the checkpoint); engram_tables=False runs without
+        them (degraded: the Engram layers add nothing to the streams, exactly as all-zero rows would, since wkv has
+        no bias); engram_cache_bytes: host memory for hot rows (0: no cache, no read-ahead)."""
         if device != "cpu" or dtype != torch.float32:
             raise ValueError("the reference forward runs on CPU in float32")
         share = share or RankShare(0, 1)
@@ -159,12 +166,27 @@ class Model:
         d = Path(ckpt)
         cfg = ModelConfig.from_checkpoint(d)
         W = load_weights(d, cfg, share=share, dtype=dtype, device=device)
-        engram_rows = _engram_row_reader(d, cfg)
+        store = None
+        if cfg.text.engram_layer_ids and engram_tables:
+            store = EngramStore(Path(engram) if engram else d, cfg, dtype=torch.float32,
+                                cache_bytes=engram_cache_bytes)
+        engram_rows = _engram_row_reader(store)
         hasher = _make_hasher(d, cfg)
-        return cls(cfg, W, engram_rows, hasher, qat=qat, index_keys=index_keys, comm=comm)
+        return cls(cfg, W, engram_rows, hasher, qat=qat, index_keys=index_keys, comm=comm, engram_store=store)
 
     def new_state(self) -> SeqState:
         return SeqState()
+
+    def engram_read_ahead(self, before: torch.Tensor, pos0: int, ids: torch.Tensor) -> Future | None:
+        """Start reading (in the background) the Engram rows a later forward of token ids `ids` at positions pos0..
+        will look up. before: the compressed ids (state.engram_history) of the positions just before pos0 (only the
+        last 3 matter). Only warms the row cache: never changes a value, and a wrong guess costs only reads.
+        Returns the store's Future (its result: the per-layer read Futures), None when there is nothing to read."""
+        if self.engram_store is None or not len(ids):
+            return None
+        tail = torch.as_tensor(before, dtype=torch.int64)
+        new = torch.as_tensor(ids, dtype=torch.int64)
+        return self.engram_store.read_ahead(lambda: self.hasher.hash_new(tail, pos0, new)[0])
 
     # ---- forward ----------------------------------------------------------------------------------------------
 
@@ -219,6 +241,8 @@ class Model:
                               t.hidden_size)) for s in batch])
             h = torch.where(image[:, None], rows, h)
         hash_ids = self._engram_hashes(batch, segs, ids, image) if t.engram_layer_ids else None
+        if self.engram_store is not None:
+            self.engram_store.prefetch_hashes(hash_ids)  # later Engram layers' rows load while earlier layers run
 
         cs = {k: self.rope.cos_sin(k, pos) for k in ("main", "compress")}
         streams = h[:, None, :].expand(-1, t.hc_mult, -1).clone()
@@ -371,12 +395,11 @@ def _stream_mean(streams: torch.Tensor) -> torch.Tensor:
 
 # ---- Engram table rows and hashing ----------------------------------------------------------------------------
 
-def _engram_row_reader(d: Path, cfg: ModelConfig) -> Callable[[int], Callable]:
+def _engram_row_reader(store: EngramStore | None) -> Callable[[int], Callable | None]:
     """layer -> (hash ids -> dequantised table rows [..., head_dim]), read through the EngramStore (the release's
-    tables are ~100 GB each, so rows are read by position, never the whole table)."""
-    if not cfg.text.engram_layer_ids:
+    tables are ~100 GB each, so rows are read by position, never the whole table); None without a store."""
+    if store is None:
         return lambda layer: None
-    store = EngramStore(d, cfg, dtype=torch.float32)
     return lambda layer: (lambda hash_ids: store.lookup(layer, hash_ids))
 
 

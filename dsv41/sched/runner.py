@@ -92,7 +92,22 @@ class ModelRunner:
                     errors[r.seq] = f"the grammar refused token {s.token_id}: {m.error}"
         for op in plan.after:
             self._kept_op(plan, op)
+        read_ahead = getattr(self.model, "engram_read_ahead", None)
+        if read_ahead is not None:  # each sequence's last drawn token is its next decode row: read its Engram rows now
+            for seq, s in dict(samples).items():
+                st = self.states[seq]
+                read_ahead(st.engram_history[-3:], st.length, torch.tensor([s.token_id]))
         return RoundResult(plan.round, samples, time.perf_counter() - t0, errors)
+
+    def read_ahead(self, hints: list[tuple[list[int], int, list[int]]]) -> None:
+        """Start reading the Engram rows of coming prompt chunks (called on the event loop while a round runs):
+        (the token ids just before pos0, pos0, the chunk's token ids). Only warms a cache; never changes a value."""
+        read_ahead = getattr(self.model, "engram_read_ahead", None)
+        if read_ahead is None:
+            return
+        for before, pos0, ids in hints:
+            read_ahead(self.model.hasher.compress(torch.tensor(before, dtype=torch.long)), pos0,
+                       torch.tensor(ids, dtype=torch.long))
 
     def _kept_op(self, plan: StepPlan, op) -> None:
         """SaveState / RestoreState / DropState (dsv41.sched.kept): snapshots at token boundaries."""

@@ -170,6 +170,7 @@ class Scheduler:
             if not self._work_pending():
                 await self._wake.wait()
             return True
+        self._read_ahead()
         t0 = time.perf_counter()
         matchers = {r.id: r.matcher for r in self.running if r.matcher is not None}
         try:
@@ -184,6 +185,21 @@ class Scheduler:
             self.worst_round_s = max(self.worst_round_s, self.last_round_s)
         self.commit_round(plan, result)
         return True
+
+    def _read_ahead(self) -> None:
+        """Each filling prompt's next chunk: its Engram rows are read while this round runs (hash ids depend only on
+        token ids). A guess longer than the next cut costs only reads; values never change."""
+        ahead = getattr(self.runner, "read_ahead", None)
+        if ahead is None:
+            return
+        hints = []
+        for r in self.running:
+            n = self._prompt_rows.get(r.id)
+            end = r.filled + (n or 0)
+            if n and end < r.prompt_len:
+                hints.append((r.prompt_ids[max(0, end - 3):end], end, r.prompt_ids[end:end + self.prefill_chunk]))
+        if hints:
+            ahead(hints)
 
     def _fail_all(self, err: Exception) -> None:
         """Drop every running sequence (their states may be out of step with the bookkeeping) and fail them."""

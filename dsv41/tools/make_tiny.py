@@ -225,7 +225,7 @@ def shard_plan(names: list[str], cfg: ModelConfig) -> list[list[str]]:
     return [sorted(groups[k]) for k in sorted(groups)]
 
 
-def write_checkpoint(out: Path, cfg_dict: dict, seed: int, vision: bool) -> ModelConfig:
+def write_checkpoint(out: Path, cfg_dict: dict, seed: int, vision: bool, engram_out: Path | None = None) -> ModelConfig:
     cfg = ModelConfig.from_dict(cfg_dict)
     inv = expected_tensors(cfg, vision=vision)
     out.mkdir(parents=True, exist_ok=True)
@@ -238,6 +238,12 @@ def write_checkpoint(out: Path, cfg_dict: dict, seed: int, vision: bool) -> Mode
         for n in names:
             tensors.update(make_tensor(n, inv[n], cfg, seed))
         assert set(tensors) == set(names), set(names) ^ set(tensors)
+        if engram_out is not None:   # the tables alone, in same-named shard files of their own folder (no index)
+            tables = {n: tensors.pop(n) for n in list(tensors) if ".engram.embed." in n}
+            if tables:
+                engram_out.mkdir(parents=True, exist_ok=True)
+                save_file(tables, str(engram_out / fname), metadata={"format": "pt"})
+                (engram_out / fname).chmod(0o644)
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         (out / fname).chmod(0o644)  # safetensors writes 0600; the checkpoint is shared read-only data
         for n, x in tensors.items():
@@ -259,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", type=Path, default=BUILTIN_TOKENIZER_DIR,
                     help="tokenizer dir with tokenizer.json (default: the bundled V4.1 tokenizer)")
     ap.add_argument("--vision", action="store_true", help="include the vision tower and aligner tensors")
+    ap.add_argument("--engram-out", type=Path, default=None,
+                    help="write the Engram tables (layers.N.engram.embed.weight/.scale) into this folder instead, as "
+                         "real-format shard files without an index (serve with --engram DIR)")
     ap.add_argument("--format", choices=("official", "exl3"), default="official",
                     help="official (FP8/FP4 release format) or exl3 (an EXL3 pack as the reference recipe serves it, "
                          "random trellis codes; Engram tables in DIR/engram; docs/exl3.md)")
@@ -285,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         from dsv41.tools.make_tiny_exl3 import write_exl3_pack
         cfg = write_exl3_pack(out, cfg_dict, a.seed, a.vision, out / "engram")
     else:
-        cfg = write_checkpoint(out, cfg_dict, a.seed, a.vision)
+        cfg = write_checkpoint(out, cfg_dict, a.seed, a.vision, a.engram_out)
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     print(f"{out}: {cfg.text.num_hidden_layers} layers + {cfg.text.num_nextn_predict_layers} DSpark, hidden "
           f"{cfg.text.hidden_size}, vocab {cfg.text.vocab_size}, Engram classes "
