@@ -15,6 +15,10 @@ Exactness: one image is encoded by itself, never batched with others, so its row
 """
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -244,5 +248,73 @@ def chunk_image_inputs(spans, a: int, b: int, hidden: int) -> tuple[torch.Tensor
     return embeds, token_type
 
 
-__all__ = ["VisionTower", "aligner_cells", "vision_weight_shapes", "image_span", "rms_norm", "apply_rotary",
-           "vision_rope_cos_sin", "IMAGE_START", "IMAGE", "IMAGE_NEW_LINE", "IMAGE_END"]
+@dataclass(frozen=True, eq=False)
+class EncodedImage:
+    """One image ready for the prompt: its span rows (`image_span`), keyed by the sha256 of its bytes."""
+    digest: bytes                 # sha256 of the image file's bytes
+    n_h: int                      # token grid (n_llm_h, n_llm_w)
+    n_w: int
+    embeds: torch.Tensor          # [n_h*(n_w+1)+2, hidden] float32
+    token_type: torch.Tensor      # [same n] int64, START/IMAGE/NEW_LINE/END
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.token_type.numel())
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """An encoded image placed in a prompt: its span covers positions [start, start + n_tokens)."""
+    start: int
+    image: EncodedImage
+
+    @property
+    def end(self) -> int:
+        return self.start + self.image.n_tokens
+
+
+def image_sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+SPAN_ROW_NAMES = ("image_start", "image_newline", "image_end")
+
+
+def has_vision_weights(ckpt: str | Path) -> bool:
+    from .weights import read_weight_map
+    return any(k.startswith(("vision.", "aligner.")) for k in read_weight_map(ckpt))
+
+
+def load_vision_weights(ckpt: str | Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The tower's, the aligner's and the span rows' tensors of a checkpoint (nothing else is read), as stored.
+    Raises WeightError naming a missing tensor."""
+    from safetensors import safe_open
+
+    from .weights import read_weight_map
+    d = Path(ckpt)
+    wm = read_weight_map(d)
+    names = [k for k in wm if k.startswith(("vision.", "aligner."))] + list(SPAN_ROW_NAMES)
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        if name not in wm:
+            raise WeightError(name, "missing from the checkpoint's weight_map")
+        by_file.setdefault(wm[name], []).append(name)
+    for fname, group in by_file.items():
+        with safe_open(d / fname, framework="pt") as f:
+            for name in group:
+                out[name] = f.get_tensor(name).to(device)
+    return out
+
+
+def encode_image(tower: VisionTower, image: PreparedImage, digest: bytes, start: torch.Tensor,
+                 newline: torch.Tensor, end: torch.Tensor) -> EncodedImage:
+    """A prepared image through the tower and the aligner, laid out as its span (rows in float32)."""
+    rows, n_h, n_w = tower.encode_prepared(image)
+    embeds, token_type = image_span(rows.float(), n_h, n_w, start, newline, end)
+    return EncodedImage(digest, n_h, n_w, embeds, token_type)
+
+
+__all__ = ["VisionTower", "EncodedImage", "PromptImage", "encode_image", "load_vision_weights",
+           "has_vision_weights", "image_sha256", "aligner_cells", "vision_weight_shapes", "image_span", "rms_norm",
+           "apply_rotary", "vision_rope_cos_sin", "IMAGE_START", "IMAGE", "IMAGE_NEW_LINE", "IMAGE_END"]
