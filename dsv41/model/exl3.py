@@ -171,13 +171,17 @@ def decode_codebook(w: torch.Tensor, cb: int) -> torch.Tensor:
     return (lo + hi).half()
 
 
-def decode_trellis(trellis: torch.Tensor, K: float, cb: int) -> torch.Tensor:
-    """W~ (in x out, fp16): every tile's positions decoded and placed by the tensor-core permutation."""
-    kt, nt, _ = trellis.shape
-    vals = decode_codebook(unpack_windows(trellis, K), cb)         # [kt, nt, 256] in position order
+def decode_trellis(trellis: torch.Tensor, K: float, cb: int, chunk: int = 1024) -> torch.Tensor:
+    """W~ (in x out, fp16): every tile's positions decoded and placed by the tensor-core permutation. Tiles are
+    decoded `chunk` at a time (the int64 temporaries stay in cache; each tile's arithmetic is its own)."""
+    kt, nt, width = trellis.shape
+    flat = trellis.reshape(kt * nt, 1, width)
+    vals = torch.empty((kt * nt, 256), dtype=torch.float16)
+    for a in range(0, kt * nt, chunk):
+        vals[a:a + chunk] = decode_codebook(unpack_windows(flat[a:a + chunk], K), cb)[:, 0]
     row, col = tile_positions()
     tile = torch.empty((kt, nt, 16, 16), dtype=torch.float16)
-    tile[:, :, row, col] = vals
+    tile[:, :, row, col] = vals.view(kt, nt, 256)
     return tile.permute(0, 2, 1, 3).reshape(kt * 16, nt * 16).contiguous()
 
 
