@@ -22,27 +22,27 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_linear import INTERPRET, dot_bf16, e8m0_float
+from kernels.fp8_linear import INTERPRET, bf16_operand, mma
 
 BLOCK_M = 64          # (row, slot) pairs per tile
 BLOCK_N_UP = 64       # intermediate columns per gate/up program (w1 and w3 tiles together)
 BLOCK_N_DOWN = 128    # hidden columns per down program
 BLOCK_KB = 32         # packed bytes (64 k) per step
 NUM_WARPS, NUM_STAGES = 4, 3
-SUM_BLOCK = 512
+SUM_ROWS, SUM_COLS = 8, 512
 
 
 @triton.jit
-def _fp4_pair(q, sf):
-    """Packed bytes q (int8 [BKB, BN]) and their float scales -> (even-k values, odd-k values) as float32.
-    E2M1 code c as fp16 bits (c&7)<<9 | sign<<15 is the value times 2^-14 (subnormal 0.5 included)."""
-    b = q.to(tl.int32) & 0xFF
-    lo = b & 0xF
-    hi = b >> 4
-    s = sf * 16384.0
-    vlo = (((lo & 7) << 9) | ((lo & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    vhi = (((hi & 7) << 9) | ((hi & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return vlo * s, vhi * s
+def _fp4_pair(q, s_a, s_b, INTERP: tl.constexpr):
+    """Packed bytes q (int8 [BKB, BN], BKB = 32: two 16-byte scale groups) and the E8M0 codes of the two groups
+    (s_a, s_b: [BN]) -> (even-k, odd-k) weights as bf16 operands. E2M1 code c as fp16 bits (c&7)<<9 | (c&8)<<12 is
+    the value times 2^-14 (the subnormal 0.5 included), so the factor is 2^(s-127+14) (codes up to 240)."""
+    b = q.to(tl.int32)
+    s = tl.where(tl.arange(0, q.shape[0])[:, None] < 16, s_a[None, :], s_b[None, :]).to(tl.int32)
+    f = ((s + 14) << 23).to(tl.float32, bitcast=True)
+    vlo = (((b & 0x7) << 9) | ((b & 0x8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    vhi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return bf16_operand(vlo * f, INTERP), bf16_operand(vhi * f, INTERP)
 
 
 @triton.jit
@@ -64,21 +64,23 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_ptr
     HB = H // 2
     w1 = w_ptr + (e * 2 * I + offs_n)[None, :] * HB
     w3 = w1 + I * HB
-    s1 = s_ptr + (e * 2 * I + offs_n)[None, :] * (H // 32)
+    s1 = s_ptr + (e * 2 * I + offs_n) * (H // 32)      # [BN] scale rows
     s3 = s1 + I * (H // 32)
     xr = x_ptr + rows[:, None] * H
     acc_g = tl.zeros((BM, BN), tl.float32)
     acc_u = tl.zeros((BM, BN), tl.float32)
     for b0 in range(0, HB, BKB):
         b = b0 + tl.arange(0, BKB)
-        xe = tl.load(xr + 2 * b[None, :], mask=p_ok[:, None], other=0.0)
-        xo = tl.load(xr + 2 * b[None, :] + 1, mask=p_ok[:, None], other=0.0)
-        g_lo, g_hi = _fp4_pair(tl.load(w1 + b[:, None]), e8m0_float(tl.load(s1 + b[:, None] // 16)))
-        acc_g = dot_bf16(xe, g_lo, acc_g, INTERP)
-        acc_g = dot_bf16(xo, g_hi, acc_g, INTERP)
-        u_lo, u_hi = _fp4_pair(tl.load(w3 + b[:, None]), e8m0_float(tl.load(s3 + b[:, None] // 16)))
-        acc_u = dot_bf16(xe, u_lo, acc_u, INTERP)
-        acc_u = dot_bf16(xo, u_hi, acc_u, INTERP)
+        xe = bf16_operand(tl.load(xr + 2 * b[None, :], mask=p_ok[:, None], other=0.0), INTERP)
+        xo = bf16_operand(tl.load(xr + 2 * b[None, :] + 1, mask=p_ok[:, None], other=0.0), INTERP)
+        g_lo, g_hi = _fp4_pair(tl.load(w1 + b[:, None]), tl.load(s1 + b0 // 16), tl.load(s1 + b0 // 16 + 1),
+                               INTERP)
+        acc_g = mma(xe, g_lo, acc_g, INTERP)
+        acc_g = mma(xo, g_hi, acc_g, INTERP)
+        u_lo, u_hi = _fp4_pair(tl.load(w3 + b[:, None]), tl.load(s3 + b0 // 16), tl.load(s3 + b0 // 16 + 1),
+                               INTERP)
+        acc_u = mma(xe, u_lo, acc_u, INTERP)
+        acc_u = mma(xo, u_hi, acc_u, INTERP)
     gate = tl.minimum(acc_g, limit)
     up = tl.minimum(tl.maximum(acc_u, -limit), limit)
     h = gate / (1.0 + tl.exp(-gate)) * up * rw[:, None]
@@ -101,30 +103,33 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_p
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     IB = I // 2
     w = w_ptr + (e * H + offs_n)[None, :] * IB
-    s = s_ptr + (e * H + offs_n)[None, :] * (I // 32)
+    s = s_ptr + (e * H + offs_n) * (I // 32)           # [BN] scale rows
     hr = h_ptr + (p0 + offs_p)[:, None].to(tl.int64) * I
     acc = tl.zeros((BM, BN), tl.float32)
     for b0 in range(0, IB, BKB):
         b = b0 + tl.arange(0, BKB)
-        he = tl.load(hr + 2 * b[None, :], mask=p_ok[:, None], other=0.0)
-        ho = tl.load(hr + 2 * b[None, :] + 1, mask=p_ok[:, None], other=0.0)
-        lo, hi = _fp4_pair(tl.load(w + b[:, None]), e8m0_float(tl.load(s + b[:, None] // 16)))
-        acc = dot_bf16(he, lo, acc, INTERP)
-        acc = dot_bf16(ho, hi, acc, INTERP)
+        he = bf16_operand(tl.load(hr + 2 * b[None, :], mask=p_ok[:, None], other=0.0), INTERP)
+        ho = bf16_operand(tl.load(hr + 2 * b[None, :] + 1, mask=p_ok[:, None], other=0.0), INTERP)
+        lo, hi = _fp4_pair(tl.load(w + b[:, None]), tl.load(s + b0 // 16), tl.load(s + b0 // 16 + 1),
+                           INTERP)
+        acc = mma(he, lo, acc, INTERP)
+        acc = mma(ho, hi, acc, INTERP)
     tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc, mask=p_ok[:, None])
 
 
 @triton.jit
-def _slot_sum_kernel(y_ptr, ids_ptr, out_ptr, H, TOPK, BLOCK: tl.constexpr):
+def _slot_sum_kernel(y_ptr, ids_ptr, out_ptr, N, H, TOPK, BR: tl.constexpr, BH: tl.constexpr):
     """out[r] = 0 + y[r, 0] + y[r, 1] + … over the slots whose expert is on this rank (id >= 0), in slot order."""
-    r = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < H
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for j in range(0, TOPK):
-        here = (tl.load(ids_ptr + r * TOPK + j) + tl.zeros((BLOCK,), tl.int32)) >= 0
-        acc = acc + tl.load(y_ptr + (r * TOPK + j) * H + offs, mask=ok & here, other=0.0)
-    tl.store(out_ptr + r * H + offs, acc, mask=ok)
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BH + tl.arange(0, BH)
+    r_ok = r < N
+    ok = r_ok[:, None] & (c < H)[None, :]
+    r = r.to(tl.int64)
+    acc = tl.zeros((BR, BH), tl.float32)
+    for j in range(TOPK):
+        here = tl.load(ids_ptr + r * TOPK + j, mask=r_ok, other=-1) >= 0
+        acc = acc + tl.load(y_ptr + (r * TOPK + j)[:, None] * H + c[None, :], mask=ok & here[:, None], other=0.0)
+    tl.store(out_ptr + r[:, None] * H + c[None, :], acc, mask=ok)
 
 
 def max_tiles(n_pairs: int, n_experts: int) -> int:
@@ -141,7 +146,9 @@ def work_list(expert_ids: torch.Tensor, n_experts: int):
     n_pairs = flat.numel()
     key = torch.where(flat >= 0, flat, n_experts)
     order = torch.argsort(key, stable=True).to(torch.int32)
-    counts = torch.bincount(key, minlength=n_experts + 1)[:n_experts]
+    # scatter_add, not bincount: bincount reads the maximum back to the host
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, key, torch.ones_like(key))[:n_experts]
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     tile_end = torch.cumsum(tiles, 0)
     pair_start = torch.cumsum(counts, 0) - counts
@@ -176,7 +183,7 @@ def _check(x, w13, s13, w2, s2, expert_ids, weights):
     n, hidden = x.shape
     if w13.dim() != 3 or w13.dtype not in (torch.int8, torch.uint8):
         raise TypeError(f"fp4_moe: w13 must be packed int8 [E, 2I, H/2], got {w13.dtype} {list(w13.shape)}")
-    n_exp, two_i, hb = w13.shape
+    n_exp, two_i, _hb = w13.shape
     inter = two_i // 2
     want = {"w13": (w13, (n_exp, 2 * inter, hidden // 2)), "s13": (s13, (n_exp, 2 * inter, hidden // 32)),
             "w2": (w2, (n_exp, hidden, inter // 2)), "s2": (s2, (n_exp, hidden, inter // 32))}
@@ -226,5 +233,6 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
     _moe_down_kernel[(tiles, hidden // BLOCK_N_DOWN)](
         h, w2, s2, tile_e, tile_start, tile_cnt, order, y, hidden, inter,
         BM=BLOCK_M, BN=BLOCK_N_DOWN, BKB=BLOCK_KB, INTERP=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    _slot_sum_kernel[(n, triton.cdiv(hidden, SUM_BLOCK))](y, ids, out, hidden, top_k, BLOCK=SUM_BLOCK)
+    _slot_sum_kernel[(triton.cdiv(n, SUM_ROWS), triton.cdiv(hidden, SUM_COLS))](
+        y, ids, out, n, hidden, top_k, BR=SUM_ROWS, BH=SUM_COLS)
     return out

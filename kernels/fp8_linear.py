@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64   # fixed for every row count
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64   # fixed for every row count (BLOCK_K = two 32-wide scale groups)
 NUM_WARPS, NUM_STAGES = 4, 3
 TARGET_PROGRAMS = 128                     # programs wanted for one row tile (about one per H200 SM)
 SUM_BLOCK = 1024
@@ -38,19 +38,22 @@ def round_bf16(x):
 
 
 @triton.jit
-def e8m0_float(s):
-    """E8M0 code (uint8) -> 2^(s-127) as float32 (codes 1..254)."""
-    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+def bf16_operand(v, INTERP: tl.constexpr):
+    """v rounded to bf16 (nearest even) as a tensor-core operand; in the interpreter kept as float32 values."""
+    if INTERP:
+        return round_bf16(v.to(tl.float32))
+    else:
+        return v.to(tl.bfloat16)
 
 
 @triton.jit
-def dot_bf16(a, b, acc, INTERP: tl.constexpr):
-    """acc + bf16(a) · b (b already bf16 values) with fp32 accumulation: tensor cores on the GPU. In the interpreter
-    an explicit product-and-sum over k, because numpy's BLAS rounds a row differently by its place in the tile."""
+def mma(a, b, acc, INTERP: tl.constexpr):
+    """acc + a · b for bf16-valued operands, fp32 accumulation: tensor cores on the GPU. In the interpreter an
+    explicit product-and-sum over k, because numpy's BLAS rounds a row differently by its place in the tile."""
     if INTERP:
-        return acc + tl.sum(round_bf16(a.to(tl.float32))[:, :, None] * b[None, :, :], axis=1)
+        return acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
     else:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -67,7 +70,8 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, chunk_b
     n_ok = offs_n < N
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_cols = w_ptr + offs_n[None, :].to(tl.int64) * K
-    s_cols = s_ptr + (offs_n[None, :] // 32) * (K // 32)
+    s_row = s_ptr + (offs_n // 32) * (K // 32)          # [BN]: this column tile's scale rows
+    first_half = offs_k[:, None] < 32                   # BK = 64 spans two 32-wide scale groups
     total = tl.zeros((BM, BN), tl.float32)
     c0 = pid_g * chunks_per_prog
     for c in range(c0, c0 + chunks_per_prog):
@@ -77,13 +81,17 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, chunk_b
             if EVEN_K:
                 xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
                 wt = tl.load(w_cols + k[:, None], mask=n_ok[None, :], other=0.0)
-                st = tl.load(s_cols + k[:, None] // 32, mask=n_ok[None, :], other=0)
+                s_lo = tl.load(s_row + 2 * kb, mask=n_ok, other=0)
+                s_hi = tl.load(s_row + 2 * kb + 1, mask=n_ok, other=0)
             else:
                 k_ok = k < K
                 xt = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 wt = tl.load(w_cols + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-                st = tl.load(s_cols + k[:, None] // 32, mask=n_ok[None, :] & k_ok[:, None], other=0)
-            part = dot_bf16(xt, wt.to(tl.float32) * e8m0_float(st), part, INTERP)
+                s_lo = tl.load(s_row + 2 * kb, mask=n_ok, other=0)
+                s_hi = tl.load(s_row + 2 * kb + 1, mask=n_ok & (kb * BK + 32 + 0 * offs_n < K), other=0)
+            st = tl.where(first_half, s_lo[None, :], s_hi[None, :])
+            wf = wt.to(tl.float32) * (st.to(tl.int32) << 23).to(tl.float32, bitcast=True)   # q · 2^(s-127)
+            part = mma(bf16_operand(xt, INTERP), bf16_operand(wf, INTERP), part, INTERP)
         total = total + part
     out = out_ptr + pid_g.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(out, total, mask=m_ok[:, None] & n_ok[None, :])
@@ -95,12 +103,12 @@ def _sum_partials_kernel(p_ptr, out_ptr, MN, S, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.zeros((BLOCK,), tl.float32)
-    for s in range(0, S):
+    for s in range(S):
         acc = acc + tl.load(p_ptr + s * MN + offs, mask=ok, other=0.0)
     tl.store(out_ptr + offs, acc, mask=ok)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fp8_split(out_f: int, in_f: int) -> int:
     """S, the number of K chunks for a weight [out_f, in_f]: the smallest divisor of the K block count that gives
     TARGET_PROGRAMS programs for one row tile (1 for wide weights), else the largest divisor. A function of the
@@ -151,8 +159,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.T
     split = fp8_split(out_f, in_f)
     chunk_blocks = triton.cdiv(in_f, BLOCK_K) // split
     m_tiles, n_tiles = triton.cdiv(n, BLOCK_M), triton.cdiv(out_f, BLOCK_N)
-    common = dict(BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, EVEN_K=in_f % BLOCK_K == 0, INTERP=INTERPRET,
-                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    common = {"BM": BLOCK_M, "BN": BLOCK_N, "BK": BLOCK_K, "EVEN_K": in_f % BLOCK_K == 0, "INTERP": INTERPRET,
+                  "num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
     if m_tiles == 1 and split > 1:
         part = torch.empty((split, n, out_f), dtype=torch.float32, device=x.device)
         _fp8_linear_kernel[(1, n_tiles, split)](x, w, scale, part, n, out_f, in_f, x.stride(0), chunk_blocks, 1,

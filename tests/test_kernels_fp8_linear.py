@@ -16,9 +16,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from dsv41.model import quant  # noqa: E402
-from dsv41.model.linear import linear  # noqa: E402
-from kernels.fp8_linear import BLOCK_M, fp8_linear, fp8_split  # noqa: E402
+from dsv41.model import quant
+from dsv41.model.linear import linear
+from kernels.fp8_linear import BLOCK_M, fp8_linear, fp8_split
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,0 +1,202 @@
+"""kernels/fp4_moe.py against dsv41.model.moe on dequantised (dequant_fp4) weights.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py) at small shapes; with one (marker gpu) at
+V4.1 shapes (H 5120, I 2304, top-6). Tolerances:
+- against the reference evaluated the kernel's way (x and h rounded to bf16, products then exact, float64 sums):
+  max|y - ref| <= 2e-4 · max|ref|: only the fp32 summation order differs, and through it the bf16 rounding of an
+  occasional h element that sits at a rounding boundary (one bf16 ulp, 2^-8 relative, of one term);
+- against the plain float32 MoE: x and h are rounded to bf16, max|y - ref| <= 1e-2 · max|ref|.
+Batch invariance: a row's output is bit-identical alone, among 64 rows and in a prompt chunk whose experts take
+more than one tile.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from dsv41.model import quant
+from dsv41.model.moe import Expert, MoE, swiglu
+from kernels.fp4_moe import BLOCK_M, fp4_moe, max_tiles, stack_experts, work_list
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+LIMIT = 10.0
+
+
+def _experts(n_exp, hidden, inter, seed):
+    g = torch.Generator().manual_seed(seed)
+    raw = []
+    for _ in range(n_exp):
+        # gate/up large enough that the ±limit clamps bite on some elements
+        w1, s1 = quant.quant_fp4(torch.randn(inter, hidden, generator=g) * 0.4)
+        w3, s3 = quant.quant_fp4(torch.randn(inter, hidden, generator=g) * 0.4)
+        w2, s2 = quant.quant_fp4(torch.randn(hidden, inter, generator=g) * 0.05)
+        raw.append((w1, s1, w3, s3, w2, s2))
+    return raw
+
+
+def _deq(raw):
+    return [Expert(quant.dequant_fp4(w1, s1), quant.dequant_fp4(w2, s2), quant.dequant_fp4(w3, s3))
+            for w1, s1, w3, s3, w2, s2 in raw]
+
+
+def _bf16(t):
+    return t.bfloat16().double()
+
+
+def _ref_kernel_way(x, exps, ids, wts):
+    """The routed sum with x and h rounded to bf16 as the kernel feeds its tensor cores, in float64."""
+    n, k = ids.shape
+    out = torch.zeros(n, x.shape[1], dtype=torch.float64)
+    xb = _bf16(x)
+    for r in range(n):
+        for j in range(k):
+            e = int(ids[r, j])
+            if e < 0:
+                continue
+            ex = exps[e]
+            gate = torch.clamp(xb[r] @ ex.w1.double().t(), max=LIMIT)
+            up = torch.clamp(xb[r] @ ex.w3.double().t(), min=-LIMIT, max=LIMIT)
+            h = (gate / (1 + torch.exp(-gate)) * up * float(wts[r, j])).float()
+            out[r] += _bf16(h) @ ex.w2.double().t()
+    return out
+
+
+def _ref_fp32(x, exps, ids, wts):
+    """moe.py's routed part: each expert's rows through swiglu (fixed-tile linear), slots summed in slot order."""
+    n, k = ids.shape
+    slots = torch.zeros(n, k, x.shape[1])
+    for e, ex in enumerate(exps):
+        rows, slot = torch.nonzero(ids == e, as_tuple=True)
+        if rows.numel():
+            slots[rows, slot] = swiglu(x[rows], ex, LIMIT, wts[rows, slot][:, None])
+    y = slots[:, 0]
+    for j in range(1, k):
+        y = y + slots[:, j]
+    return y
+
+
+def _routing(n, n_exp, k, seed, skew=False):
+    g = torch.Generator().manual_seed(seed)
+    if skew:   # most rows on a few experts, so an expert takes more than one tile
+        ids = torch.stack([torch.randperm(4, generator=g)[:k] for _ in range(n)])
+    else:
+        ids = torch.stack([torch.randperm(n_exp, generator=g)[:k] for _ in range(n)])
+    return ids, torch.rand(n, k, generator=g) * 1.5 + 0.05
+
+
+def _inputs(n, hidden, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, hidden, generator=g)
+
+
+def _close(y, x, exps, ids, wts):
+    y = y.cpu().double()
+    ref = _ref_kernel_way(x, exps, ids, wts)
+    assert (y - ref).abs().max().item() <= 2e-4 * ref.abs().max().item()
+    ref32 = _ref_fp32(x, exps, ids, wts).double()
+    assert (y - ref32).abs().max().item() <= 1e-2 * ref32.abs().max().item()
+
+
+E, H, I, K = 8, 128, 128, 3
+
+
+@pytest.fixture(scope="module")
+def small():
+    raw = _experts(E, H, I, seed=11)
+    return raw, _deq(raw), [t.to(DEV) for t in stack_experts(raw)]
+
+
+@pytest.mark.parametrize("n", [1, 3, 16, 64])
+def test_matches_reference(small, n):
+    _, exps, W = small
+    x = _inputs(n, H, seed=n)
+    ids, wts = _routing(n, E, K, seed=n)
+    if n > 1:
+        ids[1, 2] = -1                   # another rank's expert: contributes nothing
+    y = fp4_moe(x.to(DEV), *W, ids.to(DEV), wts.to(DEV), LIMIT)
+    assert y.dtype == torch.float32 and y.shape == (n, H)
+    _close(y, x, exps, ids, wts)
+
+
+def test_prompt_chunk_with_multi_tile_experts(small):
+    _, exps, W = small
+    n = 100                               # 300 pairs on 4 experts: each expert needs 2 tiles of 64
+    x = _inputs(n, H, seed=5)
+    ids, wts = _routing(n, E, K, seed=5, skew=True)
+    y = fp4_moe(x.to(DEV), *W, ids.to(DEV), wts.to(DEV), LIMIT)
+    _close(y[::7], x[::7], exps, ids[::7], wts[::7])
+    for r in (0, 33, 99):                  # a row alone == the same row among 64 == among 100
+        alone = fp4_moe(x[r:r + 1].to(DEV), *W, ids[r:r + 1].to(DEV), wts[r:r + 1].to(DEV), LIMIT)
+        assert torch.equal(alone[0], y[r])
+    lo = max(0, 99 - 63)
+    among = fp4_moe(x[lo:].to(DEV), *W, ids[lo:].to(DEV), wts[lo:].to(DEV), LIMIT)
+    assert torch.equal(among[99 - lo], y[99])
+
+
+def test_equals_the_moe_module(small):
+    """Router from MoE.route, then the kernel's routed sum + the shared expert == MoE(x)."""
+    _, exps, W = small
+    g = torch.Generator().manual_seed(3)
+    shared = Expert(torch.randn(I, H, generator=g) * 0.05, torch.randn(H, I, generator=g) * 0.05,
+                    torch.randn(I, H, generator=g) * 0.05)
+    moe = MoE(gate=torch.randn(E, H, generator=g) * 0.05, bias=torch.randn(E, generator=g) * 0.1,
+              bias_vl=torch.zeros(E), experts=dict(enumerate(exps)), shared=shared, top_k=K, gate_temp=1.0,
+              scaling=1.5, limit=LIMIT)
+    x = _inputs(9, H, seed=4)
+    wts, ids = moe.route(x)
+    y = fp4_moe(x.to(DEV), *W, ids.to(DEV), wts.to(DEV), LIMIT).cpu() + swiglu(x, shared, LIMIT)
+    ref = moe(x)
+    assert (y - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+
+
+def test_work_list_covers_every_pair_once():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(-1, 6, (150, 4), generator=g)
+    ids[:90, 0] = 2                                      # expert 2 gets > 64 pairs
+    tile_e, start, cnt, order = work_list(ids, 6)
+    assert tile_e.numel() == max_tiles(600, 6)
+    flat = ids.reshape(-1)
+    seen = []
+    for t in range(tile_e.numel()):
+        c = int(cnt[t])
+        assert 0 <= c <= BLOCK_M
+        pairs = order[int(start[t]):int(start[t]) + c].long()
+        assert bool((flat[pairs] == int(tile_e[t])).all())
+        seen += pairs.tolist()
+    assert sorted(seen) == (flat >= 0).nonzero().flatten().tolist()
+
+
+def test_bad_input(small):
+    _, _, W = small
+    x = torch.ones(2, H, device=DEV)
+    ids = torch.zeros(2, K, dtype=torch.int64, device=DEV)
+    wts = torch.ones(2, K, device=DEV)
+    with pytest.raises(ValueError):
+        fp4_moe(torch.ones(2, H + 64, device=DEV), *W, ids, wts, LIMIT)
+    with pytest.raises(ValueError):
+        fp4_moe(x, *W, ids[:, :2], wts, LIMIT)
+    with pytest.raises(TypeError):
+        fp4_moe(x, *W, ids.float(), wts, LIMIT)
+    assert fp4_moe(x[:0], *W, ids[:0], wts[:0], LIMIT).shape == (0, H)
+
+
+# --- V4.1 shapes on the GPU ---------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_v41_shapes_on_gpu():
+    n_exp, hidden, inter, k = 16, 5120, 2304, 6
+    raw = _experts(n_exp, hidden, inter, seed=1)
+    exps = _deq(raw)
+    W = [t.cuda() for t in stack_experts(raw)]
+    x = _inputs(2048, hidden, seed=2)
+    ids, wts = _routing(2048, n_exp, k, seed=3)
+    xd, idd, wd = x.cuda(), ids.cuda(), wts.cuda()
+    big = fp4_moe(xd, *W, idd, wd, LIMIT)
+    pick = [0, 1, 2, 700, 2047]
+    _close(big[pick], x[pick], exps, ids[pick], wts[pick])
+    for n in (1, 3, 16, 64):
+        y = fp4_moe(xd[:n], *W, idd[:n], wd[:n], LIMIT)
+        assert torch.equal(y, big[:n]), f"rows 0..{n} differ from the same rows among 2048"
+    assert torch.equal(fp4_moe(xd[700:701], *W, idd[700:701], wd[700:701], LIMIT)[0], big[700])
