@@ -1,0 +1,52 @@
+"""The server serves a tiny EXL3 pack end to end on the CPU (openai client: a chat completion and a stream)."""
+from pathlib import Path
+
+import openai
+import pytest
+
+from dsv41.tools.make_tiny import main as make_tiny
+from test_server import LiveServer
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory) -> Path:
+    """A pack with the real V4.1 tokenizer (the chat template needs its special tokens). The Engram tables are
+    placed beside the pack's shards, outside its index, as a user would put DeepSeek's original shards there: the
+    server finds them by their headers."""
+    d = tmp_path_factory.mktemp("exl3srv") / "tiny-exl3"
+    assert make_tiny(["--out", str(d), "--format", "exl3", "--seed", "2"]) == 0
+    for f in (d / "engram").glob("*.safetensors"):
+        f.rename(d / f.name)
+    return d
+
+
+@pytest.fixture(scope="module")
+def client(pack):
+    s = LiveServer("--model", str(pack), "--context", "512", "--prefill-chunk", "64", "--state-budget-gib", "1",
+                   "--shutdown-grace-s", "5", env={"OMP_NUM_THREADS": "1"})
+    try:
+        s.wait_ready()
+        yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", timeout=300, max_retries=0)
+    finally:
+        s.stop()
+
+
+MSG = [{"role": "user", "content": "Name three rivers."}]
+NO_THINK = {"chat_template_kwargs": {"thinking": False}}
+
+
+def test_models_lists_the_pack(client):
+    assert [m.id for m in client.models.list().data] == ["tiny-exl3"]
+
+
+def test_chat_and_stream_agree(client):
+    r = client.chat.completions.create(model="tiny-exl3", messages=MSG, max_tokens=12, temperature=0,
+                                       extra_body=NO_THINK)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 5
+    text = r.choices[0].message.content or ""
+    chunks = list(client.chat.completions.create(model="tiny-exl3", messages=MSG, max_tokens=12, temperature=0,
+                                                 extra_body=NO_THINK, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert streamed == text and finish == [r.choices[0].finish_reason]
