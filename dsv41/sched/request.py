@@ -87,6 +87,8 @@ class Request:
     detokenizer: object | None = None       # IncrementalDetokenizer-like: push(id) -> str; None = no text
     matcher: object | None = None           # dsv41.grammar Matcher when the reply is constrained
     cache_salt: str | None = None           # kept states are shared only between requests of one salt (kept.py)
+    draft: bool = True                      # speculative decoding for this request (when the server drafts)
+    images: list = field(default_factory=list)  # dsv41.model.vision.PromptImage spans of prompt_ids, in order
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
 
@@ -102,6 +104,9 @@ class Request:
     finish_time: float | None = None
     finish_reason: str | None = None
     cancelled: bool = False
+    drafted: int = 0                         # draft tokens verified for this reply (docs/drafts.md)
+    draft_accepted: int = 0                  # of them, accepted
+    decode_rounds: int = 0                   # rounds that added reply tokens
 
     def __post_init__(self) -> None:
         self.events: asyncio.Queue = asyncio.Queue()

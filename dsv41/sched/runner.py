@@ -4,6 +4,14 @@ logits the plan asks for.
 The runner is the only caller of Model.forward. It owns the sequence table (seq id -> SeqState, SamplingParams) and
 applies the plan's state ops before the forward. It runs in a worker thread (the scheduler's executor), never on the
 event loop. A follower rank runs the same code on the plans it receives, so it samples alike.
+
+Speculative decoding (docs/drafts.md): a decode row may carry draft tokens, `[pending, d1..dn]` with the logits of
+every row wanted. The runner marks the state, runs the rows with the rest of the round, draws each row's token with
+the sampler exactly as serial decoding would at that position (grammar masks per row from `fill_draft_masks`),
+accepts drafts while the draw equals the draft, rolls the state back past the first rejected row, and (row `draft`
+> 0) lets the DSpark head propose the next draft from the last accepted position. On several ranks rank 0's
+decisions (accepted count, bonus token) are summed into every rank (followers add zeros), so every rank rolls back
+and drafts alike even where only rank 0 has the grammar masks.
 """
 from __future__ import annotations
 
@@ -12,7 +20,7 @@ import time
 import msgspec
 import torch
 
-from dsv41.comm.plan import DropState, FreeSeq, NewSeq, RestoreState, SaveState, StepPlan
+from dsv41.comm.plan import DropState, FreeSeq, NewSeq, RestoreState, Rollback, SaveState, StepPlan
 from dsv41.sched.kept import KeptStates
 from dsv41.sched.sampler import Sample, SamplingParams, sample_row
 
@@ -30,26 +38,35 @@ class PlanError(RuntimeError):
 
 class RoundResult(msgspec.Struct, array_like=True, gc=False):
     round: int
-    samples: list[tuple[int, Sample]]      # (seq, drawn token), in plan row order
+    samples: list[tuple[int, Sample]]      # (seq, drawn token), in plan row order; a verify row gives its accepted
+                                           # draft tokens then the bonus token, in order
     seconds: float                         # wall time of the forward + sampling
     grammar_errors: dict[int, str] = {}    # seq -> why its grammar matcher refused the drawn token
+    accepted: dict[int, int] = {}          # seq -> draft tokens accepted (verify rows only)
+    drafts: dict[int, tuple[list[int], list[float]]] = {}   # seq -> next draft tokens and their confidence logits
+    draft_seconds: float = 0.0             # of `seconds`, the DSpark proposals
 
 
 class ModelRunner:
-    def __init__(self, model, seq_input_cls=None):
+    def __init__(self, model, seq_input_cls=None, follower: bool = False):
         self.model = model
+        self.follower = follower                  # a rank >= 1: takes rank 0's draft decisions
         if seq_input_cls is None:
             from dsv41.model.model import SeqInput as seq_input_cls  # noqa: N813
         self.SeqInput = seq_input_cls
         self.states: dict[int, object] = {}
         self.params: dict[int, SamplingParams] = {}
         self.kept = KeptStates()                  # kept prompt states (snapshots), key -> SeqState
+        layout = getattr(model, "layout", None)
+        self.ratios = {r.index: r.ratio for r in layout.layers if r.owns_compressor} if layout else {}
 
-    def execute(self, plan: StepPlan, matchers: dict | None = None) -> RoundResult:
+    def execute(self, plan: StepPlan, matchers: dict | None = None, images: dict | None = None) -> RoundResult:
         """Apply the plan's ops, run its rows in one forward, draw a token for each row whose logits it asks for.
 
         matchers: seq -> grammar Matcher (dsv41.grammar) for constrained sequences (rank 0 only for now): their
-        rows' logits are masked to what the grammar allows before the draw, and the drawn token is consumed."""
+        rows' logits are masked to what the grammar allows before the draw, and the drawn token is consumed.
+        images: seq -> PromptImage spans of its prompt (rank 0): rows at span positions take the image rows
+        (dsv41/sched/images.py; on several ranks rank 0 sends them to the others)."""
         t0 = time.perf_counter()
         for op in plan.ops:
             if isinstance(op, FreeSeq):
@@ -60,6 +77,11 @@ class ModelRunner:
                     raise PlanError(f"round {plan.round}: sequence {op.seq} opened twice")
                 self.states[op.seq] = self.model.new_state()
                 self.params[op.seq] = _params_decoder.decode(op.params)
+            elif isinstance(op, Rollback):
+                st = self.states.get(op.seq)
+                if st is None:
+                    raise PlanError(f"round {plan.round}: rollback of unknown sequence {op.seq}")
+                st.rollback(op.n, self.ratios)
             else:
                 self._kept_op(plan, op)
         inputs = []
@@ -70,26 +92,58 @@ class ModelRunner:
             if st.length != r.start:
                 raise PlanError(f"round {plan.round}: sequence {r.seq} holds {st.length} tokens, plan starts at "
                                 f"{r.start}")
-            if r.logits and r.logits != [len(r.ids) - 1]:
+            verify = len(r.logits) > 1
+            if verify and r.logits != list(range(len(r.ids))):
+                raise PlanError(f"round {plan.round}: sequence {r.seq}: a verify row wants every row's logits")
+            if r.logits and not verify and r.logits != [len(r.ids) - 1]:
                 raise PlanError(f"round {plan.round}: sequence {r.seq}: only the last row's logits are served")
+            if verify:
+                st.mark(len(r.ids), self.model.t.sliding_window)
+            else:
+                st.unmark()
             inputs.append(self.SeqInput(state=st, ids=torch.tensor(r.ids, dtype=torch.long),
-                                        logits="last" if r.logits else "none"))
+                                        logits="all" if verify else "last" if r.logits else "none"))
+        if inputs and (images or getattr(getattr(self.model, "comm", None), "world", 1) > 1):
+            from dsv41.sched.images import attach_image_rows
+            attach_image_rows(plan, inputs, images or {}, self.model)
         samples = []
         errors: dict[int, str] = {}
+        accepted: dict[int, int] = {}
+        drafts: dict[int, tuple[list[int], list[float]]] = {}
+        draft_s = 0.0
         if inputs:
             with torch.no_grad():
-                outs = self.model.forward(inputs)
-            wanted = [(r, out[-1]) for r, out in zip(plan.rows, outs) if r.logits]
-            rows = [row for _, row in wanted]
+                outs = _to_host(self.model.forward(inputs))
+            wanted = [(r, out) for r, out in zip(plan.rows, outs) if r.logits]
+            rows = [out for _, out in wanted]
             ms = [matchers.get(r.seq) for r, _ in wanted] if matchers else []
             if any(m is not None for m in ms):
-                rows = self._mask(rows, ms)
+                rows = self._mask(wanted, ms)
+            decisions = []
             for k, ((r, _), row) in enumerate(zip(wanted, rows)):
-                s = sample_row(row, r.start + len(r.ids), self.params[r.seq])
-                samples.append((r.seq, s))
                 m = ms[k] if ms else None
-                if m is not None and not m.consume(s.token_id):
-                    errors[r.seq] = f"the grammar refused token {s.token_id}: {m.error}"
+                got = self._draw(r, row, m, errors)
+                samples += [(r.seq, s) for s in got]
+                # (accepted drafts, the token to draft after; -1: none, the grammar ended the reply)
+                decisions.append((max(len(got) - 1, 0), -1 if r.seq in errors else got[-1].token_id))
+            decisions = self._agree(decisions)
+            ahead = []
+            for (r, _), (a, last) in zip(wanted, decisions):
+                st = self.states[r.seq]
+                if len(r.logits) > 1:
+                    accepted[r.seq] = a
+                    back = len(r.ids) - 1 - a
+                    if back:
+                        st.rollback(back, self.ratios)
+                if r.draft and last >= 0:
+                    ahead.append((r.seq, st, last))
+            if ahead:
+                t1 = time.perf_counter()
+                with torch.no_grad():
+                    got = self.model.dspark.draft([(st, tok) for _, st, tok in ahead])
+                for (seq, _, _), d in zip(ahead, got):
+                    drafts[seq] = (d.tokens.tolist(), d.confidence.tolist())
+                draft_s = time.perf_counter() - t1
         for op in plan.after:
             self._kept_op(plan, op)
         read_ahead = getattr(self.model, "engram_read_ahead", None)
@@ -97,13 +151,41 @@ class ModelRunner:
             for seq, s in dict(samples).items():
                 st = self.states[seq]
                 read_ahead(st.engram_history[-3:], st.length, torch.tensor([s.token_id]))
-        return RoundResult(plan.round, samples, time.perf_counter() - t0, errors)
+        return RoundResult(plan.round, samples, time.perf_counter() - t0, errors, accepted, drafts, draft_s)
+
+    def _draw(self, r, rows: torch.Tensor, m, errors: dict[int, str]) -> list[Sample]:
+        """The tokens a row group yields: its last row's draw, or for a verify row [pending, d1..dn] the draws of
+        rows 0.. while each equals the next draft token, then the first that differs (the bonus) or the draw after
+        the last draft. Each draw is what serial decoding draws at that position; the matcher consumes them."""
+        params = self.params[r.seq]
+        out = []
+        n = rows.shape[0]
+        for j in range(n):
+            s = sample_row(rows[j], r.start + len(r.ids) - n + j + 1, params)
+            if m is not None and not m.consume(s.token_id):
+                errors[r.seq] = f"the grammar refused token {s.token_id}: {m.error}"
+                break
+            out.append(s)
+            if j + 1 >= n or s.token_id != r.ids[len(r.ids) - n + j + 1]:
+                break
+        return out
+
+    def _agree(self, decisions: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Every rank takes rank 0's decisions (a follower has no grammar masks, so its own draws may differ)."""
+        comm = getattr(self.model, "comm", None)
+        if comm is None or comm.world <= 1 or not decisions:
+            return decisions
+        t = torch.tensor(decisions, dtype=torch.float64)
+        if self.follower:
+            t.zero_()
+        t = comm.all_reduce(t.float())          # exact: integers below 2^24, one rank non-zero
+        return [(int(a), int(b)) for a, b in t.round().long().tolist()]
 
     def read_ahead(self, hints: list[tuple[list[int], int, list[int]]]) -> None:
         """Start reading the Engram rows of coming prompt chunks (called on the event loop while a round runs):
         (the token ids just before pos0, pos0, the chunk's token ids). Only warms a cache; never changes a value."""
         read_ahead = getattr(self.model, "engram_read_ahead", None)
-        if read_ahead is None:
+        if read_ahead is None or getattr(self.model, "hasher", None) is None:   # no Engram layers
             return
         for before, pos0, ids in hints:
             read_ahead(self.model.hasher.compress(torch.tensor(before, dtype=torch.long)), pos0,
@@ -125,14 +207,31 @@ class ModelRunner:
             raise PlanError(f"round {plan.round}: state op {type(op).__name__} is not served yet")
 
     @staticmethod
-    def _mask(rows: list[torch.Tensor], ms: list) -> list[torch.Tensor]:
-        """Logits rows with what each row's grammar forbids set to -inf (rows without a matcher untouched)."""
-        from dsv41.grammar.matchers import allocate_bitmask, apply_mask, fill_masks
-        logits = torch.stack([r.reshape(-1) for r in rows]).float().clone()
-        bitmask = allocate_bitmask(len(rows), logits.shape[1])
-        fill_masks(ms, bitmask)
+    def _mask(wanted: list, ms: list) -> list[torch.Tensor]:
+        """Logits rows with what each row's grammar forbids set to -inf (rows without a matcher untouched). A verify
+        row's rows get the masks after each draft prefix (the scheduler cut the draft to what the grammar allows)."""
+        from dsv41.grammar.matchers import allocate_bitmask, apply_mask, fill_draft_masks, fill_masks
+        logits = torch.cat([out for _, out in wanted]).float().clone()
+        bitmask = allocate_bitmask(logits.shape[0], logits.shape[1])
+        plain, drafted, at = [], [], []
+        row = 0
+        for (r, out), m in zip(wanted, ms):
+            at.append(row)
+            if m is not None:
+                if out.shape[0] > 1:
+                    drafted.append((m, row, r.ids[len(r.ids) - out.shape[0] + 1:]))
+                else:
+                    plain.append((m, row))
+            row += out.shape[0]
+        if plain:
+            sub = allocate_bitmask(len(plain), logits.shape[1])
+            fill_masks([m for m, _ in plain], sub)
+            for k, (_, row) in enumerate(plain):
+                bitmask[row] = sub[k]
+        if drafted:
+            fill_draft_masks(drafted, bitmask)
         apply_mask(logits, bitmask)
-        return list(logits)
+        return [logits[a:a + out.shape[0]] for a, (_, out) in zip(at, wanted)]
 
     def drop(self, seqs: list[int]) -> None:
         """Forget sequences whose state may be half-advanced (a failed forward)."""
@@ -142,3 +241,10 @@ class ModelRunner:
 
     def state_bytes(self) -> int:
         return sum(int(st.nbytes()) for st in self.states.values())
+
+
+def _to_host(outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A GPU forward's logits copied to the host in one transfer: sampling and grammar masks run there."""
+    if not outs or outs[0].device.type == "cpu":
+        return outs
+    return list(torch.cat(outs).cpu().split([o.shape[0] for o in outs]))

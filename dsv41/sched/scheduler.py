@@ -11,6 +11,12 @@ One task (`run`) loops over rounds. Each round:
    memory and are closed in the next plan.
 
 Every round carries all decode rows, so a running reply waits at most one prompt chunk between its tokens.
+
+Speculative decoding (docs/drafts.md): a decoding sequence's row may carry the draft the DSpark head proposed last
+round, cut to what its grammar allows and to the length `drafting.DraftPolicy` picks; the runner verifies it and
+returns the accepted tokens plus the bonus token, which `commit_round` commits one by one exactly as serial decoding
+would (stops, max_tokens, reasoning controls, grammar). Where a commit ends early (a stop, a forced token) the
+state holds rows past the reply; the next plan takes them back (`Rollback`) before anything else runs on it.
 """
 from __future__ import annotations
 
@@ -20,7 +26,9 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dsv41.comm.plan import DropState, FreeSeq, NewSeq, RestoreState, SaveState, SeqRows, StepPlan
+from dsv41.comm.plan import DropState, FreeSeq, NewSeq, RestoreState, Rollback, SaveState, SeqRows, StepPlan
+from dsv41.sched.drafting import DraftPolicy, DraftStats, RoundCosts
+from dsv41.sched.kept import ImageSpan
 from dsv41.sched.memory import MemoryBudget
 from dsv41.sched.request import FinishEvent, Phase, Request, TokenEvent
 from dsv41.sched.runner import RoundResult, encode_params
@@ -46,7 +54,9 @@ class TooLarge(SchedulerError):
 
 class Scheduler:
     def __init__(self, runner, budget: MemoryBudget, *, max_streams: int = 32, max_waiting: int = 1024,
-                 prefill_chunk: int = 2048, stall_target_s: float = 1.0, metrics=None, kept=None):
+                 prefill_chunk: int = 2048, stall_target_s: float = 1.0, metrics=None, kept=None,
+                 drafts: bool = False, round_rows: int = 64, draft_tokens: int = 0,
+                 round_costs: RoundCosts | None = None):
         self.runner = runner
         self.budget = budget
         self.max_streams = max_streams
@@ -76,6 +86,19 @@ class Scheduler:
         self.generation_tokens_total = 0
         self.worst_round_s = 0.0             # longest round that carried decode rows: the worst stall of a reply
         self.last_round_s = 0.0
+        # speculative decoding (docs/drafts.md): on when asked and the model has a DSpark head whose verification
+        # is exact (the release's "quirk" index keys make a chunk differ from serial decoding, so not there)
+        model = getattr(runner, "model", None)
+        self.block_size = 0
+        if drafts and getattr(model, "dspark", None) is not None and \
+                getattr(model, "index_keys", "intended") == "intended":
+            self.block_size = int(model.t.dspark_block_size)
+        self.round_rows = round_rows
+        self.policy = DraftPolicy(round_costs or RoundCosts(), round_rows, draft_tokens) if self.block_size else None
+        self._costs_measured = round_costs is not None or draft_tokens > 0
+        self.draft_stats = DraftStats()
+        self._drafts: dict[int, tuple[list[int], list[float]]] = {}   # seq -> the draft proposed for its next row
+        self._fed: dict[int, int] = {}            # seq -> tokens its state holds (may run past the reply: Rollback)
 
     # --- API side ------------------------------------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -148,6 +171,15 @@ class Scheduler:
 
     # --- the round loop ------------------------------------------------------------------------------------------
     async def run(self) -> None:
+        if self.policy is not None and not self._costs_measured:
+            try:
+                costs = await asyncio.get_running_loop().run_in_executor(self._executor, self._measure_costs)
+                self.policy.costs = costs
+                log.info("round cost table (rows, seconds): %s",
+                         ", ".join(f"{n}: {t:.4f}" for n, t in costs.table()))
+            except Exception:  # noqa: BLE001 - without a table drafts still work, with a flat cost guess
+                log.exception("measuring the round cost table failed")
+            self._costs_measured = True
         while True:
             try:
                 if not await self._one_round():
@@ -174,7 +206,9 @@ class Scheduler:
         t0 = time.perf_counter()
         matchers = {r.id: r.matcher for r in self.running if r.matcher is not None}
         try:
-            result = await loop.run_in_executor(self._executor, self.runner.execute, plan, matchers or None)
+            images = {r.id: r.images for r in self.running if r.images and r.id in self._prompt_rows}
+            extra = (images,) if images else ()        # runners without image rows take (plan, matchers)
+            result = await loop.run_in_executor(self._executor, self.runner.execute, plan, matchers or None, *extra)
         except Exception as e:  # noqa: BLE001 - a failed forward fails its requests, not the server
             log.exception("round %d failed", plan.round)
             self._fail_round(plan, e)
@@ -200,6 +234,33 @@ class Scheduler:
                 hints.append((r.prompt_ids[max(0, end - 3):end], end, r.prompt_ids[end:end + self.prefill_chunk]))
         if hints:
             ahead(hints)
+
+    SCRATCH_SEQ = (1 << 48) - 1                     # a sequence id no request gets (ids count from 1)
+
+    def _measure_costs(self) -> RoundCosts:
+        """The round cost table: one forward per row count on a scratch sequence, through the runner's plans (so on
+        several ranks every rank runs them). Runs in the round thread before the first round."""
+        from dsv41.sched.sampler import SamplingParams
+        seq, pos = self.SCRATCH_SEQ, 0
+        self._round += 1
+        self.runner.execute(StepPlan(self._round, ops=[NewSeq(seq, encode_params(SamplingParams(temperature=0)))]))
+
+        def run_rows(n: int) -> None:
+            nonlocal pos
+            self._round += 1
+            self.runner.execute(StepPlan(self._round, rows=[SeqRows(seq, pos, [100 + i % 50 for i in range(n)],
+                                                                    [n - 1])]))
+            pos += n
+
+        try:
+            rows = [n for n in (1, 2, 4, 8, 16, 32, 48, 64) if n <= max(self.round_rows, 1)]
+            return RoundCosts.measure(run_rows, rows=rows, repeat=1)
+        finally:
+            self._round += 1
+            self.runner.execute(StepPlan(self._round, ops=[FreeSeq(seq)]))
+
+    def _drafting(self, req: Request) -> bool:
+        return self.policy is not None and req.draft
 
     def _fail_all(self, err: Exception) -> None:
         """Drop every running sequence (their states may be out of step with the bookkeeping) and fail them."""
@@ -248,24 +309,69 @@ class Scheduler:
         rows = []
         after = []
         self._prompt_rows = {}
-        for r in self.running:
-            if r.phase is Phase.DECODE:
-                rows.append(SeqRows(r.id, r.position - 1, [r.output_ids[-1]], [0]))
-        self._plan_has_decode = bool(rows)
-        room = self.prompt_room(decoding=bool(rows))
-        for r, n in self._prompt_shares(room):
+        decoding = [r for r in self.running if r.phase is Phase.DECODE]
+        takeback = self._takebacks(decoding)
+        self._plan_has_decode = bool(decoding)
+        room = self.prompt_room(decoding=bool(decoding))
+        shares = self._prompt_shares(room)
+        lengths = self._draft_lengths(decoding, sum(n for _, n in shares))
+        for r in decoding:
+            d = lengths.get(r.id, [])
+            left = r.max_tokens - len(r.output_ids)          # tokens this reply may still add, this round included
+            rows.append(SeqRows(r.id, r.position - 1, [r.output_ids[-1]] + d, list(range(len(d) + 1)),
+                                draft=self.block_size if self._drafting(r) and left - 1 - len(d) >= 2 else 0))
+        for r, n in shares:
             n, saves = self._kept_cut(r, n)
             after += saves
             last = r.filled + n == r.prompt_len
-            rows.append(SeqRows(r.id, r.filled, r.prompt_ids[r.filled:r.filled + n], [n - 1] if last else []))
+            ahead = self.block_size if last and self._drafting(r) and r.max_tokens >= 3 else 0
+            rows.append(SeqRows(r.id, r.filled, r.prompt_ids[r.filled:r.filled + n], [n - 1] if last else [],
+                                draft=ahead))
             self._prompt_rows[r.id] = n
-        ops = kept_ops + [FreeSeq(s) for s in close] + opened
+        ops = kept_ops + [FreeSeq(s) for s in close] + opened + takeback
         return StepPlan(self._round, ops=ops, rows=rows, after=after)
 
+    # --- drafts (docs/drafts.md) -----------------------------------------------------------------------------------
+    def _takebacks(self, decoding: list[Request]) -> list:
+        """Rollback ops for states that hold rows past their reply (a commit that ended early last round)."""
+        ops = []
+        for r in decoding:
+            extra = self._fed.get(r.id, r.position - 1) - (r.position - 1)
+            if extra > 0:
+                ops.append(Rollback(r.id, extra))
+            self._fed[r.id] = r.position - 1
+        return ops
+
+    def _draft_lengths(self, decoding: list[Request], prompt_rows: int) -> dict[int, list[int]]:
+        """Each decoding sequence's draft tokens to verify this round: last round's proposal, cut to what the
+        grammar allows and to the reply's room, at the length the policy picks."""
+        if self.policy is None:
+            return {}
+        cands, toks = {}, {}
+        for r in decoding:
+            got = self._drafts.pop(r.id, None)
+            if got is None or not self._drafting(r):
+                continue
+            ctl = getattr(r, "control", None)
+            if ctl is not None and ctl.forcing:          # the next token is forced: a draft cannot be used
+                continue
+            d, conf = got
+            d = d[:max(0, r.max_tokens - len(r.output_ids) - 1)]
+            if r.matcher is not None and d:
+                d = r.matcher.cut_draft(d)
+            if d:
+                cands[r.id] = (conf, len(d))
+                toks[r.id] = d
+        if not cands:
+            return {}
+        n = self.policy.lengths(len(decoding) + prompt_rows, len(decoding), cands)
+        return {s: toks[s][:k] for s, k in n.items() if k > 0}
+
     # --- kept prompt states (dsv41/sched/kept.py) -----------------------------------------------------------------
-    def _kept_save(self, seq: int, ids: list[int], salt: str | None) -> list:
-        """Ops that keep sequence `seq`'s state after `ids` (drops of the states evicted for it first)."""
-        got = self.kept.plan_save(ids, salt)
+    def _kept_save(self, seq: int, ids: list[int], salt: str | None, images: list = ()) -> list:
+        """Ops that keep sequence `seq`'s state after `ids` (drops of the states evicted for it first); `images`:
+        the ImageSpans of the prompt (a boundary inside one is not kept; the key holds the image digests)."""
+        got = self.kept.plan_save(ids, salt, images)
         if got is None:
             return []
         e, evicted = got
@@ -279,7 +385,10 @@ class Scheduler:
         keep, self._to_keep = self._to_keep, []
         if self.kept is not None:
             for r in keep:
-                ops += self._kept_save(r.id, r.prompt_ids + r.output_ids[:-1], r.cache_salt)
+                extra = self._fed.pop(r.id, 0) - (r.position - 1)
+                if extra > 0:                    # the state ran past the reply's end (drafts): take those rows back
+                    ops.append(Rollback(r.id, extra))
+                ops += self._kept_save(r.id, r.prompt_ids + r.output_ids[:-1], r.cache_salt, _image_spans(r))
         return ops
 
     def _kept_resume(self, req: Request) -> list:
@@ -287,11 +396,12 @@ class Scheduler:
         if self.kept is None:
             return []
         ops = []
-        e = self.kept.lookup(req.prompt_ids, req.cache_salt)
+        spans = _image_spans(req)
+        e = self.kept.lookup(req.prompt_ids, req.cache_salt, spans)
         if e is not None:
             req.filled = req.cached_tokens = e.length
             ops.append(RestoreState(req.id, e.key))
-        self._marks[req.id] = [m for m in self.kept.marks(req.prompt_ids) if m > req.filled]
+        self._marks[req.id] = [m for m in self.kept.marks(req.prompt_ids, spans) if m > req.filled]
         return ops
 
     def _kept_cut(self, req: Request, n: int) -> tuple[int, list]:
@@ -304,7 +414,7 @@ class Scheduler:
         if req.filled + n < m:
             return n, []
         marks.pop(0)
-        return m - req.filled, self._kept_save(req.id, req.prompt_ids[:m], req.cache_salt)
+        return m - req.filled, self._kept_save(req.id, req.prompt_ids[:m], req.cache_salt, _image_spans(req))
 
     MIN_PROMPT_ROWS = 16
 
@@ -360,17 +470,48 @@ class Scheduler:
             if req.filled == req.prompt_len:
                 req.phase = Phase.DECODE
                 req.prompt_done_time = time.monotonic()
+        got: dict[int, list] = {}
         for seq, sample in result.samples:
-            req = by_id.get(seq)
-            if req is None or req.finished:
+            got.setdefault(seq, []).append(sample)
+        for row in plan.rows:
+            req = by_id.get(row.seq)
+            if req is None or req.finished or not row.logits:
                 continue
-            if seq in result.grammar_errors:
-                self._finish(req, FinishEvent("error", error=result.grammar_errors[seq]))
+            drafted = len(row.ids) - 1 if len(row.logits) > 1 else 0
+            accepted = result.accepted.get(row.seq, 0)
+            self._fed[row.seq] = row.start + len(row.ids) - (drafted - accepted)
+            samples = got.get(row.seq, [])
+            if drafted:
+                self.draft_stats.add(drafted, accepted, len(samples))
+                req.drafted += drafted
+                req.draft_accepted += accepted
+            if samples:
+                req.decode_rounds += 1
+            if self._commit_tokens(req, samples):
                 continue
+            if row.seq in result.grammar_errors:
+                self._finish(req, FinishEvent("error", error=result.grammar_errors[row.seq]))
+            elif row.seq in result.drafts:
+                self._drafts[row.seq] = result.drafts[row.seq]
+
+    def _commit_tokens(self, req: Request, samples: list) -> bool:
+        """Commit a row's tokens in order, as serial decoding would one per round. True when the reply finished or
+        a token was forced (then the tokens after it, and the draft proposed after the last, are void)."""
+        ctl = getattr(req, "control", None)
+        for i, sample in enumerate(samples):
+            later = len(samples) - 1 - i
+            if ctl is not None and ctl.forcing and ctl.forcing[0] != sample.token_id and later and \
+                    req.matcher is not None:
+                req.matcher.rollback(later)    # the runner consumed the later tokens; this one is replaced
             self.generation_tokens_total += 1
             ev = req.commit(sample)
             if ev is not None:
                 self._finish(req, ev)
+                return True
+            if req.output_ids[-1] != sample.token_id:
+                self._drafts.pop(req.id, None)
+                return True
+        return False
 
     def _finish(self, req: Request, ev: FinishEvent, admitted: bool = True) -> None:
         req.finish(ev)
@@ -378,8 +519,11 @@ class Scheduler:
         log.info("done %d prompt=%d cached=%d reply=%d finish=%s ttft=%s seconds=%.3f", req.id, req.prompt_len,
                  req.cached_tokens, len(req.output_ids), ev.reason, ttft, req.finish_time - req.arrival)
         self._marks.pop(req.id, None)
+        self._drafts.pop(req.id, None)
         if admitted and self.kept is not None and ev.reason in ("stop", "length"):
             self._to_keep.append(req)
+        else:
+            self._fed.pop(req.id, None)
         if admitted:
             self.running.remove(req)
             self.budget.release(req.reserved_bytes)
@@ -400,6 +544,11 @@ class Scheduler:
             if isinstance(op, (SaveState, RestoreState)) and self.kept is not None:
                 self.kept.forget(op.key)
                 self._drop_keys.append(op.key)
+
+
+def _image_spans(req: Request) -> list[ImageSpan]:
+    """The request's images as the kept index sees them: span positions and the digest of the bytes."""
+    return [ImageSpan(p.start, p.end, p.image.digest) for p in req.images]
 
 
 __all__ = ["Scheduler", "SchedulerError", "QueueFull", "ShuttingDown", "TooLarge", "Request", "TokenEvent",

@@ -148,7 +148,7 @@ class TPRunner:
         self.runner, self.lane = runner, lane
         self.model: DigestingModel = runner.model
 
-    def execute(self, plan: StepPlan, matchers: dict | None = None):
+    def execute(self, plan: StepPlan, matchers: dict | None = None, images: dict | None = None):
         lane = self.lane
         if lane.fatal is not None:
             raise CommError(lane.message())
@@ -159,7 +159,7 @@ class TPRunner:
             raise
         try:
             self.model.take_digest()                    # rows of a failed earlier forward are not this round's
-            result = self.runner.execute(plan, matchers)
+            result = self.runner.execute(plan, matchers, images)
             lane.leader.verify(plan.round, self.model.take_digest())
         except BaseException as e:
             # the followers ran (or are running) this plan: after any failure here the ranks may be out of step
