@@ -39,6 +39,9 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     stall_target_s: float = 1.0          # while replies decode, prompt rows per round fit this many seconds
     state_budget_gib: float = 0.0        # bytes for sequence states; 0 = auto (a share of free memory)
     prompt_cache_gib: float = 2.0        # bytes for kept prompt states (dsv41/sched/kept.py); 0 = none kept
+    drafts: bool = True                  # speculative decoding with the DSpark head (docs/drafts.md)
+    round_rows: int = 64                 # rows a round may reach by adding draft tokens
+    draft_tokens: int = 0                # draft tokens each sequence verifies; 0 = picked per round (confidence, costs)
     # request defaults
     max_tokens: int = 32768
     temperature: float = 1.0
@@ -81,6 +84,10 @@ class ServeConfig(msgspec.Struct, kw_only=True):
         for f in ("context", "max_waiting", "top_k", "thinking_budget"):
             if getattr(self, f) < 0:
                 raise bad(f, "must not be negative")
+        if self.round_rows < 1:
+            raise bad("round_rows", "must be at least 1")
+        if not 0 <= self.draft_tokens <= 16:
+            raise bad("draft_tokens", "must be in 0..16 (the draft head proposes its block size at most)")
         if self.stall_target_s < 0:
             raise bad("stall_target_s", "must not be negative")
         if self.state_budget_gib < 0:
@@ -137,6 +144,12 @@ FIELD_HELP: dict[str, str] = {
                         "starts with (same cache_salt) and computes only the rest; states are kept at the end of the "
                         "system + tools prefix, before the generation header and at prompt + reply, least recently "
                         "used evicted first; 0 = keep none",
+    "drafts": "speculative decoding: the model's DSpark head drafts tokens that the next round verifies with the "
+              "target (replies are the same token ids as without; requests opt out with \"draft\": false); "
+              "--no-drafts = serial decoding for every request",
+    "round_rows": "draft tokens are added to a round only while it stays within this many rows",
+    "draft_tokens": "draft tokens each sequence verifies per round; 0 = chosen per round from the draft head's "
+                    "confidence and the round cost table measured at start",
     "max_tokens": "reply-length default when a request gives none (capped to the room left in the context)",
     "temperature": "default temperature (T <= 0 = greedy)",
     "top_p": "default nucleus mass",

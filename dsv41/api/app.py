@@ -29,7 +29,8 @@ from dsv41.api.auth import OPEN_PATHS, KeyCheck
 from dsv41.api.errors import ApiError, bad_request, context_exceeded, from_decode_error
 from dsv41.api.metrics import Metrics
 from dsv41.api.schemas import (ChatCompletionRequest, CompletionRequest, CompletionTokensDetails, DetokenizeRequest,
-                               ModelCard, ModelList, PromptTokensDetails, SamplingFields, TokenizeRequest, Usage)
+                               ModelCard, ModelList, PromptTokensDetails, SamplingFields, TokenizeRequest, Usage,
+                               DraftUsage)
 from dsv41.sched.request import FinishEvent, Request, TokenEvent
 from dsv41.sched.sampler import MAX_TOP_LOGPROBS, SamplingParams, prompt_seed, random_seed
 from dsv41.sched.scheduler import QueueFull, ShuttingDown, TooLarge
@@ -171,8 +172,11 @@ class Reply:
 
     def usage(self) -> Usage:
         n = len(self.r.output_ids)
+        r = self.r
+        drafts = DraftUsage(r.drafted, r.draft_accepted, r.decode_rounds,
+                            round(n / max(1, r.decode_rounds), 3)) if r.drafted else None
         return Usage(self.r.prompt_len, n, self.r.prompt_len + n, PromptTokensDetails(self.r.cached_tokens),
-                     CompletionTokensDetails(self.reasoning_tokens()))
+                     CompletionTokensDetails(self.reasoning_tokens()), drafts)
 
     def reasoning_tokens(self) -> int:
         if not self.thinking:
@@ -292,7 +296,7 @@ async def prepare_chat(eng, raw: dict, req: ChatCompletionRequest | None = None,
         r = _submit(eng, ControlledRequest(prompt_ids=ids, params=sp, max_tokens=max_tokens, eos_ids=eng.eos_ids,
                                            ignore_eos=req.ignore_eos, stop=_stops(req.stop),
                                            detokenizer=_detokenizer(eng), matcher=matcher, control=control,
-                                           cache_salt=req.cache_salt, images=images))
+                                           cache_salt=req.cache_salt, images=images, draft=req.draft))
     except ApiError as e:
         raise _renamed(e, params) from None
     parser = ReplyParser(thinking=prompt.thinking, tools=prompt.tools or None,
@@ -331,7 +335,7 @@ def prepare_completion(eng, req: CompletionRequest) -> Prepared:
     params = _sampling(eng, req, ids, req.logprobs is not None, req.logprobs or 0)
     r = _submit(eng, Request(prompt_ids=ids, params=params, max_tokens=max_tokens, eos_ids=eng.eos_ids,
                              ignore_eos=req.ignore_eos, stop=_stops(req.stop), detokenizer=_detokenizer(eng),
-                             cache_salt=req.cache_salt))
+                             cache_salt=req.cache_salt, draft=req.draft))
     return Prepared(r, Reply(eng, r, thinking=False), _served_name(eng, req.model))
 
 

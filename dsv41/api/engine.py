@@ -190,7 +190,8 @@ def _build(cfg: ServeConfig, metrics, ckpt: Path, raw: dict, text: dict, device:
                          f"--state-budget-gib")
     sched = Scheduler(runner, budget, max_streams=cfg.max_streams, max_waiting=cfg.max_waiting,
                       prefill_chunk=cfg.prefill_chunk, stall_target_s=cfg.stall_target_s,
-                      metrics=metrics, kept=_kept_index(cfg, ckpt, text, cost, tok))
+                      metrics=metrics, kept=_kept_index(cfg, ckpt, text, cost, tok),
+                      drafts=cfg.drafts, round_rows=cfg.round_rows, draft_tokens=cfg.draft_tokens)
     eos = raw.get("eos_token_id", text.get("eos_token_id", 1))
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos])
     return Engine(cfg=cfg, name=cfg.name or ckpt.name, tok=tok, sched=sched, context_len=context,

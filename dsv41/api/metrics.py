@@ -100,6 +100,16 @@ class Metrics:
             gauge("num_requests_running", s.n_running, "vLLM name of requests_running")
             gauge("num_requests_waiting", s.n_waiting, "vLLM name of requests_waiting")
             gauge("kv_cache_usage_perc", round(s.budget.usage, 6), "vLLM name of kv_cache_usage_ratio")
+            if getattr(s, "policy", None) is not None:     # drafting on (docs/drafts.md)
+                d = s.draft_stats
+                counter("draft_tokens_total", d.drafted, "draft tokens verified")
+                counter("draft_accepted_tokens_total", d.accepted, "draft tokens accepted")
+                counter("draft_rounds_total", d.rounds, "sequence rounds that verified a draft")
+                gauge("draft_tokens_per_round", round(d.tokens / d.rounds, 4) if d.rounds else 0,
+                      "reply tokens a sequence got per round that verified a draft")
+                counter("spec_decode_num_draft_tokens_total", d.drafted, "vLLM name of draft_tokens_total")
+                counter("spec_decode_num_accepted_tokens_total", d.accepted,
+                        "vLLM name of draft_accepted_tokens_total")
             if getattr(s, "kept", None) is not None:
                 lines.extend(s.kept.metric_lines(p))
         lines.append(f"# HELP {p}requests_total HTTP requests by route and status")

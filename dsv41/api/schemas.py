@@ -33,6 +33,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     cache_salt: str | None = None          # kept prompt states are shared only within one salt (sched/kept.py)
+    draft: bool = True                     # false: this request decodes without drafts (docs/drafts.md)
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -82,12 +83,21 @@ class CompletionTokensDetails(msgspec.Struct):
     reasoning_tokens: int = 0
 
 
-class Usage(msgspec.Struct):
+class DraftUsage(msgspec.Struct):
+    """dsv41's usage extension for speculative decoding (docs/drafts.md)."""
+    drafted_tokens: int              # draft tokens verified
+    accepted_tokens: int             # of them, accepted
+    rounds: int                      # rounds that added reply tokens
+    tokens_per_round: float          # completion tokens / rounds
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
     completion_tokens_details: CompletionTokensDetails
+    drafts: DraftUsage | None = None     # only when the reply verified drafts
 
 
 class ModelCard(msgspec.Struct):

@@ -157,16 +157,53 @@ def _std(name: str, shape: tuple[int, ...]) -> float:
     return base
 
 
-def make_tensor(name: str, spec: TensorSpec, cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """The tensor `name` (and its .scale when quantised), drawn from its own generator."""
+# --draft-agrees: a checkpoint whose DSpark head agrees with the target (speculative decoding tests, docs/drafts.md).
+# Every layer's and stage's output projection is scaled down (x 1e-3) so the final hidden stays close to the current
+# token's embedding; AGREE_CYCLE tokens get orthonormal embeddings u_k and head[c_{k+1}] = 2 u_k (every other head
+# row x 1e-3), so after its first reply token the target's greedy continuation runs round the cycle; the Markov head
+# maps c_k to c_{k+1} (orthonormal rank-space codes, logit 100) so every draft position predicts the cycle too, and
+# the confidence head gives those drafts the logit 4.
+AGREE_CYCLE = list(range(1000, 1016))
+_AGREE_OUTPUTS = re.compile(r"(attn\.wo_b|experts\.\d+\.w2|shared_experts\.w2|engram\.wkv)\.weight$")
+
+
+def _agree_codes(seed: int, dim: int) -> torch.Tensor:
+    """Orthonormal unit vectors [len(AGREE_CYCLE), dim], one per cycle token."""
+    q, _ = torch.linalg.qr(torch.randn(dim, len(AGREE_CYCLE), generator=_gen(seed, f"agree.{dim}")))
+    return q.T.contiguous()
+
+
+def _agreeing(name: str, x: torch.Tensor, seed: int, rank: int) -> torch.Tensor:
+    """--draft-agrees: the embedding, head, Markov and confidence tensors of the agreeing checkpoint."""
+    nxt = AGREE_CYCLE[1:] + AGREE_CYCLE[:1]
+    if name == "embed.weight":
+        x[AGREE_CYCLE] = _agree_codes(seed, x.shape[1]) * math.sqrt(x.shape[1])
+    elif name == "head.weight":
+        x = x * 1e-3
+        x[nxt] = 2.0 * _agree_codes(seed, x.shape[1])
+    elif name.endswith("markov_head.embed.weight"):
+        x[AGREE_CYCLE] = 10.0 * _agree_codes(seed, rank)
+    elif name.endswith("markov_head.head.weight"):
+        x = torch.zeros_like(x)
+        x[nxt] = 10.0 * _agree_codes(seed, rank)
+    elif name.endswith("confidence_head.proj.weight"):
+        x = torch.zeros_like(x)
+        x[0, -rank:] = _agree_codes(seed, rank).sum(0) * 0.4
+    return x
+
+
+def make_tensor(name: str, spec: TensorSpec, cfg: ModelConfig, seed: int, agree: bool = False
+                ) -> dict[str, torch.Tensor]:
+    """The tensor `name` (and its .scale when quantised), drawn from its own generator (`agree`: --draft-agrees)."""
     g = _gen(seed, name)
     shape = spec.shape
+    damp = 1e-3 if agree and _AGREE_OUTPUTS.search(name) else 1.0
     if spec.fmt == "fp8":
-        q, s = Q.quant_fp8(torch.randn(shape, generator=g) * _std(name, shape))
+        q, s = Q.quant_fp8(torch.randn(shape, generator=g) * _std(name, shape) * damp)
         return {name: q, name[:-len(".weight")] + ".scale": s}
     if spec.fmt == "fp4":
         full = (shape[0], shape[1] * 2)
-        q, s = Q.quant_fp4(torch.randn(full, generator=g) * _std(name, full))
+        q, s = Q.quant_fp4(torch.randn(full, generator=g) * _std(name, full) * damp)
         return {name: q, name[:-len(".weight")] + ".scale": s}
     if spec.fmt == "engram":
         if name.endswith(".scale"):
@@ -194,7 +231,9 @@ def make_tensor(name: str, spec: TensorSpec, cfg: ModelConfig, seed: int) -> dic
     elif leaf == "bias":
         x = 0.02 * torch.randn(shape, generator=g)
     else:
-        x = torch.randn(shape, generator=g) * _std(name, shape)
+        x = torch.randn(shape, generator=g) * _std(name, shape) * damp
+    if agree:
+        x = _agreeing(name, x, seed, cfg.text.dspark_markov_rank)
     return {name: x.to(dtype)}
 
 
@@ -225,7 +264,8 @@ def shard_plan(names: list[str], cfg: ModelConfig) -> list[list[str]]:
     return [sorted(groups[k]) for k in sorted(groups)]
 
 
-def write_checkpoint(out: Path, cfg_dict: dict, seed: int, vision: bool, engram_out: Path | None = None) -> ModelConfig:
+def write_checkpoint(out: Path, cfg_dict: dict, seed: int, vision: bool, engram_out: Path | None = None,
+                     agree: bool = False) -> ModelConfig:
     cfg = ModelConfig.from_dict(cfg_dict)
     inv = expected_tensors(cfg, vision=vision)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,7 +276,7 @@ def write_checkpoint(out: Path, cfg_dict: dict, seed: int, vision: bool, engram_
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         tensors: dict[str, torch.Tensor] = {}
         for n in names:
-            tensors.update(make_tensor(n, inv[n], cfg, seed))
+            tensors.update(make_tensor(n, inv[n], cfg, seed, agree))
         assert set(tensors) == set(names), set(names) ^ set(tensors)
         if engram_out is not None:   # the tables alone, in same-named shard files of their own folder (no index)
             tables = {n: tensors.pop(n) for n in list(tensors) if ".engram.embed." in n}
@@ -265,12 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", type=Path, default=BUILTIN_TOKENIZER_DIR,
                     help="tokenizer dir with tokenizer.json (default: the bundled V4.1 tokenizer)")
     ap.add_argument("--vision", action="store_true", help="include the vision tower and aligner tensors")
+    ap.add_argument("--format", choices=("official", "exl3"), default="official",
+                    help="official (FP8/FP4 release format) or exl3 (an EXL3 pack as the reference recipe serves it, "
+                         "random trellis codes; Engram tables in DIR/engram or --engram-out; docs/exl3.md)")
+    ap.add_argument("--draft-agrees", action="store_true",
+                    help="weights whose DSpark draft head agrees with the target (its greedy continuation runs round "
+                         "a cycle of 16 tokens that the head predicts): speculative decoding tests (docs/drafts.md)")
     ap.add_argument("--engram-out", type=Path, default=None,
                     help="write the Engram tables (layers.N.engram.embed.weight/.scale) into this folder instead, as "
                          "real-format shard files without an index (serve with --engram DIR)")
-    ap.add_argument("--format", choices=("official", "exl3"), default="official",
-                    help="official (FP8/FP4 release format) or exl3 (an EXL3 pack as the reference recipe serves it, "
-                         "random trellis codes; Engram tables in DIR/engram; docs/exl3.md)")
     a = ap.parse_args(argv)
     out: Path = a.out
     out.mkdir(parents=True, exist_ok=True)
@@ -292,9 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         image_token_id=ids["image"], noise_token_id=ids["noise"], bos=ids["bos"], eos=ids["eos"], pad=ids["pad"])
     if a.format == "exl3":
         from dsv41.tools.make_tiny_exl3 import write_exl3_pack
-        cfg = write_exl3_pack(out, cfg_dict, a.seed, a.vision, out / "engram")
+        cfg = write_exl3_pack(out, cfg_dict, a.seed, a.vision, a.engram_out or out / "engram")
     else:
-        cfg = write_checkpoint(out, cfg_dict, a.seed, a.vision, a.engram_out)
+        cfg = write_checkpoint(out, cfg_dict, a.seed, a.vision, a.engram_out, a.draft_agrees)
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     print(f"{out}: {cfg.text.num_hidden_layers} layers + {cfg.text.num_nextn_predict_layers} DSpark, hidden "
           f"{cfg.text.hidden_size}, vocab {cfg.text.vocab_size}, Engram classes "
