@@ -24,9 +24,21 @@ from pathlib import Path
 import torch
 
 from dsv41.api.errors import ApiError, bad_request
-from dsv41.model.image_prep import ImageError, ImagePrepConfig, expand_image_placeholders, prepare_image
-from dsv41.model.vision import (EncodedImage, PromptImage, VisionTower, encode_image, has_vision_weights,
-                                image_sha256, load_vision_weights)
+from dsv41.model.image_prep import (
+    ImageError,
+    ImagePrepConfig,
+    expand_image_placeholders,
+    prepare_image,
+)
+from dsv41.model.vision import (
+    EncodedImage,
+    PromptImage,
+    VisionTower,
+    encode_image,
+    has_vision_weights,
+    image_sha256,
+    load_vision_weights,
+)
 
 log = logging.getLogger("dsv41.images")
 
@@ -137,20 +149,20 @@ class ImageService:
         where = f"image {k + 1} ({url[:200]})"
 
         async def get() -> bytes:
-            async with httpx.AsyncClient(follow_redirects=True, max_redirects=3, timeout=pol.timeout_s) as c:
-                async with c.stream("GET", url) as r:
-                    if r.status_code != 200:
-                        raise bad_request(f"{where}: the server answered HTTP {r.status_code}; send the image as a "
-                                          "base64 data URL or a URL that serves it", param=PARAM)
-                    size = r.headers.get("content-length")
-                    if size is not None and size.isdigit() and int(size) > pol.max_bytes:
+            async with httpx.AsyncClient(follow_redirects=True, max_redirects=3, timeout=pol.timeout_s) as c, \
+                    c.stream("GET", url) as r:
+                if r.status_code != 200:
+                    raise bad_request(f"{where}: the server answered HTTP {r.status_code}; send the image as a "
+                                      "base64 data URL or a URL that serves it", param=PARAM)
+                size = r.headers.get("content-length")
+                if size is not None and size.isdigit() and int(size) > pol.max_bytes:
+                    raise _too_big(where, pol.max_bytes)
+                buf = bytearray()
+                async for piece in r.aiter_bytes():
+                    buf += piece
+                    if len(buf) > pol.max_bytes:
                         raise _too_big(where, pol.max_bytes)
-                    buf = bytearray()
-                    async for piece in r.aiter_bytes():
-                        buf += piece
-                        if len(buf) > pol.max_bytes:
-                            raise _too_big(where, pol.max_bytes)
-                    return bytes(buf)
+                return bytes(buf)
 
         try:
             return await asyncio.wait_for(get(), pol.timeout_s)
@@ -169,4 +181,4 @@ def _too_big(where: str, limit: int) -> ApiError:
                        "recompress it", param=PARAM)
 
 
-__all__ = ["ImageService", "UrlPolicy", "PromptImage", "EncodedImage"]
+__all__ = ["EncodedImage", "ImageService", "PromptImage", "UrlPolicy"]

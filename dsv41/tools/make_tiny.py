@@ -38,7 +38,7 @@ from dsv41.model.engram_hash import build_token_map, engram_primes
 from dsv41.model.weights import TensorSpec, expected_tensors
 
 # Bumped whenever the output for the same arguments changes (the server caches its built-in checkpoint by it).
-VERSION = "1"
+VERSION = "2"   # 2: the built-in checkpoint carries the vision tower (make_tiny --vision)
 MIN_LAYERS = 7  # 2 window-only + ratio-2 source/reuse + ratio-1 source, re-index, reuse
 
 
