@@ -11,6 +11,8 @@ more than one tile.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -25,14 +27,17 @@ LIMIT = 10.0
 
 
 def _experts(n_exp, hidden, inter, seed):
+    """Random experts as the checkpoint stores them: packed E2M1 bytes (any byte is two valid codes) and E8M0
+    codes. Gate/up scales put w·x at a few units, so the ±limit clamps bite on some elements."""
     g = torch.Generator().manual_seed(seed)
+    lo = 127 - int(math.log2(hidden) / 2)
     raw = []
     for _ in range(n_exp):
-        # gate/up large enough that the ±limit clamps bite on some elements
-        w1, s1 = quant.quant_fp4(torch.randn(inter, hidden, generator=g) * 0.4)
-        w3, s3 = quant.quant_fp4(torch.randn(inter, hidden, generator=g) * 0.4)
-        w2, s2 = quant.quant_fp4(torch.randn(hidden, inter, generator=g) * 0.05)
-        raw.append((w1, s1, w3, s3, w2, s2))
+        def packed(rows, cols, lo):
+            w = torch.randint(-128, 128, (rows, cols // 2), generator=g, dtype=torch.int8)
+            s = torch.randint(lo, lo + 3, (rows, cols // 32), generator=g, dtype=torch.uint8)
+            return w, s.view(torch.float8_e8m0fnu)
+        raw.append((*packed(inter, hidden, lo), *packed(inter, hidden, lo), *packed(hidden, inter, lo - 4)))
     return raw
 
 
@@ -50,16 +55,19 @@ def _ref_kernel_way(x, exps, ids, wts):
     n, k = ids.shape
     out = torch.zeros(n, x.shape[1], dtype=torch.float64)
     xb = _bf16(x)
+    w64 = {}
     for r in range(n):
         for j in range(k):
             e = int(ids[r, j])
             if e < 0:
                 continue
-            ex = exps[e]
-            gate = torch.clamp(xb[r] @ ex.w1.double().t(), max=LIMIT)
-            up = torch.clamp(xb[r] @ ex.w3.double().t(), min=-LIMIT, max=LIMIT)
+            if e not in w64:
+                w64[e] = [w.double() for w in (exps[e].w1, exps[e].w3, exps[e].w2)]
+            w1, w3, w2 = w64[e]
+            gate = torch.clamp(xb[r] @ w1.t(), max=LIMIT)
+            up = torch.clamp(xb[r] @ w3.t(), min=-LIMIT, max=LIMIT)
             h = (gate / (1 + torch.exp(-gate)) * up * float(wts[r, j])).float()
-            out[r] += _bf16(h) @ ex.w2.double().t()
+            out[r] += _bf16(h) @ w2.t()
     return out
 
 

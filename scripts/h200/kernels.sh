@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Issue 8 (kernel half) on the H200: the kernels' CUDA tests (V4.1 shapes, batch invariance) and their micro-bench.
+# Under 3 minutes. Writes $OUT/bench/results/kernels.md (copied back into bench/results/ by the lead).
+set -u
+mkdir -p "$OUT/bench/results"
+timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fp8_linear.py tests/test_kernels_fp4_moe.py \
+    -k "gpu" -x 2>&1 | tail -25
+timeout 60 python3 bench/kernels_bench.py --out "$OUT/bench/results/kernels.md" 2>&1 | tail -60
