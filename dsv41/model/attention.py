@@ -69,6 +69,6 @@ class Attention:
         o = apply_rope(o, cos, sin, inverse=True)
         groups = self.wo_a.shape[0] // self.o_lora
         per_group = o.reshape(n, groups, -1)
-        wo_a = self.wo_a.view(groups, self.o_lora, -1)
-        mid = torch.cat([linear(per_group[:, g], wo_a[g]) for g in range(groups)], dim=1)
+        lo = self.o_lora  # group g's rows of wo_a (a row slice works for weights kept in FP8 form too)
+        mid = torch.cat([linear(per_group[:, g], self.wo_a[g * lo:(g + 1) * lo]) for g in range(groups)], dim=1)
         return linear(mid, self.wo_b)

@@ -73,6 +73,10 @@ class DSpark:
     def draft(self, items: list[tuple[SeqState, int]]) -> list[Draft]:
         """Draft block_size tokens after each (state, next_token); next_token is the token at position
         state.length (sampled, not yet fed). Pure: the states are not modified."""
+        with self.model.on_device():
+            return self._draft(items)
+
+    def _draft(self, items: list[tuple[SeqState, int]]) -> list[Draft]:
         m, t = self.model, self.model.t
         B, S, W = len(items), self.block_size, t.sliding_window
         if B == 0:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv41.model.linear import linear, rsqrt, sigmoid
+from dsv41.model.linear import linear, row_mean, row_sum, rsqrt, sigmoid
 
 
 @dataclass
@@ -25,13 +25,15 @@ class Engram:
 
     def __call__(self, streams: torch.Tensor, hash_ids: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
         n, hc, H = streams.shape
-        e = self.rows(hash_ids).reshape(n, -1).float()
+        with torch.device("cpu"):   # table rows are read on the host
+            e = self.rows(hash_ids.cpu())
+        e = e.reshape(n, -1).float().to(streams.device)
         kv = linear(e, self.wkv)
         key = kv[:, : hc * H].view(n, hc, H)
         value = kv[:, hc * H:]
         h = streams
-        rstd = rsqrt(h.square().mean(-1) + self.eps) * rsqrt(key.square().mean(-1) + self.eps)
-        dot = (h * self.weight * key).sum(-1) * rstd * H ** -0.5
+        rstd = rsqrt(row_mean(h.square())[..., 0] + self.eps) * rsqrt(row_mean(key.square())[..., 0] + self.eps)
+        dot = row_sum(h * self.weight * key)[..., 0] * rstd * H ** -0.5
         gate = sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp_min(1e-6)), dot))
         if image is not None:
             gate = gate.masked_fill(image[:, None], 0.0)

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from dsv41.model import device as _device
+
 ROW_TILE = 16
 
 
@@ -31,21 +33,26 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 def tiled(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
     """Apply `fn` to fixed tiles of ROW_TILE rows of the row-aligned inputs `xs` (dim 0 is the row) and concatenate
     the outputs' first n rows. `fn` sees exactly ROW_TILE rows every call, so its per-row results cannot depend on
-    the total row count."""
+    the total row count. On CUDA the tile is device.CUDA_ROW_TILE rows (one shape for cuBLAS)."""
     n = xs[0].shape[0]
+    rows = _device.row_tile(xs[0])
     if n == 0:
-        probe = fn(*[_pad_rows(x[:0], ROW_TILE) for x in xs])
+        probe = fn(*[_pad_rows(x[:0], rows) for x in xs])
         return probe[:0]
     outs = []
-    for start in range(0, n, ROW_TILE):
-        stop = min(start + ROW_TILE, n)
-        tile = [_pad_rows(x[start:stop], ROW_TILE) for x in xs]
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        # contiguous: a full tile of a strided view and a padded last tile must reach the GEMM in one layout
+        tile = [_pad_rows(x[start:stop], rows).contiguous() for x in xs]
         outs.append(fn(*tile)[: stop - start])
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """y = x · weightᵀ for x [n, in], weight [out, in], computed in ROW_TILE-row tiles."""
+    """y = x · weightᵀ for x [n, in], weight [out, in], computed in ROW_TILE-row tiles. A weight kept in its
+    checkpoint form on the GPU (device.Fp8Weight / Fp4Weight) computes the product itself (kernel or fallback)."""
+    if not isinstance(weight, torch.Tensor):
+        return weight.linear(x)
     wt = weight.t()
     return tiled(lambda t: t @ wt, x)
 
@@ -69,10 +76,21 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 20.0, x, torch.log1p(torch.exp(torch.clamp(x, max=20.0))))
 
 
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Σ over the last dim, keepdim. CPU: torch's sum (row by row, row-invariant). CUDA: a fixed pairwise tree
+    (device.tree_row_sum), since a CUDA reduction's summation order depends on the tensor's row count."""
+    return _device.tree_row_sum(x) if x.is_cuda else x.sum(-1, keepdim=True)
+
+
+def row_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean over the last dim, keepdim (see row_sum)."""
+    return row_sum(x) / x.shape[-1] if x.is_cuda else x.mean(-1, keepdim=True)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x · rsqrt(mean(x²) + eps) · weight over the last dim, in float32."""
     x = x.float()
-    y = x * rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    y = x * rsqrt(row_mean(x.square()) + eps)
     return y if weight is None else y * weight
 
 

@@ -10,6 +10,7 @@ top-k list and the candidate source its candidate blocks; later layers read the 
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 
 from dsv41 import REPO_ROOT
 from dsv41.config import ModelConfig
+from dsv41.model import device as dev
 from dsv41.model import quant
 from dsv41.model.attention import Attention
 from dsv41.model.compressor import Compressor
@@ -97,7 +99,8 @@ def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, 
     moe = MoE(gate=W[f"{p}.ffn.gate.weight"], bias=W[f"{p}.ffn.gate.bias"].float(),
               bias_vl=W[f"{p}.ffn.gate.bias_vl"].float(), experts=experts,
               shared=expert(f"{p}.ffn.shared_experts"), top_k=top_k, gate_temp=t.gate_temp,
-              scaling=t.routed_scaling_factor, limit=t.swiglu_limit)
+              scaling=t.routed_scaling_factor, limit=t.swiglu_limit,
+              stack=dev.stack_experts(experts, n_experts) if W["embed.weight"].is_cuda else None)
     block = Block(role=role, attn_norm=W[f"{p}.attn_norm.weight"], ffn_norm=W[f"{p}.ffn_norm.weight"],
                   hc_attn=site("attn"), hc_ffn=site("ffn"), attn=attn, moe=moe)
     if role.owns_compressor:
@@ -133,6 +136,9 @@ class Model:
         self.index_keys = index_keys
         self.comm = comm or Comm()
         self.hasher = hasher
+        self.device = W["embed.weight"].device
+        # the RoPE tables live where the positions do
+        self.rope.inv_freq = {k: v.to(self.device) for k, v in self.rope.inv_freq.items()}
         self.engram_store = engram_store   # None: no Engram layers, or served without the tables (degraded)
         self.embed = W["embed.weight"]
         self.head = W["head.weight"]
@@ -152,26 +158,38 @@ class Model:
     def load(cls, ckpt: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
              share: RankShare | None = None, qat: bool = True, index_keys: str = "intended",
              comm: Comm | None = None, engram: str | Path | None = None, engram_tables: bool = True,
-             engram_cache_bytes: int = 256 << 20) -> Model:
+             engram_cache_bytes: int = 256 << 20, keep_quant: bool | None = None) -> Model:
         """Load a checkpoint. qat=False makes the three QAT fake-quants (window KV, compressed KV, indexer q/k)
         the identity; index_keys="quirk" reproduces the release's indexer-key publication (arch.md §2.8).
         engram: the folder holding the Engram tables (default: the checkpoint); engram_tables=False runs without
         them (degraded: the Engram layers add nothing to the streams, exactly as all-zero rows would, since wkv has
-        no bias); engram_cache_bytes: host memory for hot rows (0: no cache, no read-ahead)."""
-        if device != "cpu" or dtype != torch.float32:
-            raise ValueError("the reference forward runs on CPU in float32")
+        no bias); engram_cache_bytes: host memory for hot rows (0: no cache, no read-ahead).
+        device "cpu": the float32 reference (weights dequantised at load). "cuda[:N]": the same code on the GPU,
+        float32 with TF32 off; FP8/FP4 weights stay in checkpoint form there (dsv41/model/device.py, docs/gpu.md).
+        keep_quant: keep FP8/FP4 weights in checkpoint form (default: on CUDA only); the values are the same
+        (dequantisation is exact), only where and when the weight is dequantised differs."""
+        if dtype != torch.float32:
+            raise ValueError("the forward computes in float32")
+        dv = torch.device(device)
+        if dv.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {device!r}: no CUDA device is visible")
+            dev.setup_cuda(dv)
+        elif dv.type != "cpu":
+            raise ValueError(f"device {device!r}: the model runs on cpu or cuda")
         share = share or RankShare(0, 1)
         if share.world > 1 and (comm is None or comm.world != share.world):
             raise ValueError("a tensor-parallel share needs a Comm of the same world size")
         d = Path(ckpt)
         cfg = ModelConfig.from_checkpoint(d)
-        W = load_weights(d, cfg, share=share, dtype=dtype, device=device)
+        W = load_weights(d, cfg, share=share, dtype=dtype, device=dv,
+                         keep_quant=dv.type == "cuda" if keep_quant is None else keep_quant)
         store = None
         if cfg.text.engram_layer_ids and engram_tables:
             store = EngramStore(Path(engram) if engram else d, cfg, dtype=torch.float32,
                                 cache_bytes=engram_cache_bytes)
         engram_rows = _engram_row_reader(store)
-        hasher = _make_hasher(d, cfg)
+        hasher = _make_hasher(d, cfg) if cfg.text.engram_layer_ids else None   # no Engram layers: nothing to hash
         return cls(cfg, W, engram_rows, hasher, qat=qat, index_keys=index_keys, comm=comm, engram_store=store)
 
     def new_state(self) -> SeqState:
@@ -222,6 +240,14 @@ class Model:
         """Run every SeqInput's new tokens; returns per input float32 logits [n | 1 | 0, vocab] and advances each
         state by len(ids). `trace`, when given, receives intermediate arrays (tests, debugging)."""
         self._check(batch)
+        with self.on_device():
+            return self._forward(batch, trace)
+
+    def on_device(self):
+        """Tensors the forward creates (positions, masks, the states' rings) are made on the model's device."""
+        return contextlib.nullcontext() if self.device.type == "cpu" else torch.device(self.device)
+
+    def _forward(self, batch: list[SeqInput], trace: dict[str, Any] | None) -> list[torch.Tensor]:
         t = self.t
         segs = []          # (row offset, n, start position, state)
         a = 0
@@ -229,20 +255,23 @@ class Model:
             n = s.ids.numel()
             segs.append((a, n, s.state.length, s.state))
             a += n
-        ids = torch.cat([s.ids.long() for s in batch])
+        ids_host = torch.cat([s.ids.long().cpu() for s in batch])    # Engram hashing and row reads are on the host
+        ids = ids_host.to(self.device)
         pos = torch.cat([torch.arange(st, st + n) for _, n, st, _ in segs])
-        image = None
+        image = image_host = None
         if any(s.token_type is not None for s in batch):
-            image = torch.cat([s.token_type >= 0 if s.token_type is not None else torch.zeros(s.ids.numel(),
-                               dtype=torch.bool) for s in batch])
+            image_host = torch.cat([s.token_type.cpu() >= 0 if s.token_type is not None else
+                                    torch.zeros(s.ids.numel(), dtype=torch.bool, device="cpu") for s in batch])
+            image = image_host.to(self.device)
         h = self.embed[ids].float()
         if image is not None:
-            rows = torch.cat([s.embeds.float() if s.embeds is not None else h.new_zeros((s.ids.numel(),
-                              t.hidden_size)) for s in batch])
+            rows = torch.cat([s.embeds.float().to(self.device) if s.embeds is not None else
+                              h.new_zeros((s.ids.numel(), t.hidden_size)) for s in batch])
             h = torch.where(image[:, None], rows, h)
-        hash_ids = self._engram_hashes(batch, segs, ids, image) if t.engram_layer_ids else None
-        if self.engram_store is not None:
-            self.engram_store.prefetch_hashes(hash_ids)  # later Engram layers' rows load while earlier layers run
+        with torch.device("cpu"):    # Engram hashing and table reads run on the host
+            hash_ids = self._engram_hashes(batch, segs, ids_host, image_host) if t.engram_layer_ids else None
+            if self.engram_store is not None:
+                self.engram_store.prefetch_hashes(hash_ids)  # later Engram layers' rows load while earlier layers run
 
         cs = {k: self.rope.cos_sin(k, pos) for k in ("main", "compress")}
         streams = h[:, None, :].expand(-1, t.hc_mult, -1).clone()

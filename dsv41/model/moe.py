@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv41.model.device import ExpertStack
 from dsv41.model.linear import linear, silu, softplus, stable_topk
 
 
@@ -44,6 +45,7 @@ class MoE:
     gate_temp: float
     scaling: float
     limit: float
+    stack: ExpertStack | None = None   # on the GPU: the experts in the grouped kernel's layout (device.py)
 
     def route(self, x: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [n, k] float32, expert ids [n, k]) in slot order."""
@@ -62,11 +64,15 @@ class MoE:
         """x [n, H] (ffn_norm'd) -> [n, H]: this rank's routed slots (in slot order) + its shared-expert part."""
         n = x.shape[0]
         weights, ids = self.route(x, image)
+        routed = self.stack.routed(x, weights, ids, self.limit) if self.stack is not None else None
+        if routed is not None:   # the grouped kernel: the same slot sum in one launch
+            return routed + swiglu(x, self.shared, self.limit)
         slots = x.new_zeros((n, self.top_k, x.shape[1]))
-        for e, expert in self.experts.items():
-            rows, slot = torch.nonzero(ids == e, as_tuple=True)
-            if rows.numel() == 0:
+        for e in ids.unique().tolist():   # only the experts some row picked (one host sync)
+            expert = self.experts.get(e)
+            if expert is None:            # another rank's expert
                 continue
+            rows, slot = torch.nonzero(ids == e, as_tuple=True)
             slots[rows, slot] = swiglu(x[rows], expert, self.limit, weights[rows, slot][:, None])
         y = slots[:, 0]
         for j in range(1, self.top_k):

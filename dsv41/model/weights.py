@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from dsv41.config import ModelConfig
+from dsv41.model import device as dev
 from dsv41.model import quant
 
 BF16, F32, FP8, E8M0, I8 = "BF16", "F32", "F8_E4M3", "F8_E8M0", "I8"
@@ -278,9 +279,12 @@ def _read(f, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:
 
 
 def load_weights(ckpt: str | Path, cfg: ModelConfig, share: RankShare = RankShare(0, 1),
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 keep_quant: bool = False) -> dict[str, torch.Tensor]:
     """Load and dequantise the share's tensors (see module doc). BF16 and FP8/FP4 tensors come back in `dtype`;
-    F32 tensors (hc_*, attn_sink, gate bias) stay float32. Engram tables are checked but not returned."""
+    F32 tensors (hc_*, attn_sink, gate bias) stay float32. Engram tables are checked but not returned.
+    keep_quant=True (the GPU path): FP8 and packed FP4 weights come back in checkpoint form under `.weight` as
+    `device.Fp8Weight` / `device.Fp4Weight` (weight + scale, not dequantised)."""
     if cfg.quant.quant_method == "exl3":   # an EXL3 pack: its own inventory and decoder (docs/exl3.md)
         from dsv41.model.exl3_load import load_exl3_weights
         return load_exl3_weights(ckpt, cfg, share=share, dtype=dtype, device=device)
@@ -309,12 +313,12 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig, share: RankShare = RankShar
                 if not share.wants(name, n_exp):
                     continue
                 part = share.split(name, spec.shape)
-                t = _load_one(f, wm, d, name, spec, part, dtype)
-                out[name] = t.to(device)
+                t = _load_one(f, wm, d, name, spec, part, dtype, keep_quant)
+                out[name] = t.to(device) if isinstance(t, torch.Tensor) else dev.to_device(t, device)
     return out
 
 
-def _load_one(f, wm, d: Path, name: str, spec: TensorSpec, part, dtype) -> torch.Tensor:
+def _load_one(f, wm, d: Path, name: str, spec: TensorSpec, part, dtype, keep_quant: bool = False):
     if spec.fmt == "plain":
         t = _read(f, name, part)
         return t if t.dtype == torch.float32 and spec.dtype == F32 else t.to(dtype)
@@ -325,6 +329,8 @@ def _load_one(f, wm, d: Path, name: str, spec: TensorSpec, part, dtype) -> torch
         with safe_open(d / wm[scale_name], framework="pt") as g:
             s = _scale_part(g, scale_name, part, spec.fmt)
     w = _read(f, name, part)
+    if keep_quant:
+        return dev.Fp8Weight(w, s) if spec.fmt == "fp8" else dev.Fp4Weight(w, s)
     if spec.fmt == "fp8":
         return quant.dequant_fp8(w, s, dtype)
     if spec.fmt == "fp4":

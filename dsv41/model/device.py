@@ -1,0 +1,232 @@
+"""Where the model's weights live on a device and which function computes each op there (docs/gpu.md).
+
+CPU: today's reference path: every weight dequantised to float32 at load, products in ROW_TILE-row tiles.
+CUDA: the same model code. FP8 (E4M3, E8M0 per 32x32 block) and packed FP4 expert weights stay in their checkpoint
+form in GPU memory as `Fp8Weight` / `Fp4Weight`; `dsv41.model.linear.linear` hands a product with one of them to
+this module, which runs the Triton kernel of `kernels/` when it is there and enabled, and otherwise a torch
+fallback that dequantises the weight it needs for the call (exact: a power-of-two scale times an E4M3/E2M1 value
+is a float32) and multiplies in fixed row tiles (correct, slow: it reads and writes the weight in float32).
+
+Exactness on the GPU (docs/architecture.md "Exactness"): a row's bits must not depend on the other rows of a
+round. cuBLAS picks algorithms (and split-K) by shape, so products run in tiles of a FIXED row count; torch's CUDA
+reductions pick their thread layout (and so the summation order) from the number of rows, so the row sums of the
+model (`row_sum`) are a fixed pairwise tree of elementwise adds there; a Triton kernel used here must run one
+configuration (tile sizes, K order, no split-K) for every row count. TF32 is off and checked at start.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from dsv41.model import quant
+
+# Rows per product tile on CUDA: one fixed shape for cuBLAS whatever the round holds. 64 covers a decode round of
+# 64 rows in one tile; a 2048-row prompt chunk is 32 tiles.
+CUDA_ROW_TILE = 64
+
+
+# ---- start-up -------------------------------------------------------------------------------------------------
+
+_cuda_ready: set[str] = set()
+
+
+def setup_cuda(device: torch.device | str = "cuda") -> None:
+    """TF32 off everywhere (products are float32, as on the CPU reference) and a check that an fp32 product on
+    this device really keeps float32's 24-bit significand. Raises RuntimeError if it does not."""
+    os.environ["TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"] = "0"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    dev = torch.device(device)
+    key = str(dev)
+    if key in _cuda_ready:
+        return
+    check_fp32_matmul(dev)
+    _cuda_ready.add(key)
+
+
+def check_fp32_matmul(device: torch.device) -> None:
+    """1 + 2^-20 needs 21 significand bits: TF32 (10 bits) or bf16 would round it to 1, so 16 such products summed
+    give exactly 16 + 2^-16 only in float32."""
+    a = torch.full((16, 16), 1.0 + 2.0 ** -20, dtype=torch.float32, device=device)
+    b = torch.ones((16, 16), dtype=torch.float32, device=device)
+    got = (a @ b)[0, 0].item()
+    if got != 16.0 + 2.0 ** -16:
+        raise RuntimeError(f"float32 matmul on {device} is not float32 (got {got!r}): TF32 or a reduced-precision "
+                           f"mode is on; set TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0")
+
+
+# ---- weights in checkpoint form ---------------------------------------------------------------------------------
+
+@dataclass
+class Fp8Weight:
+    """An FP8 E4M3 weight [out, in] with its E8M0 scales [ceil(out/32), in/32] (arch.md §4), as stored."""
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def __getitem__(self, rows: slice) -> Fp8Weight:
+        """Rows a:b (whole 32-row blocks), e.g. one output group of wo_a."""
+        a, b, step = rows.indices(self.q.shape[0])
+        if step != 1 or a % quant.BLOCK or (b % quant.BLOCK and b != self.q.shape[0]):
+            raise ValueError(f"an FP8 weight splits only at 32-row block boundaries, not {a}:{b}")
+        return Fp8Weight(self.q[a:b], self.scale[a // quant.BLOCK:-(-b // quant.BLOCK)])
+
+    def dequant(self) -> torch.Tensor:
+        return quant.dequant_fp8(self.q, self.scale, torch.float32)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self)
+
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel()
+
+
+@dataclass
+class Fp4Weight:
+    """A routed expert's packed FP4 weight: I8 [out, in/2] (low nibble = even k) + E8M0 [out, in/32], as stored."""
+    packed: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.shape[0], self.packed.shape[1] * 2))
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    def dequant(self) -> torch.Tensor:
+        return quant.dequant_fp4(self.packed, self.scale, torch.float32)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled_matmul(x, self.dequant())
+
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scale.numel()
+
+
+def to_device(w: Fp8Weight | Fp4Weight, device) -> Fp8Weight | Fp4Weight:
+    if isinstance(w, Fp8Weight):
+        return Fp8Weight(w.q.to(device), w.scale.to(device))
+    return Fp4Weight(w.packed.to(device), w.scale.to(device))
+
+
+# ---- which function computes each op ------------------------------------------------------------------------------
+
+def _load_kernels() -> dict:
+    """The Triton kernels of kernels/ that exist (the gpu_kernels part); missing ones fall back to torch."""
+    found = {}
+    try:
+        from kernels.fp8_linear import fp8_linear as k
+        found["fp8_linear"] = k
+    except Exception:  # noqa: BLE001, S110 - absent, or Triton missing: the torch fallback runs
+        pass
+    try:
+        from kernels.fp4_moe import fp4_moe as k
+        found["fp4_moe"] = k
+    except Exception:  # noqa: BLE001, S110
+        pass
+    return found
+
+
+KERNELS = _load_kernels()
+# DSV41_KERNELS=0 runs the torch fallbacks on CUDA even where a kernel exists (to compare the two, and a way out
+# should a kernel misbehave on some GPU).
+_enabled = os.environ.get("DSV41_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def set_kernels(enabled: bool) -> None:
+    """Use the Triton kernels on CUDA (True, the default) or the torch fallbacks (False)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def kernel(name: str, x: torch.Tensor):
+    """The kernel `name` if it exists, is enabled and x is on CUDA; else None."""
+    if not (_enabled and x.is_cuda):
+        return None
+    return KERNELS.get(name)
+
+
+def row_tile(x: torch.Tensor) -> int:
+    from dsv41.model.linear import ROW_TILE
+    return CUDA_ROW_TILE if x.is_cuda else ROW_TILE
+
+
+def tiled_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [n, in] · w[out, in]ᵀ in fixed row tiles (the reference GEMM; w float32)."""
+    from dsv41.model.linear import tiled
+    wt = w.t()
+    return tiled(lambda t: t @ wt, x)
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    k = kernel("fp8_linear", x)
+    if k is not None:
+        return k(x.contiguous(), w.q, w.scale).float()
+    return tiled_matmul(x, w.dequant())
+
+
+def tree_row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Σ over the last dim (keepdim) as a fixed pairwise tree of elementwise adds: every element is computed by
+    itself, so a row's sum is the same bits whatever the tensor's row count (a CUDA reduction's is not)."""
+    while x.shape[-1] > 1:
+        n = x.shape[-1]
+        half = n // 2
+        s = x[..., :half] + x[..., half:2 * half]
+        x = torch.cat([s, x[..., 2 * half:]], dim=-1) if n % 2 else s
+    return x
+
+
+# ---- routed experts as one stack (the grouped kernel's layout) ---------------------------------------------------
+
+@dataclass
+class ExpertStack:
+    """A layer's routed experts on the GPU in the grouped kernel's layout (docs/kernels.md): w13 [E, 2I, H/2] (w1
+    rows then w3 rows), s13 [E, 2I, H/32], w2 [E, H, I/2], s2 [E, H, I/32], checkpoint bytes; `local` maps a global
+    expert id to its place in the stack (-1: not on this rank). The experts' own Fp4Weights are views into it."""
+    w13: torch.Tensor
+    s13: torch.Tensor
+    w2: torch.Tensor
+    s2: torch.Tensor
+    local: torch.Tensor
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float) -> torch.Tensor | None:
+        """Σ over slots (slot order) of the routed experts' outputs in one grouped launch; None when the kernel is
+        absent or disabled (the caller runs the experts one by one)."""
+        k = kernel("fp4_moe", x)
+        if k is None:
+            return None
+        return k(x.contiguous(), self.w13, self.s13, self.w2, self.s2, self.local[ids], weights, limit)
+
+
+def stack_experts(experts: dict, n_experts: int) -> ExpertStack | None:
+    """Stack a layer's Fp4Weight experts (dict id -> moe.Expert) and point each expert's weights into the stack, so
+    the grouped kernel and the per-expert fallback read the same memory (held once)."""
+    if not experts or not all(isinstance(e.w1, Fp4Weight) for e in experts.values()):
+        return None
+    ids = sorted(experts)
+    first = experts[ids[0]]
+    inter = first.w1.shape[0]
+    w13 = torch.stack([torch.cat([experts[e].w1.packed, experts[e].w3.packed]) for e in ids])
+    s13 = torch.stack([torch.cat([experts[e].w1.scale, experts[e].w3.scale]) for e in ids])
+    w2 = torch.stack([experts[e].w2.packed for e in ids])
+    s2 = torch.stack([experts[e].w2.scale for e in ids])
+    local = torch.full((n_experts,), -1, dtype=torch.int64, device=w13.device)
+    for j, e in enumerate(ids):
+        ex = experts[e]
+        ex.w1 = Fp4Weight(w13[j, :inter], s13[j, :inter])
+        ex.w3 = Fp4Weight(w13[j, inter:], s13[j, inter:])
+        ex.w2 = Fp4Weight(w2[j], s2[j])
+        local[e] = j
+    return ExpertStack(w13, s13, w2, s2, local)
