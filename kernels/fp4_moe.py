@@ -33,12 +33,12 @@ SUM_ROWS, SUM_COLS = 8, 512
 
 
 @triton.jit
-def _fp4_pair(q, s_a, s_b, INTERP: tl.constexpr):
+def _fp4_pair(q, s_a, s_b, BKB: tl.constexpr, INTERP: tl.constexpr):
     """Packed bytes q (int8 [BKB, BN], BKB = 32: two 16-byte scale groups) and the E8M0 codes of the two groups
     (s_a, s_b: [BN]) -> (even-k, odd-k) weights as bf16 operands. E2M1 code c as fp16 bits (c&7)<<9 | (c&8)<<12 is
     the value times 2^-14 (the subnormal 0.5 included), so the factor is 2^(s-127+14) (codes up to 240)."""
     b = q.to(tl.int32)
-    s = tl.where(tl.arange(0, q.shape[0])[:, None] < 16, s_a[None, :], s_b[None, :]).to(tl.int32)
+    s = tl.where(tl.arange(0, BKB)[:, None] < 16, s_a[None, :], s_b[None, :]).to(tl.int32)
     f = ((s + 14) << 23).to(tl.float32, bitcast=True)
     vlo = (((b & 0x7) << 9) | ((b & 0x8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     vhi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -71,14 +71,14 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_ptr
     acc_u = tl.zeros((BM, BN), tl.float32)
     for b0 in range(0, HB, BKB):
         b = b0 + tl.arange(0, BKB)
-        xe = bf16_operand(tl.load(xr + 2 * b[None, :], mask=p_ok[:, None], other=0.0), INTERP)
-        xo = bf16_operand(tl.load(xr + 2 * b[None, :] + 1, mask=p_ok[:, None], other=0.0), INTERP)
+        xt = tl.load(xr + (2 * b0 + tl.arange(0, 2 * BKB))[None, :], mask=p_ok[:, None], other=0.0)
+        xe, xo = tl.split(tl.reshape(bf16_operand(xt, INTERP), (BM, BKB, 2)))     # even k, odd k
         g_lo, g_hi = _fp4_pair(tl.load(w1 + b[:, None]), tl.load(s1 + b0 // 16), tl.load(s1 + b0 // 16 + 1),
-                               INTERP)
+                               BKB, INTERP)
         acc_g = mma(xe, g_lo, acc_g, INTERP)
         acc_g = mma(xo, g_hi, acc_g, INTERP)
         u_lo, u_hi = _fp4_pair(tl.load(w3 + b[:, None]), tl.load(s3 + b0 // 16), tl.load(s3 + b0 // 16 + 1),
-                               INTERP)
+                               BKB, INTERP)
         acc_u = mma(xe, u_lo, acc_u, INTERP)
         acc_u = mma(xo, u_hi, acc_u, INTERP)
     gate = tl.minimum(acc_g, limit)
@@ -108,10 +108,10 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_p
     acc = tl.zeros((BM, BN), tl.float32)
     for b0 in range(0, IB, BKB):
         b = b0 + tl.arange(0, BKB)
-        he = bf16_operand(tl.load(hr + 2 * b[None, :], mask=p_ok[:, None], other=0.0), INTERP)
-        ho = bf16_operand(tl.load(hr + 2 * b[None, :] + 1, mask=p_ok[:, None], other=0.0), INTERP)
+        ht = tl.load(hr + (2 * b0 + tl.arange(0, 2 * BKB))[None, :], mask=p_ok[:, None], other=0.0)
+        he, ho = tl.split(tl.reshape(bf16_operand(ht, INTERP), (BM, BKB, 2)))
         lo, hi = _fp4_pair(tl.load(w + b[:, None]), tl.load(s + b0 // 16), tl.load(s + b0 // 16 + 1),
-                           INTERP)
+                           BKB, INTERP)
         acc = mma(he, lo, acc, INTERP)
         acc = mma(ho, hi, acc, INTERP)
     tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc, mask=p_ok[:, None])
