@@ -1,20 +1,44 @@
 """The forward against the tiny-a oracle vectors (../shared/vectors/model/tiny-a, README there).
 
-Two modes: vectors_noquant (the three QAT fake-quants as identity) must agree everywhere to float32 noise; with QAT
-on, an FP8/FP4 rounding input that lies within float32 noise of a rounding midpoint can land on the other side than
-in the oracle and shift later positions by a quantisation step (the README's own self-consistency shows the same).
-So the QAT checks are the README criteria per prompt where no near-tie occurs, and, for the prompts that do hit
-one, that the first deviating position is explained by a window-KV FP8 near-tie (anything else would be a bug).
+Two modes: vectors_noquant (the three QAT fake-quants as identity) must agree everywhere to float32 noise. With QAT
+on, the README criteria (per prompt, prefill and teacher-forced decode apart: median per-position max|Δ| <= 1e-4,
+>= 95 % of positions within 2e-2, argmax agreement >= 98 %) are asserted for every prompt, and the top-k / candidate
+selections of the select prompt must be equal at every prefill and decode row.
+
+Three prompts meet them only once a handful of listed QAT rounding ties are rounded the oracle's way (QAT_TIES):
+each is one window-KV (FP8) or compressed-KV (FP4) element whose float32 input lies within float32 noise of a
+rounding midpoint (asserted: within TIE_TOL of the block maximum, while our float32 streams and the oracle's differ
+by ~2e-6 of the maximum), which our float32 evaluation and the oracle's round to opposite sides. One flip moves a
+window entry (or a compressed entry, for good) by a quantisation step and the later positions follow; prompt 5's
+decode (median 0.13, 12.5 % argmax misses without them) is five such flips and a top-k cascade. docs/model.md,
+"Agreement with the oracle", lists each tie with its numbers and how they were found.
 """
+from dataclasses import dataclass, field
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from dsv41.model import quant
+from dsv41.model.compressor import Compressor
 from dsv41.model.model import Model, SeqInput
 from dsv41.tools.logits import run
 
 N_PROMPTS = 7
+
+# (quantity, layer, position, element): the quantiser input the oracle rounded to the other side of a midpoint.
+# "window_kv": FP8 window KV of `layer` at token `position`; "compressed_kv": FP4 compressed entry of KV source
+# `layer` whose group starts at `position`. Element = index into the head_dim vector.
+QAT_TIES = {
+    1: [("window_kv", 7, 4, 88), ("window_kv", 8, 14, 107)],
+    5: [("window_kv", 9, 1, 36), ("window_kv", 2, 67, 121), ("window_kv", 5, 80, 105), ("window_kv", 9, 87, 7),
+        ("window_kv", 1, 94, 99)],
+    6: [("window_kv", 4, 22, 100), ("window_kv", 6, 62, 111), ("compressed_kv", 6, 64, 74)],
+}
+# A tie's distance |q - midpoint| in units of its block's maximum |q| (q = input / block scale). The largest listed
+# is 9.1e-7 (the median 2.2e-7, i.e. 1 to 82 float32 ulps of q); our float32 streams and the oracle's differ by up to
+# ~2e-6 of their maximum (noquant debug streams), so an input this close can land on either side.
+TIE_TOL = 1.5e-6
 
 
 def _dir(shared):
@@ -33,21 +57,121 @@ def models(shared):
     return {"qat": Model.load(ck), "noquant": Model.load(ck, qat=False)}
 
 
+def _run(model, vec, mode, i):
+    ids = vec["qat"][f"prompt.{i}.input_ids"].tolist()
+    return run(model, ids, feed=vec[mode][f"prompt.{i}.decode_ids"].tolist())
+
+
 @pytest.fixture(scope="module")
 def results(models, vec):
     """Every prompt once per mode: one-shot prefill + teacher-forced decode (through dsv41.tools.logits.run)."""
-    out = {}
-    for mode in ("qat", "noquant"):
-        for i in range(N_PROMPTS):
-            ids = vec["qat"][f"prompt.{i}.input_ids"].tolist()
-            feed = vec[mode][f"prompt.{i}.decode_ids"].tolist()
-            out[mode, i] = run(models[mode], ids, feed=feed)
-    return out
+    return {(mode, i): _run(models[mode], vec, mode, i) for mode in ("qat", "noquant") for i in range(N_PROMPTS)}
 
 
 def _per_position(out, ref):
     return (out - ref).abs().amax(-1)
 
+
+# ---- rounding the listed ties the other way --------------------------------------------------------------------
+
+@dataclass
+class Tie:
+    what: str
+    layer: int
+    position: int
+    element: int
+    q: float = 0.0          # our input / block scale (float32)
+    midpoint: float = 0.0   # the grid midpoint it lies next to
+    ours: float = 0.0       # the grid value we round to
+    other: float = 0.0      # the grid value on the other side (the oracle's)
+    block_max: float = 0.0  # max |q| of the block
+    scale: float = 0.0
+    seen: int = 0
+
+
+def _e4m3_pair(aq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """|q| -> (its E4M3 rounding, the E4M3 neighbour on q's side of it)."""
+    r = aq.clamp(max=quant.E4M3_MAX).to(torch.float8_e4m3fn)
+    code = r.view(torch.uint8).to(torch.int16)
+    other = torch.where(aq > r.float(), code + 1, code - 1).clamp(0, 126).to(torch.uint8)
+    return r.float(), other.view(torch.float8_e4m3fn).float()
+
+
+def _e2m1_pair(aq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    grid = torch.tensor(quant.E2M1_VALUES)
+    r = quant.round_e2m1(aq)
+    idx = (grid[None, :] == r[:, None]).int().argmax(-1)
+    return r, grid[torch.where(aq > r, idx + 1, idx - 1).clamp(0, 7)]
+
+
+@dataclass
+class TieForcer:
+    """Monkeypatches the window-KV and compressed-KV quantisers so the listed elements round to the other side of
+    their midpoint, and records each one's numbers. Single-sequence forwards only (positions from the context)."""
+    ties: list[Tie]
+    layer: int | None = None
+    pos: torch.Tensor | None = None
+    gpos: torch.Tensor | None = None
+    orig: dict = field(default_factory=dict)
+
+    def install(self, mp):
+        f = self
+        self.orig = {"fp8": quant.fp8_fake_quant, "fp4": quant.fp4_fake_quant_e4m3,
+                     "attn": Model._attention, "close": Compressor.close_groups}
+
+        def attention(model, blk, x, pos, *a, **k):
+            f.layer, f.pos = blk.role.index, pos
+            try:
+                return f.orig["attn"](model, blk, x, pos, *a, **k)
+            finally:
+                f.layer = None
+
+        def close_groups(comp, st, kv, gate):
+            latent, first = f.orig["close"](comp, st, kv, gate)
+            f.gpos = first + comp.ratio * torch.arange(latent.shape[0])
+            return latent, first
+
+        mp.setattr(Model, "_attention", attention)
+        mp.setattr(Compressor, "close_groups", close_groups)
+        mp.setattr(quant, "fp8_fake_quant", lambda x, block=32: self._force(x, block, "window_kv"))
+        mp.setattr(quant, "fp4_fake_quant_e4m3", lambda x, block=16: self._force(x, block, "compressed_kv"))
+
+    def _force(self, x, block, what):
+        out = (self.orig["fp8"] if what == "window_kv" else self.orig["fp4"])(x, block)
+        if self.layer is None:      # a DSpark stage's ring (not in the vectors)
+            return out
+        positions = self.pos if what == "window_kv" else self.gpos
+        for t in self.ties:
+            if (t.what, t.layer) != (what, self.layer) or t.position not in positions.tolist():
+                continue
+            row = positions.tolist().index(t.position)
+            v = x[row].float().view(-1, block)[t.element // block]
+            if what == "window_kv":
+                s = quant.pow2_ceil(v.abs().amax().clamp_min(quant.FP8_ACT_AMAX_FLOOR) / quant.E4M3_MAX)
+                ours, other = _e4m3_pair((v / s).abs())
+            else:
+                s = (v.abs().amax().clamp_min(quant.FP4_KV_AMAX_FLOOR) / quant.E2M1_MAX).to(torch.float8_e4m3fn).float()
+                ours, other = _e2m1_pair((v / s).abs().clamp(max=quant.E2M1_MAX))
+            j = t.element % block
+            t.q, t.scale, t.block_max = (v[j] / s).abs().item(), s.item(), (v / s).abs().max().item()
+            t.ours, t.other = ours[j].item(), other[j].item()
+            t.midpoint = (t.ours + t.other) / 2
+            t.seen += 1
+            out = out.clone()
+            out[row, t.element] = torch.copysign(other[j] * s, v[j])
+        return out
+
+
+def _run_forced(model, vec, i, monkeypatch):
+    ties = [Tie(*t) for t in QAT_TIES[i]]
+    TieForcer(ties).install(monkeypatch)
+    try:
+        return _run(model, vec, "qat", i), ties
+    finally:
+        monkeypatch.undo()
+
+
+# ---- tests -----------------------------------------------------------------------------------------------------
 
 def test_engram_hash_ids_and_rope_tables_equal_oracle(models, vec):
     m, v = models["qat"], vec["qat"]
@@ -74,67 +198,36 @@ def test_noquant_logits(results, vec, i):
         assert torch.equal(out.argmax(-1), ref.argmax(-1))
 
 
-def _near_tie_positions(model, ids, monkeypatch, tol=5e-6):
-    """Run ids in one pass (bitwise equal to prompt + decode, tests/test_model_exact.py) with spies on the three
-    QAT quantisers; return the positions owning a quantiser input within `tol` (relative) of a rounding midpoint
-    but not exactly on it (an exact tie is decided by the rounding rule alike everywhere). Rows map to positions: per-token calls have len(ids) rows; ratio-2 entries close at 2g+1."""
-    n = len(ids)
-    found = set()
-    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-
-    def record(rows_rel):
-        rows = rows_rel.shape[0]
-        near = (rows_rel < tol) & (rows_rel > 0)
-        hit = torch.nonzero(near.view(rows, -1).any(-1))[:, 0].tolist()
-        if rows == n:
-            found.update(hit)
-        elif rows == n // 2:
-            found.update(2 * g + 1 for g in hit)
-
-    def fp8(x, block=32):
-        v = x.reshape(x.shape[0], -1, block)
-        q = (v / quant.pow2_ceil(v.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448)).abs()
-        step = torch.exp2(torch.floor(torch.log2(q.clamp_min(2.0 ** -9))).clamp_min(-6) - 3)
-        frac = q / step
-        record((frac - torch.floor(frac) - 0.5).abs() * step / q.clamp_min(1e-30))
-        return orig[0](x, block)
-
-    def fp4(scale_of, k):
-        def spy(x, block):
-            v = x.reshape(x.shape[0], -1, block)
-            q = (v / scale_of(v.abs().amax(-1, keepdim=True))).abs()
-            record((q[..., None] - mids).abs().amin(-1) / q.clamp_min(1e-30))
-            return orig[k](x, block)
-        return spy
-
-    orig = (quant.fp8_fake_quant, quant.fp4_fake_quant_e4m3, quant.fp4_fake_quant_ue8m0)
-    monkeypatch.setattr(quant, "fp8_fake_quant", fp8)
-    monkeypatch.setattr(quant, "fp4_fake_quant_e4m3",
-                        fp4(lambda a: (a.clamp_min(6 * 2.0 ** -9) / 6).to(torch.float8_e4m3fn).float(), 1))
-    monkeypatch.setattr(quant, "fp4_fake_quant_ue8m0",
-                        fp4(lambda a: quant.pow2_ceil(a.clamp_min(6 * 2.0 ** -126) / 6), 2))
-    model.forward([SeqInput(model.new_state(), ids)])
-    monkeypatch.undo()
-    return found
+def _assert_readme_criteria(r, v, i):
+    for part, out, ref in (("prefill", r["prompt_logits"], v[f"prompt.{i}.prefill_logits"]),
+                           ("decode", r["decode_logits"], v[f"prompt.{i}.decode_logits"])):
+        assert out.shape == ref.shape
+        d = _per_position(out, ref)
+        where = f"prompt {i} {part}"
+        assert d.median().item() <= 1e-4, f"{where}: median max|Δ| {d.median():.3g}"
+        assert (d <= 2e-2).float().mean().item() >= 0.95, f"{where}: {(d > 2e-2).sum()} positions beyond 2e-2"
+        agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        assert agree >= 0.98, f"{where}: argmax agreement {agree:.3f}"
 
 
 @pytest.mark.parametrize("i", range(N_PROMPTS))
 def test_qat_logits(models, results, vec, monkeypatch, i):
-    """Prefill: argmax agreement >= 98 % and >= 95 % of positions within 2e-2 (README). Prefill + teacher-forced
-    decode: every position before the first one off by more than 1e-4 agrees to 1e-4, and that first deviation has
-    a QAT rounding near-tie at or before it (a float32-noise flip; a math difference would deviate without one)."""
-    r, v = results["qat", i], vec["qat"]
-    out, ref = r["prompt_logits"], v[f"prompt.{i}.prefill_logits"]
-    assert (out.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.98
-    assert (_per_position(out, ref) <= 2e-2).float().mean().item() >= 0.95
-    d = torch.cat([_per_position(out, ref), _per_position(r["decode_logits"], v[f"prompt.{i}.decode_logits"])])
-    bad = torch.nonzero(d > 1e-4)
-    if bad.numel() == 0:
+    """README criteria for every prompt, prefill and teacher-forced decode. For a prompt with listed ties: each tie
+    is met once, lies within TIE_TOL of its midpoint, unforced the first position off by more than 1e-4 is the first
+    tie's position (nothing deviates before it), and with the ties rounded the oracle's way the criteria hold."""
+    v = vec["qat"]
+    if i not in QAT_TIES:
+        _assert_readme_criteria(results["qat", i], v, i)
         return
-    first = int(bad[0, 0])
-    ids = torch.cat([v[f"prompt.{i}.input_ids"], v[f"prompt.{i}.decode_ids"]])
-    ties = _near_tie_positions(models["qat"], ids, monkeypatch)
-    assert any(p <= first for p in ties), f"position {first} deviates ({d[first]:.3g}) without a QAT near-tie"
+    d = torch.cat([_per_position(results["qat", i]["prompt_logits"], v[f"prompt.{i}.prefill_logits"]),
+                   _per_position(results["qat", i]["decode_logits"], v[f"prompt.{i}.decode_logits"])])
+    first_bad = int(torch.nonzero(d > 1e-4)[0, 0])
+    assert first_bad == min(t[2] for t in QAT_TIES[i])
+    r, ties = _run_forced(models["qat"], vec, i, monkeypatch)
+    for t in ties:
+        assert t.seen == 1, t
+        assert abs(t.q - t.midpoint) <= TIE_TOL * t.block_max, t
+    _assert_readme_criteria(r, v, i)
 
 
 def _check_streams(trace, v):
@@ -150,31 +243,32 @@ def _check_streams(trace, v):
 def test_debug_streams(models, vec, mode):
     v = vec[mode]
     i = int(v["debug.prompt_index"])
+    assert i not in QAT_TIES
     tr = {}
     models[mode].forward([SeqInput(models[mode].new_state(), vec["qat"][f"prompt.{i}.input_ids"])], trace=tr)
     _check_streams(tr, v)
 
 
 @pytest.mark.parametrize("mode", ("noquant", "qat"))
-def test_topk_selections(models, vec, mode):
-    """select.*: per-query top-k of every index source and the candidate mask, prefill and greedy decode.
-    noquant: all equal. QAT: the 100-token prompt's prefill flips at row 78 (see above), so rows before it."""
+def test_topk_selections(models, vec, mode, monkeypatch):
+    """select.*: per-query top-k of every index source and the candidate mask, prefill and greedy decode, all equal
+    (QAT: with the prompt's listed ties rounded the oracle's way; unforced, the first flipped selection follows
+    them at prefill row 78)."""
     m, v = models[mode], vec[mode]
     i = int(v["select.prompt_index"])
+    if mode == "qat" and i in QAT_TIES:
+        TieForcer([Tie(*t) for t in QAT_TIES[i]]).install(monkeypatch)
     st = m.new_state()
     tr = {}
     m.forward([SeqInput(st, vec["qat"][f"prompt.{i}.input_ids"])], trace=tr)
-    rows = slice(None) if mode == "noquant" else slice(0, 78)
     layers = [int(k.rsplit("layer", 1)[1]) for k in v if k.startswith("select.prefill.topk_idx.")]
     assert layers
     for layer in layers:
-        assert torch.equal(tr[f"topk.layer{layer}"][0][rows], v[f"select.prefill.topk_idx.layer{layer}"].long()[rows])
+        assert torch.equal(tr[f"topk.layer{layer}"][0], v[f"select.prefill.topk_idx.layer{layer}"].long()), layer
     for k in v:
         if k.startswith("select.prefill.candidates."):
             layer = int(k.rsplit("layer", 1)[1])
-            assert torch.equal(tr[f"candidates.layer{layer}"][0][rows], v[k].bool()[rows])
-    if mode != "noquant":
-        return
+            assert torch.equal(tr[f"candidates.layer{layer}"][0], v[k].bool()), layer
     dec = {layer: [] for layer in layers}
     for tok in v[f"prompt.{i}.decode_ids"].tolist():
         tr = {}
@@ -182,4 +276,4 @@ def test_topk_selections(models, vec, mode):
         for layer in layers:
             dec[layer].append(tr[f"topk.layer{layer}"][0][0])
     for layer in layers:
-        assert torch.equal(torch.stack(dec[layer]), v[f"select.decode.topk_idx.layer{layer}"].long())
+        assert torch.equal(torch.stack(dec[layer]), v[f"select.decode.topk_idx.layer{layer}"].long()), layer
