@@ -13,6 +13,8 @@ Rules:
   same salt; no salt is its own namespace. A key is sha256 over the namespace, the token ids and the digests of the
   images that start before the boundary, so the same ids with other image bytes never share a state.
 - A boundary inside an image's placeholder span is never kept or resumed (its rows would need half an image).
+- One state per token ids and namespace: the same ids with other image bytes replace the older state (its
+  snapshot is dropped like an evicted one), so a resume past an image needs the bytes of the newest one.
 - A resume leaves at least one prompt row to compute (the last row's logits draw the first reply token).
 - A SeqState cannot be cut to a shorter length (its window rings hold only the last W positions), so shrinking a
   prefix means keeping several boundaries of it and dropping the longest: resuming a boundary also marks its kept
@@ -174,6 +176,10 @@ class KeptIndex:
         if need > self.budget:
             return None
         evicted = []
+        same_ids = self._entry_at(ns, ids)
+        if same_ids is not None:     # these ids with other image bytes: one state per ids, the newest replaces it
+            self._remove(same_ids)
+            evicted.append(same_ids)
         while self.bytes + need > self.budget:
             victim = min(self._by_key.values(), key=lambda e: (e.last_used, -e.length))
             self._remove(victim)
@@ -241,6 +247,13 @@ class KeptIndex:
         if _inside_image(e.length, images):
             return False
         return tuple(im for im in images if im.start < e.length) == e.images
+
+    def _entry_at(self, ns: bytes, ids: Sequence[int]) -> Kept | None:
+        """The entry kept after exactly these ids (whatever its images), if any."""
+        for node, depth in self._path(ns, ids):
+            if depth == len(ids):
+                return node.entry
+        return None
 
     def _touch(self, e: Kept) -> None:
         """Mark e and its kept ancestors used now (they form one recency group, evicted longest first)."""
