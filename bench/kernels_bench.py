@@ -1,8 +1,9 @@
-"""Micro-bench of kernels/fp8_linear.py and kernels/fp4_moe.py at V4.1 shapes (random weights).
+"""Micro-bench of kernels/fp8_linear.py, fp4_moe.py and sparse_attn.py at V4.1 shapes (random weights).
 
 Decode rows (1, 8, 32, 64): time per call (one CUDA graph replay) against the bytes the call must read (the FP8
-weight and its scales, or the packed FP4 weights and scales of the experts the round touches, + x and y), as a
-fraction of the device-to-device copy bandwidth measured in the same run.
+weight and its scales, or the packed FP4 weights and scales of the experts the round touches, + x and y; for
+attention the q rows, the 640 latents of each row and the output), as a fraction of the device-to-device copy
+bandwidth measured in the same run.
 Prompt rows (4096): TFLOP/s against the bf16 GEMM rate (torch, 8192^3) measured in the same run.
 
   python3 bench/kernels_bench.py [--out bench/results/kernels.md] [--experts 384]
@@ -25,8 +26,10 @@ sys.path.insert(0, str(ROOT))
 
 from kernels.fp4_moe import fp4_moe
 from kernels.fp8_linear import fp8_linear, fp8_split
+from kernels.sparse_attn import sparse_attn
 
 H, INTER, TOPK, LIMIT = 5120, 2304, 6, 10.0
+HEADS, HEAD_DIM, WINDOW, INDEX_TOPK = 64, 512, 128, 512
 FP8 = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), ("wo_a group", 1024, 4096),
        ("wo_b", 5120, 8192), ("shared w1/w3", 2304, 5120), ("shared w2", 5120, 2304), ("indexer wq_b", 4096, 1280)]
 DECODE_ROWS = (1, 8, 32, 64)
@@ -106,13 +109,31 @@ def main() -> int:
             print(f"fp4_moe rows {n}: {t * 1e6:.1f} us, {touched} experts, {nb / t / 1e12:.2f} TB/s "
                   f"({nb / t / bw * 100:.0f}% of copy)", flush=True)
 
+    pool = torch.randn(65536, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    sink = torch.randn(HEADS, device="cuda")
+    keys = WINDOW + INDEX_TOPK
+    for n in DECODE_ROWS + (PROMPT_ROWS,):
+        q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        idx = torch.randint(0, pool.shape[0], (n, keys), device="cuda", dtype=torch.int32)
+        t = time_graph(lambda q=q, idx=idx: sparse_attn(q, pool, idx, sink, HEAD_DIM ** -0.5))
+        name = f"sparse_attn {HEADS} heads x {HEAD_DIM}, {keys} keys/row (bf16 latents)"
+        if n == PROMPT_ROWS:
+            fl = 4 * n * HEADS * keys * HEAD_DIM
+            rows_pre.append((name, fl, t))
+            print(f"sparse_attn rows {n}: {fl / t / 1e12:.0f} TFLOP/s ({fl / t / mm * 100:.0f}% of bf16)", flush=True)
+        else:
+            nb = n * (HEADS * HEAD_DIM * (2 + 4) + keys * (HEAD_DIM * 2 + 4))
+            rows_dec.append((name, n, nb, t))
+            print(f"sparse_attn rows {n}: {t * 1e6:.1f} us, {nb / t / 1e12:.2f} TB/s ({nb / t / bw * 100:.0f}% of copy)",
+                  flush=True)
+
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True, check=False).stdout.strip() or "unknown"
     except OSError:
         commit = "unknown"
     lines = [
-        "# Triton kernels: fp8_linear and fp4_moe at V4.1 shapes", "",
+        "# Triton kernels: fp8_linear, fp4_moe and sparse_attn at V4.1 shapes", "",
         f"- command: `python3 {' '.join(sys.argv)}` (scripts/h200/kernels.sh), commit {commit}",
         (f"- machine: {torch.cuda.get_device_name()} ({socket.gethostname()}), torch {torch.__version__}, "
          f"triton {triton.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"),

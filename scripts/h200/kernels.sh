@@ -3,6 +3,6 @@
 # Under 3 minutes. Writes $OUT/bench/results/kernels.md (copied back into bench/results/ by the lead).
 set -u
 mkdir -p "$OUT/bench/results"
-timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fp8_linear.py tests/test_kernels_fp4_moe.py \
-    -k "gpu" -x 2>&1 | tail -25
-timeout 60 python3 bench/kernels_bench.py --out "$OUT/bench/results/kernels.md" 2>&1 | tail -60
+timeout 100 python3 -m pytest -q -p no:cacheprovider -k gpu tests/test_kernels_fp8_linear.py \
+    tests/test_kernels_fp4_moe.py tests/test_kernels_sparse_attn.py 2>&1 | tail -30
+timeout 70 python3 bench/kernels_bench.py --out "$OUT/bench/results/kernels.md" 2>&1 | tail -70
