@@ -38,6 +38,12 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     prefill_chunk: int = 2048            # prompt rows per round (one or several prompts)
     stall_target_s: float = 1.0          # while replies decode, prompt rows per round fit this many seconds
     state_budget_gib: float = 0.0        # bytes for sequence states; 0 = auto (a share of free memory)
+    # long prompts and the shared window (docs/long.md)
+    max_model_len: int = 1048576         # positions one request may hold (prompt + max_tokens)
+    window: int = 2097152                # positions all streams share; admission reserves prompt + max_tokens
+    engram: str = ""                     # folder holding the Engram tables; "" = the checkpoint folder
+    no_engram: bool = False              # serve without the Engram tables (degraded replies)
+    engram_cache_mib: int = 256          # host memory for hot Engram rows (0 = no cache, no read-ahead)
     prompt_cache_gib: float = 2.0        # bytes for kept prompt states (dsv41/sched/kept.py); 0 = none kept
     drafts: bool = True                  # speculative decoding with the DSpark head (docs/drafts.md)
     round_rows: int = 64                 # rows a round may reach by adding draft tokens
@@ -92,6 +98,13 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise bad("stall_target_s", "must not be negative")
         if self.state_budget_gib < 0:
             raise bad("state_budget_gib", "must not be negative")
+        for f in ("max_model_len", "window"):
+            if getattr(self, f) < 2:
+                raise bad(f, "must be at least 2")
+        if self.engram_cache_mib < 0:
+            raise bad("engram_cache_mib", "must not be negative")
+        if self.no_engram and self.engram:
+            raise bad("no_engram", "contradicts --engram DIR (give one of them)")
         if self.prompt_cache_gib < 0:
             raise bad("prompt_cache_gib", "must not be negative")
         if not (0.0 < self.top_p <= 1.0):
@@ -140,6 +153,18 @@ FIELD_HELP: dict[str, str] = {
                       "between tokens behind long prompts; 0 = always full chunks",
     "state_budget_gib": "memory for sequence states (KV, compressed KV, indexer keys, Engram history), reserved at "
                         "admission for prompt + max_tokens; 0 = auto: half the free memory after the weights load",
+    "max_model_len": "positions one request may hold (prompt + max_tokens); lowered to --window and the model's "
+                     "max_position_embeddings; --context, when given, is the same limit under its older name",
+    "window": "positions shared by all streams: admission reserves each request's prompt + max_tokens here and a "
+              "request that does not fit waits until room frees (never an out-of-memory); lowered to what "
+              "--state-budget-gib (or, on auto, 90%% of free memory) holds; the memory plan is printed at start",
+    "engram": "folder holding the Engram tables layers.N.engram.embed.weight/.scale (e.g. the release's "
+              "model-00047/48; its index is used when it lists them, else the *.safetensors headers are searched); "
+              "empty = the checkpoint folder. Without the tables the server refuses to start unless --no-engram",
+    "no_engram": "serve without the Engram tables: the Engram layers add nothing to the streams (as if every row "
+                 "were zero); replies are degraded and the server says so at start",
+    "engram_cache_mib": "host memory for hot Engram rows (LRU); also bounds the read-ahead of the next prompt chunk "
+                        "and decode row; 0 = no cache and no read-ahead",
     "prompt_cache_gib": "memory for kept prompt states: a request resumes from the longest kept state its prompt "
                         "starts with (same cache_salt) and computes only the rest; states are kept at the end of the "
                         "system + tools prefix, before the generation header and at prompt + reply, least recently "
@@ -236,7 +261,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     for field, tp in _field_types().items():
         flag = "--" + field.replace("_", "-")
         h = f"{FIELD_HELP[field]} [env {_env_name(field)}; default {getattr(defaults, field)!r}]"
-        if tp is bool:
+        if tp is bool and field.startswith("no_"):     # --no-x alone (argparse would read --no-x as "false")
+            p.add_argument(flag, dest=field, action="store_const", const=True, default=None, help=h)
+        elif tp is bool:
             p.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction, default=None, help=h)
         elif typing.get_origin(tp) is list:
             p.add_argument(flag, dest=field, action="append", default=None, help=h)

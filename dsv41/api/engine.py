@@ -42,6 +42,7 @@ class Engine:
     device: str
     created: int = field(default_factory=lambda: int(time.time()))
     lane: object = None              # dsv41.sched.tp.TPLane with --tp > 1 (rank 0), else None
+    plan: object = None              # dsv41.sched.memory.MemoryPlan, printed at start
 
 
 def cache_root() -> Path:
@@ -117,11 +118,34 @@ def _kept_index(cfg: ServeConfig, ckpt: Path, text: dict, cost, tok):
                      window=int(text.get("sliding_window", 0)), chunk=cfg.prefill_chunk)
 
 
+def engram_args(cfg: ServeConfig) -> dict:
+    """Model.load's Engram arguments from --engram / --no-engram / --engram-cache-mib (every rank loads alike)."""
+    return {"engram": cfg.engram or None, "engram_tables": not cfg.no_engram,
+            "engram_cache_bytes": cfg.engram_cache_mib << 20}
+
+
+def load_model(cfg: ServeConfig, ckpt: Path, **kw):
+    """Model.load with the Engram knobs; missing tables become a StartError that says how to go on."""
+    from dsv41.model.engram_store import EngramMissing
+    from dsv41.model.model import Model
+    try:
+        model = Model.load(str(ckpt), **kw, **engram_args(cfg))
+    except EngramMissing as e:
+        raise StartError(f"the Engram tables are missing ({e}): pass --engram DIR, the folder holding "
+                         f"layers.N.engram.embed.weight/.scale (the release's model-00047/48), or --no-engram to "
+                         f"serve without them (degraded replies)") from None
+    if cfg.no_engram and model.t.engram_layer_ids:
+        msg = ("serving WITHOUT the Engram tables (--no-engram): layers "
+               f"{list(model.t.engram_layer_ids)} add nothing to the streams; replies are degraded")
+        log.warning(msg)
+        print(f"dsv41: {msg}", flush=True)
+    return model
+
+
 def load_engine(cfg: ServeConfig, metrics=None) -> Engine:
     import torch
 
     from dsv41.chat.tokenizer import Tokenizer
-    from dsv41.model.model import Model
     from dsv41.sched.runner import ModelRunner
 
     ckpt = Path(cfg.model) if cfg.model else builtin_checkpoint()
@@ -137,7 +161,7 @@ def load_engine(cfg: ServeConfig, metrics=None) -> Engine:
     if cfg.tp > 1:
         return _load_tp(cfg, metrics, ckpt, raw, text, device, tok)
     try:
-        model = Model.load(str(ckpt), device=device, dtype=torch.float32)
+        model = load_model(cfg, ckpt, device=device, dtype=torch.float32)
     except ValueError as e:
         if cfg.device != "auto" or device == "cpu":
             raise
@@ -145,7 +169,7 @@ def load_engine(cfg: ServeConfig, metrics=None) -> Engine:
         log.warning("the model does not run on %s (%s); serving on cpu", device, e)
         print(f"dsv41: the model does not run on {device} ({e}); serving on cpu", flush=True)
         device = "cpu"
-        model = Model.load(str(ckpt), device=device, dtype=torch.float32)
+        model = load_model(cfg, ckpt, device=device, dtype=torch.float32)
     log.info("model loaded from %s on %s in %.1f s", ckpt, device, time.monotonic() - t0)
     return _build(cfg, metrics, ckpt, raw, text, device, tok, ModelRunner(model), None)
 
@@ -155,7 +179,6 @@ def _load_tp(cfg: ServeConfig, metrics, ckpt: Path, raw: dict, text: dict, devic
     to the followers and checks their digests (dsv41/sched/tp.py)."""
     import torch
 
-    from dsv41.model.model import Model
     from dsv41.model.weights import RankShare
     from dsv41.sched.runner import ModelRunner
     from dsv41.sched.tp import DigestingModel, TPLane
@@ -165,7 +188,7 @@ def _load_tp(cfg: ServeConfig, metrics, ckpt: Path, raw: dict, text: dict, devic
                        step_timeout=900.0)
     try:
         t0 = time.monotonic()
-        model = Model.load(str(ckpt), device=device, dtype=torch.float32, share=RankShare(0, cfg.tp), comm=lane.comm)
+        model = load_model(cfg, ckpt, device=device, dtype=torch.float32, share=RankShare(0, cfg.tp), comm=lane.comm)
         log.info("rank 0 share of %s loaded on %s in %.1f s", ckpt, device, time.monotonic() - t0)
         return _build(cfg, metrics, ckpt, raw, text, device, tok, lane.wrap(ModelRunner(DigestingModel(model))),
                       lane)
@@ -176,18 +199,33 @@ def _load_tp(cfg: ServeConfig, metrics, ckpt: Path, raw: dict, text: dict, devic
 
 
 def _build(cfg: ServeConfig, metrics, ckpt: Path, raw: dict, text: dict, device: str, tok, runner, lane) -> Engine:
-    from dsv41.sched.memory import MemoryBudget, state_cost
+    from dsv41.sched.memory import MemoryBudget, memory_plan, state_cost, window_that_fits
     from dsv41.sched.scheduler import Scheduler
 
     cost = state_cost(text, elem_bytes=4)
-    budget_bytes = int(cfg.state_budget_gib * (1 << 30)) if cfg.state_budget_gib > 0 else \
-        free_memory_bytes(device) // 2
-    budget = MemoryBudget(budget_bytes, cost)
+    kept_bytes = int(cfg.prompt_cache_gib * (1 << 30))
+
+    def plan_for(window: int):
+        return memory_plan(text, cost, window, cfg.max_streams, cfg.prefill_chunk, kept_bytes)
+
+    # the window as asked, lowered to what the memory holds: --state-budget-gib bounds the state lines (window KV,
+    # partials, compressed KV, indexer keys, Engram history); auto: the whole plan within 90% of free memory
+    if cfg.state_budget_gib > 0:
+        limit, what = int(cfg.state_budget_gib * (1 << 30)), "--state-budget-gib"
+        window = window_that_fits(plan_for, limit, cfg.window, lambda p: p.pool + p.fixed)
+    else:
+        limit, what = int(free_memory_bytes(device) * 0.9), "90% of free memory"
+        window = window_that_fits(plan_for, limit, cfg.window, lambda p: p.total)
+    if window < 2:
+        raise StartError(f"{what} ({limit} bytes) does not hold the memory plan even for 2 positions "
+                         f"(--max-streams {cfg.max_streams}, --prefill-chunk {cfg.prefill_chunk}, "
+                         f"--prompt-cache-gib {cfg.prompt_cache_gib:g}): raise it or lower those")
+    if window < cfg.window:
+        print(f"dsv41: --window lowered from {cfg.window:,} to {window:,} positions to fit {what}", flush=True)
+    plan = plan_for(window)
+    budget = MemoryBudget(plan.pool + plan.fixed, cost, window=window)
     model_max = int(text.get("max_position_embeddings", 1 << 20))
-    context = min(cfg.context or model_max, model_max, cost.max_positions(budget_bytes))
-    if context < 2:
-        raise StartError(f"the state budget ({budget_bytes} bytes) does not hold even one short sequence; raise "
-                         f"--state-budget-gib")
+    context = min(cfg.context or cfg.max_model_len, model_max, window)
     sched = Scheduler(runner, budget, max_streams=cfg.max_streams, max_waiting=cfg.max_waiting,
                       prefill_chunk=cfg.prefill_chunk, stall_target_s=cfg.stall_target_s,
                       metrics=metrics, kept=_kept_index(cfg, ckpt, text, cost, tok),
@@ -196,4 +234,4 @@ def _build(cfg: ServeConfig, metrics, ckpt: Path, raw: dict, text: dict, device:
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos])
     return Engine(cfg=cfg, name=cfg.name or ckpt.name, tok=tok, sched=sched, context_len=context,
                   vocab_size=int(text["vocab_size"]), eos_ids=eos_ids, bos_id=tok.bos_id,
-                  think_end_id=tok.think_end_id, checkpoint=str(ckpt), device=device, lane=lane)
+                  think_end_id=tok.think_end_id, checkpoint=str(ckpt), device=device, plan=plan, lane=lane)

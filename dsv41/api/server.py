@@ -57,6 +57,9 @@ async def _serve(cfg: ServeConfig) -> int:
             exit_code = 1
             server.should_exit = True
             return
+        if eng.plan is not None:     # the memory plan admission keeps to (docs/long.md)
+            for line in eng.plan.lines():
+                print(f"dsv41: {line}", flush=True)
         eng.sched.start()
         metrics.scheduler = eng.sched
         state.engine = eng

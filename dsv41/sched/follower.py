@@ -32,8 +32,7 @@ def follower_device(want: str, rank: int, same_host: bool) -> str:
 
 def run_follower(cfg: ServeConfig) -> int:
     """Serve plans until rank 0 says stop (0) or the lane fails (1, with a line that names the rank)."""
-    from dsv41.api.engine import builtin_checkpoint
-    from dsv41.model.model import Model
+    from dsv41.api.engine import builtin_checkpoint, load_model
     from dsv41.model.weights import RankShare
     from dsv41.sched.runner import ModelRunner
 
@@ -53,7 +52,7 @@ def run_follower(cfg: ServeConfig) -> int:
                              same_host=chan.same_host, timeout=cfg.heartbeat_timeout_s)
             try:
                 t0 = time.monotonic()
-                model = Model.load(str(ckpt), device=device, dtype=torch.float32, share=RankShare(rank, world),
+                model = load_model(cfg, ckpt, device=device, dtype=torch.float32, share=RankShare(rank, world),
                                    comm=ring_comm(ring, world))
                 print(f"{tag}: ready: {ckpt} on {device}, ring {ring.kind}, loaded in "
                       f"{time.monotonic() - t0:.1f} s", flush=True)

@@ -1,8 +1,11 @@
-"""Memory accounting: what one sequence's state costs, and admission against a fixed budget.
+"""Memory accounting: what one sequence's state costs, the memory plan printed at start, and admission.
 
-A sequence reserves, at admission, the state bytes for prompt + max_tokens positions; the reservation is returned when
-it finishes or is cancelled. The sum of reservations never exceeds the budget, so states never grow past memory at
-run time (a request that would not fit waits; one that could never fit is refused with 400 at the door).
+All streams share one window of `--window` positions. A sequence reserves, at admission, prompt + max_tokens
+positions of it (at the state bytes per position); the reservation is returned when it finishes or is cancelled.
+The sum of reservations never exceeds the window, so states never grow past the plan at run time (a request that
+does not fit waits for room; one larger than the whole window is refused with 400 at the door). What does not grow
+with positions (each stream's window-KV rings and compressor partials, kept prompt states, one prompt pass's
+scratch) is reserved whole in the plan, for `max_streams` streams.
 
 State size from the config (arch.md §3, reference storage in the compute dtype):
 - window KV: every layer (backbone + DSpark) keeps `sliding_window` rows of `head_dim` (fixed per sequence);
@@ -69,31 +72,143 @@ def state_cost(text_config: dict, elem_bytes: int = 4) -> StateCost:
     return StateCost(fixed_bytes=fixed, per_ratio=tuple(per_ratio), per_token_bytes=engram)
 
 
-class MemoryBudget:
-    """Reservations against a byte budget. Plain bookkeeping, used only on the event loop."""
+def bytes_per_position(cost: StateCost) -> int:
+    """State bytes one position adds, amortised (compressed KV + indexer keys at 1/ratio, Engram history), margin
+    included, rounded up to whole bytes (so reservations add up exactly)."""
+    return math.ceil((cost.per_token_bytes + sum(entry / r for r, entry in cost.per_ratio)) * cost.margin)
 
-    def __init__(self, budget_bytes: int, cost: StateCost):
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where the state memory goes (bytes), for `window` shared positions and `max_streams` streams."""
+    window: int                 # positions shared by all streams
+    max_streams: int
+    prompt_chunk: int
+    window_kv: int              # every stream's window-KV rings (all layers + DSpark), fixed per stream
+    compressor_partials: int    # every stream's open compressor groups
+    compressed_kv: int          # compressed KV entries of `window` positions (+ one rounding entry per stream)
+    index_keys: int             # indexer keys, the same entries
+    engram_history: int         # one int64 compressed id per position
+    kept_states: int            # --prompt-cache-gib
+    prompt_scratch: int         # activations of one prompt pass of `prompt_chunk` rows (estimate)
+    margin: float               # on the state lines (allocator rounding, growth slack of the state buffers)
+
+    @property
+    def pool(self) -> int:
+        """Bytes the window's positions may hold: what admission reserves against."""
+        return int((self.compressed_kv + self.index_keys + self.engram_history) * self.margin)
+
+    @property
+    def fixed(self) -> int:
+        return int((self.window_kv + self.compressor_partials) * self.margin)
+
+    @property
+    def total(self) -> int:
+        return self.pool + self.fixed + self.kept_states + self.prompt_scratch
+
+    def lines(self) -> list[str]:
+        g = 1 << 30
+
+        def row(name, b, note):
+            return f"  {name:<22}{b / g:10.3f} GiB  {note}"
+        m = f"x{self.margin:g}"
+        per_pos = (self.compressed_kv + self.index_keys + self.engram_history) * self.margin / max(1, self.window)
+        return [f"memory plan: {self.window:,} positions shared by up to {self.max_streams} streams "
+                f"(~{per_pos:,.0f} B of state per position), prompt passes of {self.prompt_chunk} rows",
+                row("window KV", int(self.window_kv * self.margin), f"{self.max_streams} streams, fixed per stream, {m}"),
+                row("compressor partials", int(self.compressor_partials * self.margin), f"per stream, {m}"),
+                row("compressed KV", int(self.compressed_kv * self.margin), f"{self.window:,} positions, {m}"),
+                row("indexer keys", int(self.index_keys * self.margin), f"{self.window:,} positions, {m}"),
+                row("Engram history", int(self.engram_history * self.margin), f"{self.window:,} positions, {m}"),
+                row("kept prompt states", self.kept_states, "--prompt-cache-gib"),
+                row("prompt-pass scratch", self.prompt_scratch, f"{self.prompt_chunk} rows (estimate)"),
+                row("total", self.total, "")]
+
+
+def prompt_scratch_bytes(text_config: dict, rows: int) -> int:
+    """An estimate of one prompt pass's activations: per row the hyper-connection streams and their mixes, the
+    attention's queries and its scores against the window + top-k keys, the routed experts' intermediates, float32,
+    with a factor 2 for temporaries. (The forward frees them between layers; one pass is alive at a time.)"""
+    tc = text_config
+    H, hc = int(tc["hidden_size"]), int(tc.get("hc_mult", 4))
+    heads, hd = int(tc["num_attention_heads"]), int(tc["head_dim"])
+    keys = int(tc.get("sliding_window", 0)) + int(tc.get("index_topk", 0))
+    moe = int(tc.get("moe_intermediate_size", 0)) * int(tc.get("num_experts_per_tok", 1))
+    per_row = 4 * (hc * H * 4 + heads * hd * 2 + heads * keys + moe * 3 + H * 4)
+    return 2 * rows * per_row
+
+
+def memory_plan(text_config: dict, cost: StateCost, window: int, max_streams: int, prompt_chunk: int,
+                kept_bytes: int = 0, elem_bytes: int = 4) -> MemoryPlan:
+    tc = text_config
+    head_dim, index_dim = int(tc["head_dim"]), int(tc.get("index_head_dim", 0))
+    partials = 0
+    ckv = ikeys = 0
+    for r, _ in cost.per_ratio:
+        entries = math.ceil(window / r) + max_streams       # each stream may round one entry up
+        ckv += entries * head_dim * elem_bytes
+        ikeys += entries * index_dim * elem_bytes
+        partials += 2 * 2 * r * head_dim * 4
+    window_kv = cost.fixed_bytes - partials
+    return MemoryPlan(window=window, max_streams=max_streams, prompt_chunk=prompt_chunk,
+                      window_kv=max_streams * window_kv, compressor_partials=max_streams * partials,
+                      compressed_kv=ckv, index_keys=ikeys, engram_history=window * cost.per_token_bytes,
+                      kept_states=int(kept_bytes), prompt_scratch=prompt_scratch_bytes(tc, prompt_chunk),
+                      margin=cost.margin)
+
+
+def window_that_fits(plan_for, nbytes: int, most: int, part=lambda p: p.total) -> int:
+    """The largest window <= most whose plan (plan_for(window)) has part(plan) <= nbytes; 0 if none does."""
+    if part(plan_for(0)) > nbytes:
+        return 0
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if part(plan_for(mid)) <= nbytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class MemoryBudget:
+    """Reservations against a byte budget and, with `window` > 0, against the window of positions all streams share
+    (the server's plan sizes the bytes so that the positions bind first). Plain bookkeeping, on the event loop only."""
+
+    def __init__(self, budget_bytes: int, cost: StateCost, window: int = 0):
         self.budget = int(budget_bytes)
         self.cost = cost
+        self.window = int(window)
         self.used = 0
+        self.positions_used = 0
 
     def need(self, positions: int) -> int:
         return self.cost.bytes_for(positions)
 
     def fits_ever(self, positions: int) -> bool:
-        return self.need(positions) <= self.budget
+        return self.need(positions) <= self.budget and (not self.window or positions <= self.window)
+
+    def fits_now(self, positions: int) -> bool:
+        return self.used + self.need(positions) <= self.budget and (
+            not self.window or self.positions_used + positions <= self.window)
 
     def try_reserve(self, positions: int) -> int | None:
-        n = self.need(positions)
-        if self.used + n > self.budget:
+        """Reserve; returns the bytes reserved (give them back with release(bytes, positions)), None if no room."""
+        if not self.fits_now(positions):
             return None
+        n = self.need(positions)
         self.used += n
+        self.positions_used += positions
         return n
 
-    def release(self, nbytes: int) -> None:
+    def release(self, nbytes: int, positions: int = 0) -> None:
         self.used -= nbytes
-        assert self.used >= 0, "memory accounting went negative"
+        self.positions_used -= positions
+        assert self.used >= 0 and self.positions_used >= 0, "memory accounting went negative"
 
     @property
     def usage(self) -> float:
+        """Share reserved: of the window's positions when there is a window, else of the bytes."""
+        if self.window:
+            return self.positions_used / self.window
         return self.used / self.budget if self.budget else 0.0

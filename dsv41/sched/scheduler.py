@@ -108,9 +108,11 @@ class Scheduler:
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull("the engine is busy; retry shortly")
         if not self.budget.fits_ever(req.prompt_len + req.max_tokens):
-            raise TooLarge(f"prompt + max_tokens = {req.prompt_len + req.max_tokens} positions need "
-                           f"{self.budget.need(req.prompt_len + req.max_tokens)} bytes of state, more than the "
-                           f"server's budget of {self.budget.budget}; lower max_tokens or shorten the prompt")
+            n = req.prompt_len + req.max_tokens
+            room = f"the {self.budget.window} positions all streams share" if self.budget.window and \
+                n > self.budget.window else f"the server's state budget of {self.budget.budget} bytes"
+            raise TooLarge(f"prompt + max_tokens = {n} positions do not fit {room}; lower max_tokens or shorten "
+                           f"the prompt")
         self.waiting.append(req)
         self._wake.set()
         return req
@@ -275,7 +277,7 @@ class Scheduler:
 
     def _head_fits(self) -> bool:
         head = self.waiting[0]
-        return self.budget.used + self.budget.need(head.prompt_len + head.max_tokens) <= self.budget.budget
+        return self.budget.fits_now(head.prompt_len + head.max_tokens)
 
     def plan_round(self) -> StepPlan:
         """Build the next round's plan from the queues (no I/O; mutates bookkeeping only).
@@ -526,7 +528,7 @@ class Scheduler:
             self._fed.pop(req.id, None)
         if admitted:
             self.running.remove(req)
-            self.budget.release(req.reserved_bytes)
+            self.budget.release(req.reserved_bytes, req.prompt_len + req.max_tokens)
             req.reserved_bytes = 0
             self._to_close.append(req.id)
         if self.metrics is not None:
