@@ -12,11 +12,28 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dsv41.config import ModelConfig
-from dsv41.model.exl3 import MCG_MARKER, MUL1_MARKER, dequant_exl3, exl3_tensors, official_name
-from dsv41.model.exl3_load import Exl3Linear, _Shards, decode_linear, pack_inventory
 from dsv41.model import model as model_module
+from dsv41.model.exl3 import (
+    MCG_MARKER,
+    MUL1_MARKER,
+    dequant_exl3,
+    exl3_tensors,
+    official_name,
+)
+from dsv41.model.exl3_load import (
+    Exl3Linear,
+    Exl3Packed,
+    _Shards,
+    decode_linear,
+    pack_inventory,
+)
 from dsv41.model.model import Model, SeqInput
-from dsv41.model.weights import WeightError, expected_tensors, load_weights, read_weight_map
+from dsv41.model.weights import (
+    WeightError,
+    expected_tensors,
+    load_weights,
+    read_weight_map,
+)
 from dsv41.tools.make_tiny import main as make_tiny
 
 torch.set_num_threads(1)
@@ -27,6 +44,16 @@ def pack(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("exl3") / "pack"
     assert make_tiny(["--out", str(d), "--format", "exl3", "--vocab", "512", "--seed", "5"]) == 0
     return d
+
+
+@pytest.fixture(scope="module")
+def dense(pack) -> dict[str, torch.Tensor]:
+    return load_weights(pack, ModelConfig.from_checkpoint(pack))
+
+
+@pytest.fixture(scope="module")
+def decoded(pack) -> dict[str, torch.Tensor]:
+    return _decode_independently(pack, ModelConfig.from_checkpoint(pack))
 
 
 def _read_all(d: Path) -> dict[str, torch.Tensor]:
@@ -85,21 +112,20 @@ def test_pack_layout(pack):
     assert {p.name for p in (pack / "engram").glob("*.safetensors")}
 
 
-def test_loaded_weights_are_the_decoded_weights(pack):
+def test_loaded_weights_are_the_decoded_weights(pack, dense, decoded):
     cfg = ModelConfig.from_checkpoint(pack)
-    W = load_weights(pack, cfg)
-    ref = _decode_independently(pack, cfg)
-    assert set(W) == set(ref)
-    for name in ref:
-        assert W[name].dtype == torch.float32 and torch.equal(W[name], ref[name]), name
+    assert set(dense) == set(decoded)
+    for name in decoded:
+        assert dense[name].dtype == torch.float32 and torch.equal(dense[name], decoded[name]), name
     t = cfg.text
-    assert W["layers.0.attn.wo_a.weight"].shape == (t.o_groups * t.o_lora_rank,
-                                                     t.num_attention_heads * t.head_dim // t.o_groups)
+    assert dense["layers.0.attn.wo_a.weight"].shape == (t.o_groups * t.o_lora_rank,
+                                                         t.num_attention_heads * t.head_dim // t.o_groups)
     # a tensor-parallel share is the matching part of the whole
-    halves = [load_weights(pack, cfg, share=s) for s in (_share(0), _share(1))]
-    assert torch.equal(torch.cat([h["layers.0.attn.wo_b.weight"] for h in halves], 1), W["layers.0.attn.wo_b.weight"])
-    assert torch.equal(torch.cat([h["head.weight"] for h in halves], 0), W["head.weight"])
-    assert "layers.0.ffn.experts.0.w1.weight" in halves[0] and "layers.0.ffn.experts.0.w1.weight" not in halves[1]
+    second = load_weights(pack, cfg, share=_share(1))
+    n = t.hidden_size
+    assert torch.equal(second["layers.0.attn.wo_b.weight"], dense["layers.0.attn.wo_b.weight"][:, n:])
+    assert torch.equal(second["head.weight"], dense["head.weight"][t.vocab_size // 2:])
+    assert "layers.0.ffn.experts.15.w1.weight" in second and "layers.0.ffn.experts.0.w1.weight" not in second
 
 
 def _share(rank):
@@ -107,13 +133,11 @@ def _share(rank):
     return RankShare(rank, 2)
 
 
-def test_model_from_pack_equals_model_from_decoded_weights(pack, tmp_path, monkeypatch):
+def test_model_from_pack_equals_model_from_decoded_weights(pack, decoded, tmp_path, monkeypatch):
     """The decoded float32 weights, written as a plain safetensors file and read back, build (through the same
     Model.load, only its weight loader swapped) the same model as the pack: logits equal bit for bit."""
-    cfg = ModelConfig.from_checkpoint(pack)
     m = Model.load(pack, engram=pack / "engram")
-    save_file({k: v.contiguous() for k, v in _decode_independently(pack, cfg).items()},
-              str(tmp_path / "decoded.safetensors"))
+    save_file({k: v.contiguous() for k, v in decoded.items()}, str(tmp_path / "decoded.safetensors"))
     W = load_file(tmp_path / "decoded.safetensors")
     monkeypatch.setattr(model_module, "load_weights", lambda *a, **k: dict(W))
     ref = Model.load(pack, engram=pack / "engram")
@@ -255,3 +279,56 @@ def test_inventory_covers_every_quantised_weight():
                         ("attn.indexer.weights_proj.weight", inv.plain), ("engram.q_weight", inv.plain)):
         found = [n for n in official if n.endswith(leaf)]
         assert found and all(n in where for n in found), leaf
+
+
+# ---------------------------------------------------------------------------------------------- codes kept (GPU path)
+
+def test_kept_codes_match_the_dense_weights(pack, dense):
+    """keep_quant (the GPU path): the linears come back as Exl3Packed (codes), whose dense reconstruction is the
+    CPU path's weight bit for bit and whose product (W never formed) agrees with it; shares slice the codes."""
+    cfg = ModelConfig.from_checkpoint(pack)
+    kept = load_weights(pack, cfg, keep_quant=True)
+    assert set(kept) == set(dense)
+    packed = [n for n, w in kept.items() if isinstance(w, Exl3Packed)]
+    assert "head.weight" in packed and "layers.3.ffn.experts.2.w2.weight" in packed
+    assert not [n for n in packed if ".compressor." in n]      # the compressor's stay dense (.float() there)
+    g = torch.Generator().manual_seed(0)
+    for n in ("head.weight", "layers.3.ffn.experts.2.w2.weight", "layers.0.attn.wo_a.weight", "mtp.0.main_proj.weight"):
+        w = kept[n]
+        assert tuple(w.shape) == tuple(dense[n].shape) and torch.equal(w.dequant(), dense[n]), n
+        x = torch.randn(5, w.shape[1], generator=g)
+        ref = x @ dense[n].t()
+        assert (w.linear(x) - ref).abs().max() <= 2e-3 * ref.abs().max(), n
+    wo_a = kept["layers.0.attn.wo_a.weight"]
+    lo = cfg.text.o_lora_rank
+    assert torch.equal(wo_a[lo:2 * lo].dequant(), dense["layers.0.attn.wo_a.weight"][lo:2 * lo])
+    assert wo_a[lo:2 * lo] is wo_a[lo:2 * lo]                  # slices are kept (the model slices every call)
+    halves = [load_weights(pack, cfg, share=_share(r), keep_quant=True) for r in (0, 1)]
+    for n, dim in (("head.weight", 0), ("layers.0.attn.wo_b.weight", 1), ("layers.0.attn.wq_b.weight", 0)):
+        assert torch.equal(torch.cat([h[n].dequant() for h in halves], dim), dense[n]), n
+
+
+def test_kept_codes_model_rows_do_not_depend_on_the_batch(pack):
+    m = Model.load(pack, engram=pack / "engram", keep_quant=True)
+    a, b = torch.tensor([5, 77, 300, 12, 9, 401, 33]), torch.tensor([8, 8, 100, 2])
+    solo = m.forward([SeqInput(state=m.new_state(), ids=a, logits="all")])[0]
+    both = m.forward([SeqInput(state=m.new_state(), ids=b, logits="all"),
+                      SeqInput(state=m.new_state(), ids=a, logits="all")])[1]
+    assert torch.isfinite(solo).all() and torch.equal(solo, both)
+
+
+@pytest.mark.gpu
+def test_pack_on_cuda(pack):
+    """On the GPU the EXL3 linears run the fused Triton kernel on the codes: a row's logits do not depend on the
+    batch, and each kept linear agrees with its dense weight."""
+    m = Model.load(pack, device="cuda", engram=pack / "engram")
+    w = m.head
+    assert isinstance(w, Exl3Packed) and w.device.type == "cuda"
+    x = torch.randn(7, w.shape[1], device="cuda")
+    ref = x @ w.dequant().t()
+    assert (w.linear(x) - ref).abs().max() <= 2e-3 * ref.abs().max()
+    a, b = torch.tensor([5, 77, 300, 12, 9, 401, 33]), torch.tensor([8, 8, 100, 2])
+    solo = m.forward([SeqInput(state=m.new_state(), ids=a, logits="all")])[0]
+    both = m.forward([SeqInput(state=m.new_state(), ids=b, logits="all"),
+                      SeqInput(state=m.new_state(), ids=a, logits="all")])[1]
+    assert torch.isfinite(solo).all() and torch.equal(solo, both)

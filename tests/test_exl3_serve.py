@@ -3,9 +3,9 @@ from pathlib import Path
 
 import openai
 import pytest
+from test_server import LiveServer
 
 from dsv41.tools.make_tiny import main as make_tiny
-from test_server import LiveServer
 
 
 @pytest.fixture(scope="module")

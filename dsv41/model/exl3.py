@@ -125,7 +125,7 @@ def unpack_windows(trellis: torch.Tensor, K: float) -> torch.Tensor:
 
     A tile is a ring of 256*K bits held as 32-bit little-endian words of int16 pairs (2i, 2i+1), most significant
     bit first; the window of position p is the 16 bits ending at window_ends(p), wrapping around the ring."""
-    K2 = int(round(2 * K))
+    K2 = round(2 * K)
     t = trellis.to(torch.int64) & 0xFFFF
     words = t[..., 0::2] | (t[..., 1::2] << 16)                  # [kt, nt, 4*K2] uint32 values
     nw = words.shape[-1]

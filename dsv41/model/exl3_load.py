@@ -22,8 +22,25 @@ import torch
 from safetensors import safe_open
 
 from dsv41.config import ModelConfig
-from dsv41.model.exl3 import Exl3FormatError, dequant_exl3, official_name
-from dsv41.model.weights import BF16, F32, RankShare, TensorSpec, WeightError, expected_tensors, read_weight_map
+from dsv41.model.exl3 import (
+    Exl3FormatError,
+    bits_of,
+    codebook_of,
+    decode_trellis,
+    dequant_exl3,
+    exl3_linear,
+    official_name,
+    sign_scales,
+)
+from dsv41.model.weights import (
+    BF16,
+    F32,
+    RankShare,
+    TensorSpec,
+    WeightError,
+    expected_tensors,
+    read_weight_map,
+)
 
 F16, I16, I32 = "F16", "I16", "I32"
 # 16-bit tensors: exllamav3 keeps the source dtype; fp16 or float32 copies are accepted as well.
@@ -163,6 +180,112 @@ class _Shards:
 
 def decode_linear(lin: Exl3Linear, shards: _Shards) -> torch.Tensor:
     """The official-orientation weight [n_out, n_in] (fp16 values) of one EXL3 linear, checked part by part."""
+    parts = read_linear_parts(lin, shards)
+    try:
+        w = dequant_exl3(parts)
+    except Exl3FormatError as e:
+        raise WeightError(lin.module, str(e)) from None
+    return w.t()
+
+
+class Exl3Packed:
+    """An official weight [out, in] kept as its EXL3 linear(s) (row blocks in order; wo_a has one per output group):
+    the GPU path's counterpart of `device.Fp8Weight`, with the same protocol (shape, device, linear, row slices by
+    whole blocks, dequant, nbytes). `linear(x)` = x . W^T computed from the codes: on CUDA with kernels on, the
+    fused Triton kernel (kernels/exl3.py: W never formed, row-invariant, activations rounded to fp16 after the
+    input Hadamard); otherwise the float32 reference `exl3.exl3_linear` (W~ decoded once, fixed row tiles)."""
+
+    def __init__(self, blocks: list[dict[str, torch.Tensor]]):
+        self.blocks = blocks
+        self._w_rot: list[torch.Tensor | None] = [None] * len(blocks)
+        self._kernel_w: list[object | None] = [None] * len(blocks)
+        self._slices: dict[tuple[int, int, int], Exl3Packed] = {}   # the model slices wo_a per group every call
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(b["trellis"].shape[1] * 16 for b in self.blocks), self.blocks[0]["trellis"].shape[0] * 16))
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks[0]["trellis"].device
+
+    def __getitem__(self, rows: slice) -> Exl3Packed:
+        """Rows a:b of the official weight (e.g. one output group of wo_a)."""
+        a, b, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise ValueError("an EXL3 weight slices by contiguous rows only")
+        return self.split(0, a, b)
+
+    def split(self, dim: int, a: int, b: int) -> Exl3Packed:
+        """Rows (dim 0) or columns (dim 1) a:b of the official weight [out, in]. The Hadamard is block-diagonal over
+        128, so cutting at multiples of 128 cuts the EXL3 linear exactly: official rows are its output columns
+        (trellis dim 1, svh), official columns its input rows (trellis dim 0, suh)."""
+        if (dim, a, b) in self._slices:
+            return self._slices[dim, a, b]
+        if a % 128 or b % 128 or not 0 <= a < b <= self.shape[dim]:
+            raise ValueError(f"an EXL3 weight splits at multiples of 128 only, not {a}:{b} of dim {dim}")
+        if dim == 1:
+            blocks = [{**blk, "trellis": blk["trellis"][a // 16:b // 16].contiguous(), "suh": blk["suh"][a:b]}
+                      for blk in self.blocks]
+        else:
+            blocks, lo = [], 0
+            for blk in self.blocks:
+                n = blk["trellis"].shape[1] * 16
+                s, e = max(a, lo) - lo, min(b, lo + n) - lo
+                if s < e:
+                    blocks.append(blk if (s, e) == (0, n) else
+                                  {**blk, "trellis": blk["trellis"][:, s // 16:e // 16].contiguous(),
+                                   "svh": blk["svh"][s:e]})
+                lo += n
+        self._slices[dim, a, b] = part = Exl3Packed(blocks)
+        return part
+
+    def _block_linear(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        from dsv41.model import device as dev
+        k = dev.kernel("exl3_linear", x)
+        if k is not None:
+            if self._kernel_w[i] is None:
+                from kernels.exl3 import Exl3Weight
+                self._kernel_w[i] = Exl3Weight.from_tensors(self.blocks[i], x.device)
+            return k(x.contiguous(), self._kernel_w[i]).float()
+        if self._w_rot[i] is None:
+            t = self.blocks[i]
+            self._w_rot[i] = decode_trellis(t["trellis"].cpu(), *_rate(t)).to(x.device)
+        return exl3_linear(x, self.blocks[i], w_rot=self._w_rot[i])
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [self._block_linear(i, x) for i in range(len(self.blocks))]
+        return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+
+    def dequant(self) -> torch.Tensor:
+        """float32 [out, in]: the bit-exact dense reconstruction (CPU emulation: for tests and small weights)."""
+        cpu = [{k: v.cpu() for k, v in b.items()} for b in self.blocks]
+        return torch.cat([dequant_exl3(b).float().t() for b in cpu]).to(self.device)
+
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for b in self.blocks for v in b.values())
+
+
+def _rate(t: dict) -> tuple[float, int]:
+    cb = codebook_of(t)
+    return bits_of(t["trellis"], cb), cb
+
+
+def _register_kernel() -> None:
+    """Offer the fused EXL3 kernel to device.kernel() (which applies the CUDA and DSV41_KERNELS checks)."""
+    from dsv41.model import device as dev
+    if "exl3_linear" in dev.KERNELS:
+        return
+    try:
+        from kernels.exl3 import exl3_linear_triton
+    except Exception:  # noqa: BLE001 - Triton absent: the torch reference runs
+        return
+    dev.KERNELS["exl3_linear"] = exl3_linear_triton
+
+
+def read_linear_parts(lin: Exl3Linear, shards: _Shards) -> dict[str, torch.Tensor]:
+    """One EXL3 linear's parts, checked (header dtypes/shapes, rate, codebook, sign forms), as decode_linear reads
+    them; packed legacy signs unpacked to fp16, the obsolete .scale dropped."""
     parts = {}
     for pname, (dtypes, shape, _) in lin.parts().items():
         if pname not in shards.wm:
@@ -177,20 +300,26 @@ def decode_linear(lin: Exl3Linear, shards: _Shards) -> torch.Tensor:
         raise WeightError(f"{lin.module}.trellis", f"shape {list(tr.shape)}, expected "
                                                   f"[{lin.n_in // 16}, {lin.n_out // 16}, 16*K]")
     try:
-        w = dequant_exl3(parts)
+        _rate(parts)
+        out = {"trellis": tr, "suh": sign_scales(parts, "u", lin.n_in), "svh": sign_scales(parts, "v", lin.n_out)}
     except Exl3FormatError as e:
         raise WeightError(lin.module, str(e)) from None
-    return w.t()
+    for m in ("mcg", "mul1"):
+        if m in parts:
+            out[m] = parts[m]
+    return out
 
 
-def load_exl3_weights(ckpt: str | Path, cfg: ModelConfig, share: RankShare = RankShare(0, 1),
+def load_exl3_weights(ckpt: str | Path, cfg: ModelConfig, share: RankShare | None = None,
                       dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                       keep_quant: bool = False) -> dict[str, torch.Tensor]:
     """The share's tensors of an EXL3 pack under official names, as `weights.load_weights` returns them for an
     official checkpoint (module doc). Engram tables are checked (all or none in the pack) but not returned.
 
-    keep_quant (the GPU path keeps FP8/FP4 in checkpoint form) does not apply yet: EXL3 linears are decoded to
-    dense weights on every device; computing with the codes on CUDA (kernels/exl3.py) is the next step."""
+    keep_quant (the GPU path, device.py): every EXL3 linear the model only multiplies through `linear.linear` comes
+    back as an `Exl3Packed` on `device` (codes, sign-scales, marker) instead of a dense weight; the compressor's
+    (which the model converts with .float()) stays dense."""
+    share = share or RankShare(0, 1)
     d = Path(ckpt)
     wm = read_weight_map(d)
     inv = check_pack(wm, cfg)
@@ -211,9 +340,27 @@ def load_exl3_weights(ckpt: str | Path, cfg: ModelConfig, share: RankShare = Ran
             n_exp = t.dspark_n_routed_experts if name.startswith("mtp.") else t.n_routed_experts
             if not share.wants(name, n_exp):
                 continue
+            if keep_quant and ".attn.compressor." not in name:
+                packed = _packed(name, lins, shards, share, device)
+                if packed is not None:
+                    out[name] = packed
+                    continue
             w = torch.cat([decode_linear(lin, shards) for lin in lins], dim=0)
             part = share.split(name, tuple(w.shape))
             if part is not None:
                 w = w.narrow(part[0], part[1], part[2] - part[1])
             out[name] = w.to(dtype).contiguous().to(device)
     return out
+
+
+def _packed(name: str, lins: list[Exl3Linear], shards: _Shards, share: RankShare, device) -> Exl3Packed | None:
+    """The share of one weight as codes; None where the share's boundary cuts a 128-block (tiny models at TP2):
+    that weight is then decoded dense like on the CPU path."""
+    _register_kernel()
+    packed = Exl3Packed([{k: v.to(device) for k, v in read_linear_parts(lin, shards).items()} for lin in lins])
+    part = share.split(name, tuple(packed.shape))
+    if part is None:
+        return packed
+    if part[1] % 128 or part[2] % 128:
+        return None
+    return packed.split(*part)
