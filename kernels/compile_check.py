@@ -1,0 +1,85 @@
+"""Compile every kernel of fp8_linear, fp4_moe and sparse_attn for a CUDA target without a GPU (Triton's own ptxas),
+in the configurations the wrappers launch. The interpreter runs kernels as Python, so it misses what only the
+compiler rejects (non-constexpr globals, unsupported casts, shared memory over the limit); this catches those on a
+CPU machine. Run with TRITON_INTERPRET unset (the kernels must be real JIT functions):
+
+  python -m kernels.compile_check [--arch 90]      # prints each kernel's shared memory; exit 1 on a failure
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+CUDA_SMEM_LIMIT = 232448   # bytes of shared memory a Hopper block may use (227 KiB)
+
+
+def _cases():
+    from kernels import fp4_moe, fp8_linear, sparse_attn
+    div = [["tt.divisibility", 16]]
+    cfg8 = {"BM": fp8_linear.BLOCK_M, "BN": fp8_linear.BLOCK_N, "BK": fp8_linear.BLOCK_K, "INTERP": False}
+    sig8 = {"x_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32",
+            "K": "i32", "stride_xm": "i32", "chunk_blocks": "i32", "chunks_per_prog": "i32", "BM": "constexpr",
+            "BN": "constexpr", "BK": "constexpr", "EVEN_K": "constexpr", "INTERP": "constexpr"}
+    opt8 = {"num_warps": fp8_linear.NUM_WARPS, "num_stages": fp8_linear.NUM_STAGES}
+    yield ("fp8_linear fp32 x", fp8_linear._fp8_linear_kernel, sig8, {**cfg8, "EVEN_K": True},
+           {(i,): div for i in (0, 1, 2, 3, 5, 6, 7)}, opt8)
+    yield ("fp8_linear bf16 x, K tail", fp8_linear._fp8_linear_kernel, {**sig8, "x_ptr": "*bf16"},
+           {**cfg8, "EVEN_K": False}, {}, opt8)
+    yield ("fp8_linear partial sums", fp8_linear._sum_partials_kernel,
+           {"p_ptr": "*fp32", "out_ptr": "*fp32", "MN": "i32", "S": "i32", "BLOCK": "constexpr"},
+           {"BLOCK": fp8_linear.SUM_BLOCK}, {}, {})
+    opt4 = {"num_warps": fp4_moe.NUM_WARPS, "num_stages": fp4_moe.NUM_STAGES}
+    work = {"tile_e_ptr": "*i32", "tile_start_ptr": "*i32", "tile_cnt_ptr": "*i32", "order_ptr": "*i32"}
+    yield ("fp4_moe gate/up", fp4_moe._moe_up_kernel,
+           {"x_ptr": "*fp32", "w_ptr": "*i8", "s_ptr": "*u8", **work, "rw_ptr": "*fp32", "h_ptr": "*fp32",
+            "H": "i32", "I": "i32", "TOPK": "i32", "limit": "fp32", "BM": "constexpr", "BN": "constexpr",
+            "BKB": "constexpr", "INTERP": "constexpr"},
+           {"BM": fp4_moe.BLOCK_M, "BN": fp4_moe.BLOCK_N_UP, "BKB": fp4_moe.BLOCK_KB, "INTERP": False},
+           {(i,): div for i in range(11)}, opt4)
+    yield ("fp4_moe down", fp4_moe._moe_down_kernel,
+           {"h_ptr": "*fp32", "w_ptr": "*i8", "s_ptr": "*u8", **work, "y_ptr": "*fp32", "H": "i32", "I": "i32",
+            "BM": "constexpr", "BN": "constexpr", "BKB": "constexpr", "INTERP": "constexpr"},
+           {"BM": fp4_moe.BLOCK_M, "BN": fp4_moe.BLOCK_N_DOWN, "BKB": fp4_moe.BLOCK_KB, "INTERP": False},
+           {(i,): div for i in range(10)}, opt4)
+    yield ("fp4_moe slot sum", fp4_moe._slot_sum_kernel,
+           {"y_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*fp32", "N": "i32", "H": "i32", "TOPK": "i32",
+            "BR": "constexpr", "BH": "constexpr"}, {"BR": fp4_moe.SUM_ROWS, "BH": fp4_moe.SUM_COLS}, {}, {})
+    for t in ("fp32", "bf16"):
+        yield (f"sparse_attn {t}", sparse_attn._sparse_attn_kernel,
+               {"q_ptr": f"*{t}", "pool_ptr": f"*{t}", "idx_ptr": "*i32", "sink_ptr": "*fp32", "o_ptr": "*fp32",
+                "K": "i32", "scale_log2e": "fp32", "HEADS": "constexpr", "D": "constexpr", "BH": "constexpr",
+                "BJ": "constexpr", "INTERP": "constexpr"},
+               {"HEADS": 64, "D": 512, "BH": sparse_attn.BLOCK_H, "BJ": sparse_attn.BLOCK_J, "INTERP": False},
+               {(i,): div for i in range(6)},
+               {"num_warps": sparse_attn.NUM_WARPS, "num_stages": sparse_attn.NUM_STAGES})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", type=int, default=90)
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: the interpreter's functions cannot be compiled", file=sys.stderr)
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    target = GPUTarget("cuda", args.arch, 32)
+    failed = 0
+    for name, fn, sig, consts, attrs, opts in _cases():
+        try:
+            k = triton.compile(ASTSource(fn, sig, consts, attrs), target=target, options=opts)
+            smem = k.metadata.shared
+            spill = ".local" in k.asm["ptx"]
+            ok = smem <= CUDA_SMEM_LIMIT and not spill
+            print(f"{'ok ' if ok else 'BAD'} {name}: shared {smem} B{', spills to local memory' if spill else ''}")
+            failed += not ok
+        except Exception as exc:  # noqa: BLE001 -- report every kernel, then fail
+            print(f"BAD {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
