@@ -10,7 +10,11 @@ maximise the expected reply tokens per second of the round:
 - a round of R rows costs `costs(R)` seconds, a table measured when the server starts (`RoundCosts.measure`: one
   forward per row count, linear in between);
 - greedily add the draft token with the largest expected gain, remember the expected tokens per second after each
-  addition, and keep the best prefix; a round never exceeds `round_rows`.
+  addition, and keep the best prefix; a round never exceeds `round_rows`;
+- calibration: the server counts the drafts it expected to be accepted and those that were; p_j is scaled by
+  (accepted + 2) / (expected + 2), so a head whose confidence overstates (random weights: acceptance near zero)
+  soon gets no rows. While that scale is below EXPLORE_BELOW, drafts are proposed only every EXPLORE_EVERY rounds and
+  then verified at least one token deep, so the estimate can recover.
 
 More live sequences leave fewer rows and make each row's share of the round smaller, so drafts get shorter. With
 `fixed` > 0 every sequence verifies min(fixed, what fits) draft tokens instead (a knob for measuring and testing).
@@ -24,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 
 MEASURE_ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
+EXPLORE_BELOW = 0.1
+EXPLORE_EVERY = 8
 
 
 @dataclass
@@ -79,6 +85,28 @@ class DraftPolicy:
         self.costs = costs
         self.round_rows = round_rows
         self.fixed = fixed
+        self.expected = 0.0          # draft tokens the confidence head expected accepted (verified ones)
+        self.accepted = 0            # and those accepted
+
+    @property
+    def scale(self) -> float:
+        return (self.accepted + 2.0) / (self.expected + 2.0)
+
+    def record(self, expected: float, accepted: int) -> None:
+        self.expected += expected
+        self.accepted += accepted
+
+    def proposing(self, round_no: int) -> bool:
+        """Whether sequences propose drafts this round (the DSpark pass costs time even when nothing is verified)."""
+        return self.fixed > 0 or self.scale >= EXPLORE_BELOW or round_no % EXPLORE_EVERY == 0
+
+    def expected_accepted(self, confidence: list[float], n: int) -> float:
+        """Accepted draft tokens the (uncalibrated) confidence expects from the first n."""
+        total, reach = 0.0, 1.0
+        for p in accept_probs(confidence[:n]):
+            reach *= p
+            total += reach
+        return total
 
     def lengths(self, base_rows: int, base_tokens: int, cands: dict[int, tuple[list[float], int]]) -> dict[int, int]:
         """Draft tokens to verify per sequence. base_rows: rows the round has without drafts; base_tokens: reply
@@ -94,7 +122,8 @@ class DraftPolicy:
                 out[s] = n
                 room -= n
             return out
-        probs = {s: accept_probs(conf[:most]) for s, (conf, most) in cands.items()}
+        k = self.scale
+        probs = {s: [min(0.999, p * k) for p in accept_probs(conf[:most])] for s, (conf, most) in cands.items()}
         reach = {s: 1.0 for s in cands}          # P(every draft token so far accepted)
         order = []                               # additions, best expected gain first
         tokens = float(base_tokens)
@@ -117,6 +146,11 @@ class DraftPolicy:
         final = {s: 0 for s in cands}
         for s in order[:best_k]:
             final[s] += 1
+        if k < EXPLORE_BELOW:                    # exploring: one token deep where the round has room
+            for s in final:
+                if room > 0 and final[s] == 0:
+                    final[s] = 1
+                    room -= 1
         return final
 
 

@@ -99,6 +99,7 @@ class Scheduler:
         self.draft_stats = DraftStats()
         self._drafts: dict[int, tuple[list[int], list[float]]] = {}   # seq -> the draft proposed for its next row
         self._fed: dict[int, int] = {}            # seq -> tokens its state holds (may run past the reply: Rollback)
+        self._expect: dict[int, float] = {}       # seq -> accepted drafts its confidence expected this round
 
     # --- API side ------------------------------------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -264,6 +265,9 @@ class Scheduler:
     def _drafting(self, req: Request) -> bool:
         return self.policy is not None and req.draft
 
+    def _proposing(self, req: Request) -> bool:
+        return self._drafting(req) and self.policy.proposing(self._round)
+
     def _fail_all(self, err: Exception) -> None:
         """Drop every running sequence (their states may be out of step with the bookkeeping) and fail them."""
         self.runner.drop([r.id for r in self.running])
@@ -321,12 +325,12 @@ class Scheduler:
             d = lengths.get(r.id, [])
             left = r.max_tokens - len(r.output_ids)          # tokens this reply may still add, this round included
             rows.append(SeqRows(r.id, r.position - 1, [r.output_ids[-1]] + d, list(range(len(d) + 1)),
-                                draft=self.block_size if self._drafting(r) and left - 1 - len(d) >= 2 else 0))
+                                draft=self.block_size if self._proposing(r) and left - 1 - len(d) >= 2 else 0))
         for r, n in shares:
             n, saves = self._kept_cut(r, n)
             after += saves
             last = r.filled + n == r.prompt_len
-            ahead = self.block_size if last and self._drafting(r) and r.max_tokens >= 3 else 0
+            ahead = self.block_size if last and self._proposing(r) and r.max_tokens >= 3 else 0
             rows.append(SeqRows(r.id, r.filled, r.prompt_ids[r.filled:r.filled + n], [n - 1] if last else [],
                                 draft=ahead))
             self._prompt_rows[r.id] = n
@@ -367,6 +371,9 @@ class Scheduler:
         if not cands:
             return {}
         n = self.policy.lengths(len(decoding) + prompt_rows, len(decoding), cands)
+        for s, k in n.items():
+            if k > 0:
+                self._expect[s] = self.policy.expected_accepted(cands[s][0], k)
         return {s: toks[s][:k] for s, k in n.items() if k > 0}
 
     # --- kept prompt states (dsv41/sched/kept.py) -----------------------------------------------------------------
@@ -485,6 +492,7 @@ class Scheduler:
             samples = got.get(row.seq, [])
             if drafted:
                 self.draft_stats.add(drafted, accepted, len(samples))
+                self.policy.record(self._expect.pop(row.seq, 0.0), accepted)
                 req.drafted += drafted
                 req.draft_accepted += accepted
             if samples:
@@ -522,6 +530,7 @@ class Scheduler:
                  req.cached_tokens, len(req.output_ids), ev.reason, ttft, req.finish_time - req.arrival)
         self._marks.pop(req.id, None)
         self._drafts.pop(req.id, None)
+        self._expect.pop(req.id, None)
         if admitted and self.kept is not None and ev.reason in ("stop", "length"):
             self._to_keep.append(req)
         else:
