@@ -38,8 +38,9 @@ def _fp4_pair(q, s_a, s_b, BKB: tl.constexpr, INTERP: tl.constexpr):
     (s_a, s_b: [BN]) -> (even-k, odd-k) weights as bf16 operands. E2M1 code c as fp16 bits (c&7)<<9 | (c&8)<<12 is
     the value times 2^-14 (the subnormal 0.5 included), so the factor is 2^(s-127+14) (codes up to 240)."""
     b = q.to(tl.int32)
-    s = tl.where(tl.arange(0, BKB)[:, None] < 16, s_a[None, :], s_b[None, :]).to(tl.int32)
-    f = ((s + 14) << 23).to(tl.float32, bitcast=True)
+    f_a = ((s_a.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)     # per column, then per element
+    f_b = ((s_b.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+    f = tl.where(tl.arange(0, BKB)[:, None] < 16, f_a[None, :], f_b[None, :])
     vlo = (((b & 0x7) << 9) | ((b & 0x8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     vhi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return bf16_operand(vlo * f, INTERP), bf16_operand(vhi * f, INTERP)

@@ -89,8 +89,10 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, chunk_b
                 wt = tl.load(w_cols + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                 s_lo = tl.load(s_row + 2 * kb, mask=n_ok, other=0)
                 s_hi = tl.load(s_row + 2 * kb + 1, mask=n_ok & (kb * BK + 32 + 0 * offs_n < K), other=0)
-            st = tl.where(first_half, s_lo[None, :], s_hi[None, :])
-            wf = wt.to(tl.float32) * (st.to(tl.int32) << 23).to(tl.float32, bitcast=True)   # q · 2^(s-127)
+            # 2^(s-127) from the code's float32 bits, per column, then per element the half's factor
+            f_lo = (s_lo.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            f_hi = (s_hi.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            wf = wt.to(tl.float32) * tl.where(first_half, f_lo[None, :], f_hi[None, :])
             part = mma(bf16_operand(xt, INTERP), bf16_operand(wf, INTERP), part, INTERP)
         total = total + part
     out = out_ptr + pid_g.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
