@@ -127,3 +127,21 @@ def test_without_tables_refuses_unless_degraded(ckpts):
     assert torch.equal(got, zero)
     normal = Model.load(inline, engram_cache_bytes=0).forward([SeqInput(full.new_state(), ids, "all")])[0]
     assert not torch.equal(got, normal)          # the tables matter: degraded is not the same model
+
+
+def test_server_start_refuses_without_tables_and_says_degraded(ckpts, capsys):
+    from dsv41 import BUILTIN_TOKENIZER_DIR
+    from dsv41.api.engine import StartError, load_engine
+    from dsv41.serve_config import ServeConfig
+    _, split, tables = ckpts
+    base = dict(model=str(split), tokenizer=str(BUILTIN_TOKENIZER_DIR), device="cpu", max_images=0,
+                prompt_cache_gib=0, state_budget_gib=0.5, max_streams=2)
+    with pytest.raises(StartError, match="--engram DIR.*--no-engram"):
+        load_engine(ServeConfig(**base))
+    eng = load_engine(ServeConfig(**base, no_engram=True))
+    assert "replies are degraded" in capsys.readouterr().out
+    assert eng.sched.runner.model.engram_store is None
+    eng = load_engine(ServeConfig(**base, engram=str(tables), engram_cache_mib=1))
+    store = eng.sched.runner.model.engram_store
+    assert store is not None and store.cache_rows == (1 << 20) // store.row_bytes
+    assert "degraded" not in capsys.readouterr().out
