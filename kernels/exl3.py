@@ -52,7 +52,7 @@ def _codebook(w, CB: tl.constexpr):
 @triton.jit
 def _window_layout(K2: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     """Where each element of a [BK, BN] block of W~ finds its 16-bit window inside its tile's words: (first word,
-    next word, right shift of the 64-bit pair). A function of the position in the 16x16 tile only, so it is
+    next word, bit offset of the window in the first word, MSB first). A function of the position in the 16x16 tile only, so it is
     computed once per program and reused for every tile the program decodes.
 
     Element (row, col) sits at trellis position p = 8*lane + j (tensor-core order); its window ends at bit
@@ -68,21 +68,24 @@ def _window_layout(K2: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     end = (p >> 4) * (8 * K2) + m1 * KA + HALF * (m1 >> 1)
     start = (end - 16 + RING) % RING
     wi = start >> 5
-    shift = (48 - (start & 31)).to(tl.uint64)
-    return wi, (wi + 1) % NW, shift
+    return wi, (wi + 1) % NW, (start & 31).to(tl.uint32)
 
 
 @triton.jit
-def _decode_block(words, wi, wj, shift, k0, n0, NT, K2: tl.constexpr, CB: tl.constexpr,
+def _decode_block(words, wi, wj, off, k0, n0, NT, K2: tl.constexpr, CB: tl.constexpr,
                   BK: tl.constexpr, BN: tl.constexpr):
-    """W~[k0:k0+BK, n0:n0+BN] (fp16) from the trellis words (int32 view of the int16 trellis), given the layout."""
+    """W~[k0:k0+BK, n0:n0+BN] (fp16) from the trellis words (int32 view of the int16 trellis), given the layout.
+
+    The window is bits off..off+15 (MSB first) of the pair (a, b): a funnel shift in 32-bit arithmetic (no 64-bit
+    shifts), and the second word is loaded only where the window reaches into it (off > 16)."""
     NW: tl.constexpr = 4 * K2
     tile = ((k0 // 16) + tl.arange(0, BK) // 16)[:, None] * NT + ((n0 // 16) + tl.arange(0, BN) // 16)[None, :]
     base = words + tile.to(tl.int64) * NW
     a = tl.load(base + wi).to(tl.uint32, bitcast=True)
-    b = tl.load(base + wj).to(tl.uint32, bitcast=True)
-    pair = (a.to(tl.uint64) << 32) | b.to(tl.uint64)            # bits MSB-first across the two words
-    w = ((pair >> shift) & 0xFFFF).to(tl.uint32)
+    b = tl.load(base + wj, mask=off > 16, other=0).to(tl.uint32, bitcast=True)
+    hi = a << off
+    lo = (b >> 1) >> (31 - off)                                   # b >> (32 - off), without a shift by 32
+    w = ((hi | lo) >> 16) & 0xFFFF
     return _codebook(w, CB)
 
 
@@ -155,13 +158,13 @@ def _gemm_kernel(x_ptr, words_ptr, ids_ptr, rows_ptr, part_ptr, M, N, D, NT, exp
         rn = pid_n * BN + tl.arange(0, BN)
         xrow = x_ptr + g.to(tl.int64) * M * D + rm[:, None].to(tl.int64) * D
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        wi, wj, shift = _window_layout(K2, BK, BN)
+        wi, wj, off = _window_layout(K2, BK, BN)
         s0 = pid_s * steps_per_split
         s1 = tl.minimum(s0 + steps_per_split, D // BK)
         for step in range(s0, s1):
             k0 = step * BK
             xk = tl.load(xrow + (k0 + tl.arange(0, BK))[None, :], mask=rm[:, None] < m_valid, other=0.0)
-            w = _decode_block(words, wi, wj, shift, k0, pid_n * BN, NT, K2, CB, BK, BN)
+            w = _decode_block(words, wi, wj, off, k0, pid_n * BN, NT, K2, CB, BK, BN)
             acc += tl.dot(xk, w)
         off = (pid_s * G + g).to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
         tl.store(part_ptr + off, acc, mask=rm[:, None] < M)
@@ -172,8 +175,8 @@ def _reconstruct_kernel(words_ptr, out_ptr, N, NT, K2: tl.constexpr, CB: tl.cons
                         BK: tl.constexpr, BN: tl.constexpr):
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
-    wi, wj, shift = _window_layout(K2, BK, BN)
-    w = _decode_block(words_ptr, wi, wj, shift, pid_k * BK, pid_n * BN, NT, K2, CB, BK, BN)
+    wi, wj, off = _window_layout(K2, BK, BN)
+    w = _decode_block(words_ptr, wi, wj, off, pid_k * BK, pid_n * BN, NT, K2, CB, BK, BN)
     rk = pid_k * BK + tl.arange(0, BK)
     rn = pid_n * BN + tl.arange(0, BN)
     tl.store(out_ptr + rk[:, None].to(tl.int64) * N + rn[None, :], w)
@@ -192,7 +195,7 @@ class Exl3Weight:
     out_features: int
 
     @classmethod
-    def from_tensors(cls, parts: dict | list[dict], device: str | torch.device = "cuda") -> "Exl3Weight":
+    def from_tensors(cls, parts: dict | list[dict], device: str | torch.device = "cuda") -> Exl3Weight:
         """From one EXL3 tensor dict (trellis, suh|su, svh|sv, mcg|mul1, bias) or a list of same-shape ones."""
         parts = [parts] if isinstance(parts, dict) else list(parts)
         parsed = [_parse(p) for p in parts]
@@ -209,7 +212,7 @@ class Exl3Weight:
             suh=torch.stack([p[3] for p in parsed]).to(dev, torch.float16).contiguous(),
             svh=torch.stack([p[4] for p in parsed]).to(dev, torch.float16).contiguous(),
             bias=torch.stack([p[5] for p in parsed]).to(dev, torch.float16).contiguous() if all(has_bias) else None,
-            K2=int(round(2 * K)), cb=cb, in_features=t0.shape[0] * 16, out_features=t0.shape[1] * 16)
+            K2=round(2 * K), cb=cb, in_features=t0.shape[0] * 16, out_features=t0.shape[1] * 16)
 
     @property
     def experts(self) -> int:
@@ -318,5 +321,13 @@ def exl3_linear_prompt(x: torch.Tensor, w: Exl3Weight, w_rot: torch.Tensor | Non
     return _had_out(part, w, ids, out_dtype).reshape(*lead, w.out_features)
 
 
-__all__ = ["Exl3Weight", "exl3_grouped", "exl3_linear_triton", "exl3_reconstruct", "exl3_linear_prompt",
-           "BLOCK_M", "BLOCK_N", "BLOCK_K"]
+__all__ = [
+    "BLOCK_K",
+    "BLOCK_M",
+    "BLOCK_N",
+    "Exl3Weight",
+    "exl3_grouped",
+    "exl3_linear_prompt",
+    "exl3_linear_triton",
+    "exl3_reconstruct",
+]

@@ -332,3 +332,53 @@ def test_pack_on_cuda(pack):
     both = m.forward([SeqInput(state=m.new_state(), ids=b, logits="all"),
                       SeqInput(state=m.new_state(), ids=a, logits="all")])[1]
     assert torch.isfinite(solo).all() and torch.equal(solo, both)
+
+
+def test_grouped_experts_equal_each_expert():
+    """Exl3ExpertStack (one grouped launch per stack for a layer's routed experts) gives each row the same bits as
+    running its experts one by one through the fused kernel, summed in slot order; rows of other ranks' experts
+    get nothing. Kernels under TRITON_INTERPRET on the CPU."""
+    from dsv41.model.exl3_load import stack_exl3_experts
+    from dsv41.model.linear import silu
+    from dsv41.model.moe import Expert
+    from kernels.exl3 import Exl3Weight, exl3_linear_triton
+    g = torch.Generator().manual_seed(3)
+
+    def parts(n_in, n_out):
+        return {"trellis": torch.randint(-(1 << 15), 1 << 15, (n_in // 16, n_out // 16, 40), generator=g,
+                                         dtype=torch.int32).to(torch.int16),
+                "suh": (torch.randn(n_in, generator=g) * 0.3).half(), "svh": (torch.randn(n_out, generator=g) * 0.1).half(),
+                "mul1": torch.tensor(MUL1_MARKER, dtype=torch.int32)}
+
+    H, inter, limit = 128, 128, 2.0
+    experts = {e: Expert(w1=Exl3Packed([parts(H, inter)]), w2=Exl3Packed([parts(inter, H)]),
+                         w3=Exl3Packed([parts(H, inter)])) for e in (0, 2, 3)}          # expert 1: another rank
+    before = {e: ex.w2.dequant() for e, ex in experts.items()}
+    stack = stack_exl3_experts(experts, 4)
+    assert experts[3].w2.blocks[0]["trellis"].data_ptr() == stack.w2.trellis[2].data_ptr()   # views, held once
+    assert all(torch.equal(ex.w2.dequant(), before[e]) for e, ex in experts.items())
+    x = torch.randn(5, H, generator=g)
+    ids = torch.tensor([[0, 2], [3, 1], [2, 0], [1, 3], [0, 3]])
+    weights = torch.rand(5, 2, generator=g)
+    got = stack.grouped(x, weights, ids, limit)
+
+    def lin(v, w):
+        return exl3_linear_triton(v, Exl3Weight.from_tensors(w.blocks[0], "cpu"))
+
+    want = []
+    for r in range(5):
+        acc = None
+        for s in range(2):
+            e = experts.get(int(ids[r, s]))
+            if e is None:
+                y = torch.zeros(1, H)
+            else:
+                xr = x[r:r + 1]
+                h = silu(torch.clamp(lin(xr, e.w1), max=limit)) * torch.clamp(lin(xr, e.w3), min=-limit, max=limit)
+                y = lin(h * weights[r, s], e.w2)
+            acc = y if acc is None else acc + y
+        want.append(acc)
+    want = torch.cat(want)
+    assert torch.isfinite(got).all() and got.abs().max() > 0
+    assert torch.equal(got, want)
+    assert torch.equal(stack.grouped(x[2:4], weights[2:4], ids[2:4], limit), got[2:4])

@@ -15,17 +15,36 @@ from __future__ import annotations
 
 import math
 import re
-from functools import lru_cache
+from functools import cache
 
 import torch
 
 from dsv41.model.linear import tiled
 
 __all__ = [
-    "Exl3FormatError", "CB_3INST", "CB_MCG", "CB_MUL1", "MCG_MARKER", "MUL1_MARKER",
-    "exl3_tensors", "codebook_of", "bits_of", "window_ends", "tile_positions", "unpack_windows",
-    "decode_codebook", "decode_trellis", "unpack_signs", "sign_scales", "dequant_exl3", "hadamard_128_rows",
-    "exl3_linear", "EXL3_TO_OFFICIAL", "WO_A_SLICE_ROWS", "official_name", "V41_PACK_BITS",
+    "CB_3INST",
+    "CB_MCG",
+    "CB_MUL1",
+    "EXL3_TO_OFFICIAL",
+    "MCG_MARKER",
+    "MUL1_MARKER",
+    "V41_PACK_BITS",
+    "WO_A_SLICE_ROWS",
+    "Exl3FormatError",
+    "bits_of",
+    "codebook_of",
+    "decode_codebook",
+    "decode_trellis",
+    "dequant_exl3",
+    "exl3_linear",
+    "exl3_tensors",
+    "hadamard_128_rows",
+    "official_name",
+    "sign_scales",
+    "tile_positions",
+    "unpack_signs",
+    "unpack_windows",
+    "window_ends",
 ]
 
 
@@ -98,7 +117,7 @@ def bits_of(trellis: torch.Tensor, cb: int) -> float:
     return int(K)
 
 
-@lru_cache(maxsize=None)
+@cache
 def window_ends(K2: int) -> torch.Tensor:
     """Ring bit index where the 16-bit window of tile position p (0..255) ends, for K = K2/2 bits per weight.
 
@@ -110,7 +129,7 @@ def window_ends(K2: int) -> torch.Tensor:
     return (p >> 4) * 8 * K2 + m1 * ka + half * (m1 >> 1)
 
 
-@lru_cache(maxsize=None)
+@cache
 def tile_positions() -> tuple[torch.Tensor, torch.Tensor]:
     """(row, col) in the 16x16 tile of trellis position p = 8l + j (the tensor-core lane order, §8.3)."""
     p = torch.arange(256, dtype=torch.int64)
@@ -223,7 +242,7 @@ def _parse(t: dict) -> tuple[torch.Tensor, float, int, torch.Tensor, torch.Tenso
     return trellis.cpu() if trellis.device.type != "cpu" else trellis, K, cb, suh, svh, bias
 
 
-@lru_cache(maxsize=None)
+@cache
 def _sylvester(n: int) -> torch.Tensor:
     """Unscaled Sylvester Hadamard (+-1, float64): H[i, j] = (-1)^popcount(i & j)."""
     i = torch.arange(n)

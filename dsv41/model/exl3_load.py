@@ -364,3 +364,79 @@ def _packed(name: str, lins: list[Exl3Linear], shards: _Shards, share: RankShare
     if part[1] % 128 or part[2] % 128:
         return None
     return packed.split(*part)
+
+
+class Exl3ExpertStack:
+    """A layer's routed experts kept as EXL3 codes, stacked for the grouped kernel (kernels.exl3.exl3_grouped), the
+    counterpart of device.ExpertStack: w1 and w3 of held expert j at 2j and 2j+1 of one stack, w2 at j of another;
+    `routed` runs every picked expert's rows in one launch per stack (w1 and w3 together, then w2) instead of three
+    launches per expert and matrix. Each row's result is the same bits as the per-expert path through
+    Exl3Packed.linear on the kernel (same kernels, tile sizes fixed by the shape; slots summed in slot order)."""
+
+    def __init__(self, w13, w2, local: torch.Tensor):
+        self.w13, self.w2, self.local = w13, w2, local
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float) -> torch.Tensor | None:
+        """Σ over slots of the routed experts' outputs; None when the kernel is absent or disabled (the caller then
+        runs the experts one by one)."""
+        from dsv41.model import device as dev
+        if dev.kernel("exl3_linear", x) is None:
+            return None
+        return self.grouped(x, weights, ids, limit)
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float) -> torch.Tensor:
+        from dsv41.model.linear import silu
+        from kernels.exl3 import exl3_grouped
+        n, top_k = ids.shape
+        H = x.shape[1]
+        local = self.local[ids].reshape(-1)                          # [n*k] (row, slot) pairs -> stack index
+        pair = torch.nonzero(local >= 0).squeeze(1)
+        slots = x.new_zeros((n * top_k, H))
+        if pair.numel():
+            used, group = torch.unique(local[pair], return_inverse=True)   # each used expert one group
+            order = torch.argsort(group, stable=True)
+            pair, group = pair[order], group[order]
+            counts = torch.bincount(group, minlength=used.numel())
+            starts = torch.cumsum(counts, 0) - counts
+            pos = torch.arange(pair.numel(), device=x.device) - starts[group]
+            G, M = used.numel(), int(counts.max())
+            xg = x.new_zeros((G, M, H))
+            xg[group, pos] = x[pair // top_k]
+            rows = counts.to(torch.int32)
+            gu = exl3_grouped(torch.cat([xg, xg]), self.w13, torch.cat([2 * used, 2 * used + 1]).to(torch.int32),
+                              torch.cat([rows, rows]))
+            gate = torch.clamp(gu[:G], max=limit)
+            up = torch.clamp(gu[G:], min=-limit, max=limit)
+            h = silu(gate) * up
+            h = h * x.new_zeros((G, M)).index_put_((group, pos), weights.reshape(-1)[pair])[..., None]
+            y = exl3_grouped(h, self.w2, used.to(torch.int32), rows)
+            slots[pair] = y[group, pos]
+        slots = slots.view(n, top_k, H)
+        out = slots[:, 0]
+        for j in range(1, top_k):
+            out = out + slots[:, j]
+        return out
+
+
+def stack_exl3_experts(experts: dict, n_experts: int) -> Exl3ExpertStack | None:
+    """The grouped-kernel stack of a layer's experts whose weights are Exl3Packed single matrices of one shape, rate
+    and codebook each (as a pack stores them); None otherwise (the per-expert path runs)."""
+    from kernels.exl3 import Exl3Weight
+    if not experts or not all(isinstance(getattr(e, m), Exl3Packed) and len(getattr(e, m).blocks) == 1
+                              for e in experts.values() for m in ("w1", "w2", "w3")):
+        return None
+    ids = sorted(experts)
+    dev = experts[ids[0]].w1.device
+    try:
+        w13 = Exl3Weight.from_tensors([getattr(experts[e], m).blocks[0] for e in ids for m in ("w1", "w3")], dev)
+        w2 = Exl3Weight.from_tensors([experts[e].w2.blocks[0] for e in ids], dev)
+    except Exl3FormatError:        # mixed rates or codebooks within the layer: one launch per expert instead
+        return None
+    for j, e in enumerate(ids):      # the experts' own weights become views into the stack (held once)
+        ex = experts[e]
+        for m, w, k in (("w1", w13, 2 * j), ("w3", w13, 2 * j + 1), ("w2", w2, j)):
+            old = getattr(ex, m).blocks[0]
+            setattr(ex, m, Exl3Packed([{**old, "trellis": w.trellis[k], "suh": w.suh[k], "svh": w.svh[k]}]))
+    local = torch.full((n_experts,), -1, dtype=torch.int64, device=dev)
+    local[torch.tensor(ids, device=dev)] = torch.arange(len(ids), device=dev)
+    return Exl3ExpertStack(w13, w2, local)
