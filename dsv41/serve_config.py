@@ -60,6 +60,12 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     loop_guard: bool = False             # default of the per-request reasoning loop guard
     seed_random: bool = False            # no seed in the request: draw a random one instead of the prompt-derived one
     seed_salt: str = "0"
+    # image input (docs/vision.md)
+    max_images: int = 16                 # images per conversation; more get 400
+    image_urls: bool = False             # fetch http(s) image URLs (else only base64 data URLs)
+    image_url_max_bytes: int = 20 << 20  # largest image file fetched from a URL
+    image_url_timeout_s: float = 10.0    # whole fetch of one image URL
+    image_max_pixels: int = 8192 * 8192  # larger images (stored width x height) get 400 (decompression bombs)
     # streaming and life cycle
     keepalive_s: float = 10.0
     shutdown_grace_s: float = 30.0
@@ -117,6 +123,14 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise bad("keepalive_s", "must be positive")
         if self.shutdown_grace_s < 0:
             raise bad("shutdown_grace_s", "must not be negative")
+        if self.max_images < 0:
+            raise bad("max_images", "must not be negative")
+        if self.image_url_max_bytes < 1:
+            raise bad("image_url_max_bytes", "must be at least 1")
+        if self.image_url_timeout_s <= 0:
+            raise bad("image_url_timeout_s", "must be positive")
+        if self.image_max_pixels < 1:
+            raise bad("image_max_pixels", "must be at least 1")
         if self.tp < 1:
             raise bad("tp", "must be at least 1")
         if not (0 <= self.rank < self.tp):
@@ -189,6 +203,14 @@ FIELD_HELP: dict[str, str] = {
     "seed_random": "a request without a seed draws a fresh random seed (default: derived from its prompt ids, so "
                    "identical conversations sample identically)",
     "seed_salt": "salt mixed into the prompt-derived seed",
+    "max_images": "images one conversation may hold (image_url parts in user messages and tool results); more get "
+                  "400; 0 = no image input",
+    "image_urls": "also take http(s) image URLs, fetched by the server within --image-url-max-bytes and "
+                  "--image-url-timeout-s (off: only base64 data URLs)",
+    "image_url_max_bytes": "largest image file fetched from a URL; a larger one gets 400",
+    "image_url_timeout_s": "seconds one image URL fetch may take (connect + download); slower gets 400",
+    "image_max_pixels": "images whose stored width x height is larger get 400 (decompression bombs); Pillow itself "
+                        "refuses above about 179 M pixels",
     "keepalive_s": "seconds between ': keepalive' SSE comments while a streamed request waits or its prompt fills",
     "shutdown_grace_s": "on SIGTERM: stop admitting, let running replies finish for this long, then cancel them",
     "log_level": "server log level",

@@ -43,6 +43,7 @@ class Engine:
     created: int = field(default_factory=lambda: int(time.time()))
     lane: object = None              # dsv41.sched.tp.TPLane with --tp > 1 (rank 0), else None
     plan: object = None              # dsv41.sched.memory.MemoryPlan, printed at start
+    images: object = None            # dsv41.api.images.ImageService when the checkpoint has vision weights
 
 
 def cache_root() -> Path:
@@ -64,7 +65,7 @@ def builtin_checkpoint() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{version}-", dir=out.parent))
     os.chmod(tmp, 0o755)
     cmd = [sys.executable, "-m", "dsv41.tools.make_tiny", "--out", str(tmp), "--seed", "0",
-           "--tokenizer", str(BUILTIN_TOKENIZER_DIR)]
+           "--tokenizer", str(BUILTIN_TOKENIZER_DIR), "--vision"]
     res = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
     if res.returncode != 0:
         raise StartError(f"making the tiny checkpoint failed: {' '.join(cmd)}\n{res.stderr[-2000:]}")
@@ -232,6 +233,8 @@ def _build(cfg: ServeConfig, metrics, ckpt: Path, raw: dict, text: dict, device:
                       drafts=cfg.drafts, round_rows=cfg.round_rows, draft_tokens=cfg.draft_tokens)
     eos = raw.get("eos_token_id", text.get("eos_token_id", 1))
     eos_ids = frozenset(eos if isinstance(eos, list) else [eos])
+    from dsv41.api.images import ImageService
+    images = ImageService.load(ckpt, cfg, device) if cfg.max_images > 0 else None
     return Engine(cfg=cfg, name=cfg.name or ckpt.name, tok=tok, sched=sched, context_len=context,
                   vocab_size=int(text["vocab_size"]), eos_ids=eos_ids, bos_id=tok.bos_id,
-                  think_end_id=tok.think_end_id, checkpoint=str(ckpt), device=device, plan=plan, lane=lane)
+                  think_end_id=tok.think_end_id, checkpoint=str(ckpt), device=device, plan=plan, lane=lane, images=images)
