@@ -164,3 +164,17 @@ def test_policy_shortens_drafts_with_more_streams():
     assert pol.lengths(64, 64, {0: (conf, 5)}) == {0: 0}        # a full round takes no drafts
     fixed = DraftPolicy(costs, round_rows=10, fixed=5)
     assert fixed.lengths(4, 4, {0: (conf, 5), 1: (conf, 2)}) == {0: 5, 1: 1}
+
+
+def test_policy_calibrates_by_acceptance():
+    """A head that promises acceptance it does not deliver gets no rows; then proposals only every 8th round, one
+    token deep, so the estimate can recover."""
+    pol = DraftPolicy(RoundCosts([1, 64], [0.10, 0.12]), round_rows=64)
+    conf = [4.0] * 5
+    assert pol.lengths(2, 2, {0: (conf, 5), 1: (conf, 5)}) == {0: 5, 1: 5}
+    pol.record(pol.expected_accepted(conf, 5) * 20, 0)
+    assert pol.scale < 0.1
+    assert pol.lengths(2, 2, {0: (conf, 5), 1: (conf, 5)}) == {0: 1, 1: 1}
+    assert not pol.proposing(9) and pol.proposing(16)
+    pol.record(0.0, 200)                                    # the head turned out right after all
+    assert pol.scale > 1 and pol.proposing(9)
