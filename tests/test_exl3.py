@@ -9,9 +9,27 @@ import pytest
 import torch
 
 from dsv41.model.exl3 import (
-    CB_3INST, CB_MCG, CB_MUL1, MCG_MARKER, MUL1_MARKER, Exl3FormatError, EXL3_TO_OFFICIAL, V41_PACK_BITS,
-    bits_of, codebook_of, decode_codebook, decode_trellis, dequant_exl3, exl3_linear, exl3_tensors,
-    hadamard_128_rows, official_name, tile_positions, unpack_signs, unpack_windows, window_ends,
+    CB_3INST,
+    CB_MCG,
+    CB_MUL1,
+    EXL3_TO_OFFICIAL,
+    MCG_MARKER,
+    MUL1_MARKER,
+    V41_PACK_BITS,
+    Exl3FormatError,
+    bits_of,
+    codebook_of,
+    decode_codebook,
+    decode_trellis,
+    dequant_exl3,
+    exl3_linear,
+    exl3_tensors,
+    hadamard_128_rows,
+    official_name,
+    tile_positions,
+    unpack_signs,
+    unpack_windows,
+    window_ends,
 )
 
 FIXTURE = Path(__file__).parent / "fixtures" / "exl3" / "exl3_fixtures.safetensors"

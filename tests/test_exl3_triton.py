@@ -16,10 +16,22 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from dsv41.model.exl3 import (CB_3INST, CB_MCG, CB_MUL1, MCG_MARKER, MUL1_MARKER, decode_trellis,  # noqa: E402
-                              exl3_linear)
-from kernels.exl3 import (Exl3Weight, exl3_grouped, exl3_linear_prompt, exl3_linear_triton,  # noqa: E402
-                          exl3_reconstruct)
+from dsv41.model.exl3 import (
+    CB_3INST,
+    CB_MCG,
+    CB_MUL1,
+    MCG_MARKER,
+    MUL1_MARKER,
+    decode_trellis,
+    exl3_linear,
+)
+from kernels.exl3 import (
+    Exl3Weight,
+    exl3_grouped,
+    exl3_linear_prompt,
+    exl3_linear_triton,
+    exl3_reconstruct,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 RTOL = 2e-3
