@@ -39,12 +39,16 @@ BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
 RELEASE_LAYERS = 40
 
 
+DEVICE = "cuda"   # --device cpu: a smoke run of the script's logic at small sizes
+
+
 def sync():
-    torch.cuda.synchronize()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def copy_bandwidth(gib: int = 4) -> float:
-    a = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
+    a = torch.empty(gib << 30, dtype=torch.uint8, device=DEVICE)
     b = torch.empty_like(a)
     b.copy_(a)
     sync()
@@ -58,8 +62,8 @@ def copy_bandwidth(gib: int = 4) -> float:
 
 
 def matrix_rate(n: int = 8192) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
     a @ b
     sync()
     t = time.perf_counter()
@@ -138,26 +142,32 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=150.0, help="skip what would not finish in this time")
     ap.add_argument("--out", default=str(ROOT / "bench/results/gpu.md"))
     ap.add_argument("--commit", default="")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     a = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = a.device
     t_start = time.monotonic()
     left = lambda: a.budget_s - (time.monotonic() - t_start)
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                         cwd=ROOT, check=False).stdout.strip() or "?"
-    dev.setup_cuda("cuda")
-    gpu = torch.cuda.get_device_name()
-    bw = copy_bandwidth()
-    rate = matrix_rate()
+    if DEVICE == "cuda":
+        dev.setup_cuda("cuda")
+        gpu = torch.cuda.get_device_name()
+        bw, rate = copy_bandwidth(), matrix_rate()
+    else:
+        gpu, bw, rate = "cpu (smoke run)", 1e10, matrix_rate(256)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matrix rate {rate / 1e12:.0f} TFLOP/s", flush=True)
 
     t0 = time.perf_counter()
-    model = Model.load(a.checkpoint, device="cuda")
+    model = Model.load(a.checkpoint, device=DEVICE, keep_quant=True)
     sync()
     load_s = time.perf_counter() - t0
     cfg, t = model.cfg, model.t
     K = t.num_hidden_layers
     ratios = list(t.compress_ratios[:K])
     kernels = sorted(k for k in dev.KERNELS) if dev._enabled else []
-    print(f"loaded {K} layers in {load_s:.1f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB; kernels "
+    mem = torch.cuda.memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
+    print(f"loaded {K} layers in {load_s:.1f} s, {mem:.1f} GiB; kernels "
           f"{kernels or 'none (torch fallbacks)'}", flush=True)
 
     # experts touched per layer in a round: the router's picks, kept on the device (no sync) and counted after
@@ -183,7 +193,7 @@ def main(argv=None) -> int:
     sync()
     ctx_s = time.perf_counter() - t0
     print(f"context prefill {a.context} tokens: {ctx_s:.2f} s", flush=True)
-    head_x = torch.randn(64, t.hidden_size, device="cuda")
+    head_x = torch.randn(64, t.hidden_size, device=DEVICE)
     decode = []
     for R in [int(r) for r in a.rows.split(",")]:
         if left() < 20:
@@ -243,7 +253,8 @@ def main(argv=None) -> int:
         print(f"prompt {P}: {sec:.2f} s, {P / sec:.0f} tok/s ({K} layers), {achieved / 1e12:.1f} TFLOP/s = "
               f"{achieved / rate:.1%} of the bf16 rate", flush=True)
         del st
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
 
     cmd = "python bench/gpu_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
