@@ -93,21 +93,29 @@ def main() -> int:
     w2 = torch.randint(-128, 128, (E, H, INTER // 2), dtype=torch.int8, device="cuda")
     s2 = torch.randint(118, 122, (E, H, INTER // 32), dtype=torch.uint8, device="cuda")
     per_expert = (w13[0].numel() + s13[0].numel() + w2[0].numel() + s2[0].numel())
-    for n in DECODE_ROWS + (PROMPT_ROWS,):
-        ids = torch.stack([torch.randperm(E, device="cuda")[:TOPK] for _ in range(n)]).to(torch.int32)
-        wts = torch.rand(n, TOPK, device="cuda")
-        x = torch.randn(n, H, device="cuda")
-        t = time_graph(lambda x=x, ids=ids, wts=wts: fp4_moe(x, w13, s13, w2, s2, ids, wts, LIMIT))
-        touched = int(torch.unique(ids).numel())
-        if n == PROMPT_ROWS:
-            fl = 2 * n * TOPK * 3 * INTER * H
-            rows_pre.append((f"fp4_moe top-{TOPK} of {E} ({touched} touched)", fl, t))
-            print(f"fp4_moe rows {n}: {fl / t / 1e12:.0f} TFLOP/s ({fl / t / mm * 100:.0f}% of bf16)", flush=True)
-        else:
-            nb = touched * per_expert + 4 * n * H * 2
-            rows_dec.append((f"fp4_moe top-{TOPK} of {E} ({touched} touched)", n, nb, t))
-            print(f"fp4_moe rows {n}: {t * 1e6:.1f} us, {touched} experts, {nb / t / 1e12:.2f} TB/s "
-                  f"({nb / t / bw * 100:.0f}% of copy)", flush=True)
+    for scaled in (False, True):
+        how = "tl.dot_scaled" if scaled else "unpacked"
+        for n in DECODE_ROWS + (PROMPT_ROWS,):
+            ids = torch.stack([torch.randperm(E, device="cuda")[:TOPK] for _ in range(n)]).to(torch.int32)
+            wts = torch.rand(n, TOPK, device="cuda")
+            x = torch.randn(n, H, device="cuda")
+            try:
+                t = time_graph(lambda x=x, ids=ids, wts=wts, sc=scaled: fp4_moe(x, w13, s13, w2, s2, ids, wts, LIMIT,
+                                                                              scaled_dot=sc))
+            except Exception as exc:  # noqa: BLE001 -- report the path that fails, keep the others' figures
+                print(f"fp4_moe ({how}) rows {n} failed: {type(exc).__name__}: {exc}"[:400], flush=True)
+                break
+            touched = int(torch.unique(ids).numel())
+            name = f"fp4_moe ({how}) top-{TOPK} of {E} ({touched} touched)"
+            if n == PROMPT_ROWS:
+                fl = 2 * n * TOPK * 3 * INTER * H
+                rows_pre.append((name, fl, t))
+                print(f"{name} rows {n}: {fl / t / 1e12:.0f} TFLOP/s ({fl / t / mm * 100:.0f}% of bf16)", flush=True)
+            else:
+                nb = touched * per_expert + 4 * n * H * 2
+                rows_dec.append((name, n, nb, t))
+                print(f"{name} rows {n}: {t * 1e6:.1f} us, {nb / t / 1e12:.2f} TB/s ({nb / t / bw * 100:.0f}% of copy)",
+                      flush=True)
 
     pool = torch.randn(65536, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     sink = torch.randn(HEADS, device="cuda")

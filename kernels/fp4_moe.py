@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_linear import INTERPRET, bf16_operand, mma
+from kernels.fp8_linear import INTERPRET, bf16_operand, mma, round_bf16
 
 BLOCK_M = 64          # (row, slot) pairs per tile
 BLOCK_N_UP = 64       # intermediate columns per gate/up program (w1 and w3 tiles together)
@@ -47,9 +47,31 @@ def _fp4_pair(q, s_a, s_b, BKB: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _fp4_mma(xt, wq, s_row, g0, acc, BM: tl.constexpr, BKB: tl.constexpr, SCALED: tl.constexpr,
+             INTERP: tl.constexpr):
+    """acc + xt · W for one K step of 2·BKB: xt [BM, 2·BKB] activations (float32/bf16), wq [BKB, BN] packed bytes of
+    W (low nibble = even k), s_row [BN] pointers to the scale rows, g0 the step's first scale group.
+    SCALED: Triton's microscaling product (tl.dot_scaled, bf16 x e2m1 with E8M0 scales per 32 along K); else the
+    bytes are unpacked here and x is split into even and odd k for two bf16 products."""
+    if SCALED:
+        s = tl.load(s_row[:, None] + g0 + tl.arange(0, BKB // 16)[None, :])               # [BN, groups]
+        if INTERP:
+            xb = round_bf16(xt.to(tl.float32)).to(tl.bfloat16)
+        else:
+            xb = xt.to(tl.bfloat16)
+        return tl.dot_scaled(xb, None, "bf16", wq.to(tl.uint8, bitcast=True), s, "e2m1", acc)
+    else:
+        xe, xo = tl.split(tl.reshape(bf16_operand(xt, INTERP), (BM, BKB, 2)))             # even k, odd k
+        lo, hi = _fp4_pair(wq, tl.load(s_row + g0), tl.load(s_row + g0 + 1), BKB, INTERP)
+        acc = mma(xe, lo, acc, INTERP)
+        return mma(xo, hi, acc, INTERP)
+
+
+@triton.jit
 def _moe_up_kernel(x_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, rw_ptr, h_ptr,
                    H, I, TOPK, limit,
-                   BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, INTERP: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, SCALED: tl.constexpr,
+                   INTERP: tl.constexpr):
     t = tl.program_id(0)
     cnt = tl.load(tile_cnt_ptr + t)
     if cnt == 0:
@@ -73,15 +95,8 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_ptr
     for b0 in range(0, HB, BKB):
         b = b0 + tl.arange(0, BKB)
         xt = tl.load(xr + (2 * b0 + tl.arange(0, 2 * BKB))[None, :], mask=p_ok[:, None], other=0.0)
-        xe, xo = tl.split(tl.reshape(bf16_operand(xt, INTERP), (BM, BKB, 2)))     # even k, odd k
-        g_lo, g_hi = _fp4_pair(tl.load(w1 + b[:, None]), tl.load(s1 + b0 // 16), tl.load(s1 + b0 // 16 + 1),
-                               BKB, INTERP)
-        acc_g = mma(xe, g_lo, acc_g, INTERP)
-        acc_g = mma(xo, g_hi, acc_g, INTERP)
-        u_lo, u_hi = _fp4_pair(tl.load(w3 + b[:, None]), tl.load(s3 + b0 // 16), tl.load(s3 + b0 // 16 + 1),
-                               BKB, INTERP)
-        acc_u = mma(xe, u_lo, acc_u, INTERP)
-        acc_u = mma(xo, u_hi, acc_u, INTERP)
+        acc_g = _fp4_mma(xt, tl.load(w1 + b[:, None]), s1, b0 // 16, acc_g, BM, BKB, SCALED, INTERP)
+        acc_u = _fp4_mma(xt, tl.load(w3 + b[:, None]), s3, b0 // 16, acc_u, BM, BKB, SCALED, INTERP)
     gate = tl.minimum(acc_g, limit)
     up = tl.minimum(tl.maximum(acc_u, -limit), limit)
     h = gate / (1.0 + tl.exp(-gate)) * up * rw[:, None]
@@ -91,7 +106,8 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_ptr
 
 @triton.jit
 def _moe_down_kernel(h_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, y_ptr, H, I,
-                     BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, INTERP: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, SCALED: tl.constexpr,
+                     INTERP: tl.constexpr):
     t = tl.program_id(0)
     cnt = tl.load(tile_cnt_ptr + t)
     if cnt == 0:
@@ -110,11 +126,7 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_p
     for b0 in range(0, IB, BKB):
         b = b0 + tl.arange(0, BKB)
         ht = tl.load(hr + (2 * b0 + tl.arange(0, 2 * BKB))[None, :], mask=p_ok[:, None], other=0.0)
-        he, ho = tl.split(tl.reshape(bf16_operand(ht, INTERP), (BM, BKB, 2)))
-        lo, hi = _fp4_pair(tl.load(w + b[:, None]), tl.load(s + b0 // 16), tl.load(s + b0 // 16 + 1),
-                           BKB, INTERP)
-        acc = mma(he, lo, acc, INTERP)
-        acc = mma(ho, hi, acc, INTERP)
+        acc = _fp4_mma(ht, tl.load(w + b[:, None]), s, b0 // 16, acc, BM, BKB, SCALED, INTERP)
     tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc, mask=p_ok[:, None])
 
 
@@ -208,10 +220,12 @@ def _check(x, w13, s13, w2, s2, expert_ids, weights):
 
 
 def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-            expert_ids: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
+            expert_ids: torch.Tensor, weights: torch.Tensor, limit: float, scaled_dot: bool = False) -> torch.Tensor:
     """Σ over slots (in slot order) of w2(weight · silu(min(w1x, limit)) · clamp(w3x, ±limit)) for each row's
     experts -> float32 [n, H]; equals the routed part of `MoE.__call__` with `dequant_fp4` weights up to the bf16
-    rounding of x and h. Slots with expert id < 0 (another rank's) contribute nothing. Layouts: docs/kernels.md."""
+    rounding of x and h. Slots with expert id < 0 (another rank's) contribute nothing. Layouts: docs/kernels.md.
+    scaled_dot: the products through Triton's tl.dot_scaled (bf16 x e2m1) instead of unpacking the bytes in the
+    kernel; the same values up to the fp32 summation order (both paths row-invariant, tested)."""
     s13, s2 = _check(x, w13, s13, w2, s2, expert_ids, weights)
     x = x.contiguous()
     n, hidden = x.shape
@@ -230,10 +244,12 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
     tiles = tile_cnt.numel()
     _moe_up_kernel[(tiles, inter // BLOCK_N_UP)](
         x, w13, s13, tile_e, tile_start, tile_cnt, order, rw, h, hidden, inter, top_k, float(limit),
-        BM=BLOCK_M, BN=BLOCK_N_UP, BKB=BLOCK_KB, INTERP=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        BM=BLOCK_M, BN=BLOCK_N_UP, BKB=BLOCK_KB, SCALED=scaled_dot, INTERP=INTERPRET, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     _moe_down_kernel[(tiles, hidden // BLOCK_N_DOWN)](
         h, w2, s2, tile_e, tile_start, tile_cnt, order, y, hidden, inter,
-        BM=BLOCK_M, BN=BLOCK_N_DOWN, BKB=BLOCK_KB, INTERP=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        BM=BLOCK_M, BN=BLOCK_N_DOWN, BKB=BLOCK_KB, SCALED=scaled_dot, INTERP=INTERPRET, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     _slot_sum_kernel[(triton.cdiv(n, SUM_ROWS), triton.cdiv(hidden, SUM_COLS))](
         y, ids, out, n, hidden, top_k, BR=SUM_ROWS, BH=SUM_COLS)
     return out

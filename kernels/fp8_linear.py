@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 64   # fixed for every row count (BLOCK_K = two 32-wide scale groups)
-NUM_WARPS, NUM_STAGES = 4, 3
+NUM_WARPS, NUM_STAGES = 8, 3
 TARGET_PROGRAMS = 128                     # programs wanted for one row tile (about one per H200 SM)
 SUM_BLOCK = 1024
 # The interpreter (CPU CI) mishandles bf16 (truncating casts, wrong dots): there x is rounded to bf16 by bit

@@ -24,7 +24,7 @@ from kernels.fp8_linear import INTERPRET, bf16_operand, mma
 
 BLOCK_H = 16     # heads per program (tl.dot needs >= 16 rows)
 BLOCK_J = 64     # keys per online-softmax step
-NUM_WARPS, NUM_STAGES = 4, 2
+NUM_WARPS, NUM_STAGES = 8, 2
 LOG2E = tl.constexpr(1.4426950408889634)   # scores and the sink in log2 units, for exp2
 
 

@@ -1,6 +1,7 @@
 """The Triton kernels compile for Hopper (sm_90) in the configurations their wrappers launch, with no GPU needed
 (kernels/compile_check.py, Triton's own ptxas): the interpreter runs them as Python and misses what only the
-compiler rejects. Runs in a subprocess because the kernels must be imported with TRITON_INTERPRET unset."""
+compiler rejects, and the ones the wrappers use at V4.1 shapes keep their registers (no spills to local memory).
+Runs in a subprocess because the kernels must be imported with TRITON_INTERPRET unset."""
 from __future__ import annotations
 
 import os
@@ -21,4 +22,4 @@ def test_kernels_compile_for_hopper():
     r = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--arch", "90"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert r.stdout.count("ok ") == 8, r.stdout
+    assert r.stdout.count("ok ") == 11, r.stdout
