@@ -223,7 +223,7 @@ def image_span(image_rows: torch.Tensor, n_h: int, n_w: int, start: torch.Tensor
     newlines = newline.to(**cast).expand(n_h, 1, hidden)
     body = torch.cat([grid, newlines], dim=1).reshape(n_h * (n_w + 1), hidden)
     embeds = torch.cat([start.to(**cast)[None], body, end.to(**cast)[None]], dim=0)
-    token_type = image_token_types(n_h, n_w).to(image_rows.device)
+    token_type = image_token_types(n_h, n_w)     # on the host, as the forward reads the types there
     return embeds, token_type
 
 
@@ -242,7 +242,7 @@ def chunk_image_inputs(spans, a: int, b: int, hidden: int) -> tuple[torch.Tensor
             continue
         if embeds is None:
             embeds = rows.new_zeros((b - a, hidden))
-            token_type = torch.full((b - a,), -1, dtype=torch.int64, device=rows.device)
+            token_type = torch.full((b - a,), -1, dtype=torch.int64, device=types.device)
         embeds[lo - a:hi - a] = rows[lo - start:hi - start]
         token_type[lo - a:hi - a] = types[lo - start:hi - start]
     return embeds, token_type

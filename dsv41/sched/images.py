@@ -30,15 +30,16 @@ def attach_image_rows(plan, inputs: list, images: dict, model) -> None:
         got.append(chunk_rows(spans, r.start, len(r.ids), hidden) if spans else (None, None))
     comm = getattr(model, "comm", None)
     if comm is not None and comm.world > 1:
-        got = _share(comm, got, [len(r.ids) for r in plan.rows], hidden)
+        got = _share(comm, got, [len(r.ids) for r in plan.rows], hidden, getattr(model, "device", "cpu"))
     for inp, (e, t) in zip(inputs, got):
         if e is not None:
             inp.embeds, inp.token_type = e, t
 
 
-def _share(comm, got: list, lengths: list[int], hidden: int) -> list:
-    """Rank 0's rows on every rank: flags, then the flagged rows' [embeds | type], each summed over the ranks
-    (the others add zeros)."""
+def _share(comm, got: list, lengths: list[int], hidden: int, device) -> list:
+    """Rank 0's rows on every rank: flags (on the host, as the runner's draft decisions), then the flagged rows'
+    [embeds | type] on the model's device, each summed over the ranks (the others add zeros); types come back to
+    the host, where the forward reads them."""
     flags = comm.all_reduce(torch.tensor([0.0 if e is None else 1.0 for e, _ in got]))
     which = [k for k, f in enumerate(flags.tolist()) if f != 0.0]
     if not which:
@@ -47,14 +48,14 @@ def _share(comm, got: list, lengths: list[int], hidden: int) -> list:
     for k in which:
         e, t = got[k]
         if e is None:
-            parts.append(torch.zeros(lengths[k], hidden + 1))
+            parts.append(torch.zeros(lengths[k], hidden + 1, device=device))
         else:
-            parts.append(torch.cat([e.float(), t.float()[:, None]], dim=1))
+            parts.append(torch.cat([e.float().to(device), t.float().to(device)[:, None]], dim=1))
     summed = comm.all_reduce(torch.cat(parts))
     out: list = [(None, None)] * len(got)
     at = 0
     for k in which:
         block = summed[at:at + lengths[k]]
         at += lengths[k]
-        out[k] = (block[:, :hidden].contiguous(), block[:, hidden].round().long())
+        out[k] = (block[:, :hidden].contiguous(), block[:, hidden].round().long().cpu())
     return out
