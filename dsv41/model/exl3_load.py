@@ -245,8 +245,7 @@ class Exl3Packed:
         k = dev.kernel("exl3_linear", x)
         if k is not None:
             if self._kernel_w[i] is None:
-                from kernels.exl3 import Exl3Weight
-                self._kernel_w[i] = Exl3Weight.from_tensors(self.blocks[i], x.device)
+                self._kernel_w[i] = _kernel_weight([self.blocks[i]])
             return k(x.contiguous(), self._kernel_w[i]).float()
         if self._w_rot[i] is None:
             t = self.blocks[i]
@@ -264,6 +263,24 @@ class Exl3Packed:
 
     def nbytes(self) -> int:
         return sum(v.numel() * v.element_size() for b in self.blocks for v in b.values())
+
+
+def _kernel_weight(blocks: list[dict[str, torch.Tensor]]):
+    """kernels.exl3.Exl3Weight over same-shape, same-rate blocks already on the device: a view for one block, one
+    stacked copy for several (no trip through the host, unlike Exl3Weight.from_tensors)."""
+    from kernels.exl3 import Exl3Weight
+    rates = {_rate(b) for b in blocks}
+    shapes = {tuple(b["trellis"].shape) for b in blocks}
+    if len(rates) != 1 or len(shapes) != 1:
+        raise Exl3FormatError("grouped EXL3 matrices must share shape, rate and codebook")
+    (K, cb), = rates
+    kt, nt, _ = shapes.pop()
+
+    def stack(key):
+        return blocks[0][key].unsqueeze(0) if len(blocks) == 1 else torch.stack([b[key] for b in blocks])
+
+    return Exl3Weight(trellis=stack("trellis"), suh=stack("suh"), svh=stack("svh"), bias=None, K2=round(2 * K),
+                      cb=cb, in_features=kt * 16, out_features=nt * 16)
 
 
 def _rate(t: dict) -> tuple[float, int]:
@@ -357,7 +374,9 @@ def _packed(name: str, lins: list[Exl3Linear], shards: _Shards, share: RankShare
     """The share of one weight as codes; None where the share's boundary cuts a 128-block (tiny models at TP2):
     that weight is then decoded dense like on the CPU path."""
     _register_kernel()
-    packed = Exl3Packed([{k: v.to(device) for k, v in read_linear_parts(lin, shards).items()} for lin in lins])
+    # the codebook marker stays on the host (read with .item() when a kernel weight is made)
+    packed = Exl3Packed([{k: v if k in ("mcg", "mul1") else v.to(device)
+                          for k, v in read_linear_parts(lin, shards).items()} for lin in lins])
     part = share.split(name, tuple(packed.shape))
     if part is None:
         return packed
@@ -421,15 +440,14 @@ class Exl3ExpertStack:
 def stack_exl3_experts(experts: dict, n_experts: int) -> Exl3ExpertStack | None:
     """The grouped-kernel stack of a layer's experts whose weights are Exl3Packed single matrices of one shape, rate
     and codebook each (as a pack stores them); None otherwise (the per-expert path runs)."""
-    from kernels.exl3 import Exl3Weight
     if not experts or not all(isinstance(getattr(e, m), Exl3Packed) and len(getattr(e, m).blocks) == 1
                               for e in experts.values() for m in ("w1", "w2", "w3")):
         return None
     ids = sorted(experts)
     dev = experts[ids[0]].w1.device
     try:
-        w13 = Exl3Weight.from_tensors([getattr(experts[e], m).blocks[0] for e in ids for m in ("w1", "w3")], dev)
-        w2 = Exl3Weight.from_tensors([experts[e].w2.blocks[0] for e in ids], dev)
+        w13 = _kernel_weight([getattr(experts[e], m).blocks[0] for e in ids for m in ("w1", "w3")])
+        w2 = _kernel_weight([experts[e].w2.blocks[0] for e in ids])
     except Exl3FormatError:        # mixed rates or codebooks within the layer: one launch per expert instead
         return None
     for j, e in enumerate(ids):      # the experts' own weights become views into the stack (held once)
