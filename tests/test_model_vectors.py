@@ -5,13 +5,14 @@ on, the README criteria (per prompt, prefill and teacher-forced decode apart: me
 >= 95 % of positions within 2e-2, argmax agreement >= 98 %) are asserted for every prompt, and the top-k / candidate
 selections of the select prompt must be equal at every prefill and decode row.
 
-Three prompts meet them only once a handful of listed QAT rounding ties are rounded the oracle's way (QAT_TIES):
-each is one window-KV (FP8) or compressed-KV (FP4) element whose float32 input lies within float32 noise of a
-rounding midpoint (asserted: within TIE_TOL of the block maximum, while our float32 streams and the oracle's differ
-by ~2e-6 of the maximum), which our float32 evaluation and the oracle's round to opposite sides. One flip moves a
-window entry (or a compressed entry, for good) by a quantisation step and the later positions follow; prompt 5's
-decode (median 0.13, 12.5 % argmax misses without them) is five such flips and a top-k cascade. docs/model.md,
-"Agreement with the oracle", lists each tie with its numbers and how they were found.
+Prompts 0, 1, 5 and 6 agree to float32 noise (1, 5 and 6 meet the criteria at all) only once 11 listed QAT rounding
+ties are rounded the oracle's way (QAT_TIES): each is one window-KV (FP8) or compressed-KV (FP4) element whose
+float32 input lies within float32 noise of a rounding midpoint (asserted: within TIE_TOL of the block maximum, while
+our float32 streams and the oracle's differ by 0.5-1.9e-6 of their maximum), which our float32 evaluation and the
+oracle's round to opposite sides. One flip moves a window entry (or a compressed entry, for good) by a quantisation
+step and the later positions follow; prompt 5's decode (median 0.13, 12.5 % argmax misses without them) is five
+such flips and a top-k cascade. docs/model.md, "Agreement with the oracle", lists each tie with its numbers and
+how they were found.
 """
 from dataclasses import dataclass, field
 
@@ -30,15 +31,19 @@ N_PROMPTS = 7
 # "window_kv": FP8 window KV of `layer` at token `position`; "compressed_kv": FP4 compressed entry of KV source
 # `layer` whose group starts at `position`. Element = index into the head_dim vector.
 QAT_TIES = {
+    0: [("window_kv", 1, 9, 50)],
     1: [("window_kv", 7, 4, 88), ("window_kv", 8, 14, 107)],
     5: [("window_kv", 9, 1, 36), ("window_kv", 2, 67, 121), ("window_kv", 5, 80, 105), ("window_kv", 9, 87, 7),
         ("window_kv", 1, 94, 99)],
     6: [("window_kv", 4, 22, 100), ("window_kv", 6, 62, 111), ("compressed_kv", 6, 64, 74)],
 }
 # A tie's distance |q - midpoint| in units of its block's maximum |q| (q = input / block scale). The largest listed
-# is 9.1e-7 (the median 2.2e-7, i.e. 1 to 82 float32 ulps of q); our float32 streams and the oracle's differ by up to
+# is 1.2e-6 (the median 3.5e-7); our float32 streams and the oracle's differ by up to
 # ~2e-6 of their maximum (noquant debug streams), so an input this close can land on either side.
 TIE_TOL = 1.5e-6
+# Positions still off by more than 1e-4 with the ties forced, which no single tie explains (docs/model.md): prompt 6's
+# prefill bump from 8.6e-5 at 124 to 4.3e-3, back to noise from 159.
+UNLOCALISED = {6: range(124, 159)}
 
 
 def _dir(shared):
@@ -212,22 +217,30 @@ def _assert_readme_criteria(r, v, i):
 
 @pytest.mark.parametrize("i", range(N_PROMPTS))
 def test_qat_logits(models, results, vec, monkeypatch, i):
-    """README criteria for every prompt, prefill and teacher-forced decode. For a prompt with listed ties: each tie
-    is met once, lies within TIE_TOL of its midpoint, unforced the first position off by more than 1e-4 is the first
-    tie's position (nothing deviates before it), and with the ties rounded the oracle's way the criteria hold."""
+    """README criteria for every prompt, prefill and teacher-forced decode. For a prompt with listed ties: nothing
+    deviates by more than 1e-4 before its first tie; each tie is met once and lies within TIE_TOL of its midpoint;
+    with the ties rounded the oracle's way every position agrees within 1e-4 (but the one bump in UNLOCALISED) and
+    the criteria hold."""
     v = vec["qat"]
     if i not in QAT_TIES:
         _assert_readme_criteria(results["qat", i], v, i)
         return
-    d = torch.cat([_per_position(results["qat", i]["prompt_logits"], v[f"prompt.{i}.prefill_logits"]),
-                   _per_position(results["qat", i]["decode_logits"], v[f"prompt.{i}.decode_logits"])])
-    first_bad = int(torch.nonzero(d > 1e-4)[0, 0])
-    assert first_bad == min(t[2] for t in QAT_TIES[i])
+    d = _both(results["qat", i], v, i)
+    assert (d[:min(t[2] for t in QAT_TIES[i])] <= 1e-4).all()
     r, ties = _run_forced(models["qat"], vec, i, monkeypatch)
     for t in ties:
         assert t.seen == 1, t
         assert abs(t.q - t.midpoint) <= TIE_TOL * t.block_max, t
+    d = _both(r, v, i)
+    off = [p for p in torch.nonzero(d > 1e-4)[:, 0].tolist() if p not in UNLOCALISED.get(i, ())]
+    assert not off, f"prompt {i}: positions {off} off by more than 1e-4 with the ties forced"
     _assert_readme_criteria(r, v, i)
+
+
+def _both(r, v, i):
+    """Per-position max|Δ| of prefill then decode positions."""
+    return torch.cat([_per_position(r["prompt_logits"], v[f"prompt.{i}.prefill_logits"]),
+                      _per_position(r["decode_logits"], v[f"prompt.{i}.decode_logits"])])
 
 
 def _check_streams(trace, v):
