@@ -40,6 +40,7 @@ from dsv41.api.app import (
     reply_events,
 )
 from dsv41.api.errors import ApiError, bad_request
+from dsv41.api.schemas import ReasoningEffort
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -47,7 +48,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 PARAMS = {"max_tokens": "max_tokens", "response_format": "output_format", "stop": "stop_sequences",
           "chat_template_kwargs": "thinking"}
 _PASS = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "thinking_budget", "loop_guard",
-         "priority", "chat_template_kwargs", "reasoning_effort", "cache_salt")
+         "priority", "chat_template_kwargs", "reasoning_effort", "cache_salt", "draft")
 PING = b'event: ping\ndata: {"type":"ping"}\n\n'
 
 
@@ -73,6 +74,39 @@ def anthropic_errors(handler):
 
 
 # ================================================================================================ request conversion
+class CountTokensRequest(msgspec.Struct, kw_only=True):
+    """The fields /v1/messages/count_tokens reads, with their types (checked before `to_chat` converts the body;
+    unknown fields are ignored). Messages, tools and blocks stay plain JSON: `to_chat` validates them."""
+    messages: list[dict[str, Any]]
+    model: str | None = None
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None
+    thinking_budget: int | None = None
+    loop_guard: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    cache_salt: str | None = None
+
+
+class MessagesRequest(CountTokensRequest, kw_only=True):
+    """The fields /v1/messages reads (as count_tokens, plus the reply's)."""
+    max_tokens: int
+    stream: bool = False
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    draft: bool = True
+    priority: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
 def _text_blocks(v: Any, where: str, param: str) -> str:
     if isinstance(v, str):
         return v
@@ -331,9 +365,7 @@ def _message_id() -> str:
 @anthropic_errors
 async def create_message(request: HttpRequest) -> Response:
     eng = engine(request)
-    body = await read_object(request)
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise bad_request("`stream` must be a boolean", param="stream")
+    body = await read_object(request, MessagesRequest)
     run = await prepare_chat(eng, to_chat(body), params=PARAMS)
     mid = _message_id()
     if body.get("stream"):
@@ -434,7 +466,7 @@ async def _stream(request, eng, run, mid: str, want_ids: bool):
 @anthropic_errors
 async def count_tokens(request: HttpRequest) -> Response:
     eng = engine(request)
-    chat = to_chat(await read_object(request), counting=True)
+    chat = to_chat(await read_object(request, CountTokensRequest), counting=True)
     chat_controls(eng, chat)
     prompt = chat_prompt(eng, chat)
     chat_grammar(eng, chat, prompt)      # a tool_choice / schema the server cannot serve is refused here too

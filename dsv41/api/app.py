@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import logging
 import math
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ class AppState:
         self.keys = KeyCheck.from_config(cfg)
         self.engine = None
         self.load_error: str | None = None
+        self.openapi: bytes | None = None
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -73,11 +75,29 @@ def _decode(body: bytes, typ):
         raise from_decode_error(e) from None
 
 
-async def read_object(request: HttpRequest) -> dict:
-    """The body as a JSON object (the APIs that convert a body by hand: Responses, Anthropic)."""
+_MISSING = re.compile(r"^Object missing required field `([^`]+)`$")
+
+
+def check_fields(raw: dict, typ):
+    """`raw` decoded as the msgspec type `typ` (strict types); a bad field is a 400 naming it in `param`."""
+    try:
+        return msgspec.convert(raw, typ)
+    except msgspec.ValidationError as e:
+        err = from_decode_error(e)
+        m = _MISSING.match(str(e))          # a missing top-level field has no path in msgspec's message
+        if err.param is None and m:
+            err.param = m.group(1)
+        raise err from None
+
+
+async def read_object(request: HttpRequest, checked_as=None) -> dict:
+    """The body as a JSON object (the APIs that convert a body by hand: Responses, Anthropic), its fields first
+    checked against the msgspec type `checked_as` (the type the OpenAPI document shows)."""
     raw = _decode(await request.body(), Any)
     if not isinstance(raw, dict):
         raise bad_request("the request body must be a JSON object")
+    if checked_as is not None:
+        check_fields(raw, checked_as)
     return raw
 
 
@@ -647,6 +667,14 @@ async def health(request: HttpRequest) -> Response:
                   "completion_tokens_total": s.generation_tokens_total, "rounds_total": s.rounds_total})
 
 
+async def openapi_json(request: HttpRequest) -> Response:
+    st: AppState = request.app.state.dsv41
+    if st.openapi is None:                   # built on first use: a few ms, and most servers are never asked
+        from dsv41.api.openapi import document
+        st.openapi = msgspec.json.encode(document())
+    return Response(st.openapi, media_type="application/json")
+
+
 async def metrics_text(request: HttpRequest) -> Response:
     st: AppState = request.app.state.dsv41
     return PlainTextResponse(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -690,7 +718,7 @@ class Guard:
 
 
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
-           "/metrics", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses")
+           "/metrics", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/openapi.json")
 
 
 def _route_label(path: str) -> str:
@@ -743,6 +771,7 @@ def create_app(cfg, metrics: Metrics | None = None, on_startup=None, on_shutdown
         Route("/v1/health", health, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),
         Route("/v1/metrics", metrics_text, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
         *responses.routes(),
         *anthropic.routes(),
     ]

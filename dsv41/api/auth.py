@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-OPEN_PATHS = frozenset({"/", "/health", "/v1/health"})
+OPEN_PATHS = frozenset({"/", "/health", "/v1/health", "/openapi.json"})   # docs/apis.md: why these
 
 
 class KeyFileError(ValueError):

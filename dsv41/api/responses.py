@@ -102,10 +102,43 @@ def _not_found(rid: str) -> ApiError:
 
 
 # ================================================================================================ request conversion
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    """The fields /v1/responses reads, with their types (checked before `to_chat` converts the body; unknown fields
+    are ignored). Items, tools and formats stay plain JSON here: `to_chat` validates them as it converts."""
+    input: str | list[dict[str, Any]]
+    model: str | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    cache_salt: str | None = None
+    draft: bool = True
+    thinking_budget: int | None = None
+    loop_guard: bool | None = None
+    priority: str | None = None
+    background: bool | None = None          # refused when true
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+
+
 PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
           "reasoning_effort": "reasoning.effort", "chat_template_kwargs": "reasoning"}
 _PASS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos", "parallel_tool_calls",
-         "thinking_budget", "loop_guard", "priority", "chat_template_kwargs", "thinking", "cache_salt")
+         "thinking_budget", "loop_guard", "priority", "chat_template_kwargs", "thinking", "cache_salt", "draft")
 _UNSUPPORTED = {"background": "background responses are not served (send background: false)",
                 "conversation": "conversations are not served; use previous_response_id",
                 "prompt": "stored prompt templates are not served"}
@@ -465,7 +498,7 @@ def _conversation_after(conv: list[dict], final) -> list[dict]:
 # ================================================================================================ routes
 async def create_response(request: HttpRequest) -> Response:
     eng = engine(request)
-    body = await read_object(request)
+    body = await read_object(request, ResponsesRequest)
     store = store_of(request)
     prev_id = body.get("previous_response_id")
     previous = None
@@ -475,10 +508,6 @@ async def create_response(request: HttpRequest) -> Response:
             raise ApiError(400, f"Previous response with id '{prev_id}' not found.", param="previous_response_id",
                            code="previous_response_not_found")
         previous = got[1]
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise bad_request("`stream` must be a boolean", param="stream")
-    if "store" in body and not isinstance(body["store"], bool):
-        raise bad_request("`store` must be a boolean", param="store")
     chat, conv = to_chat(body, previous)
     run = await prepare_chat(eng, chat, params=PARAMS)
     rid = _id("resp")
