@@ -170,6 +170,13 @@ def test_equals_the_moe_module(small):
     assert (y - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
 
 
+def test_bf16_input_gives_the_same_bits(small):
+    _, _, W = small
+    x = _inputs(3, H, seed=6).to(DEV)
+    ids, wts = (t.to(DEV) for t in _routing(3, E, K, seed=6))
+    assert torch.equal(fp4_moe(x.bfloat16(), *W, ids, wts, LIMIT), fp4_moe(x, *W, ids, wts, LIMIT))
+
+
 def test_work_list_covers_every_pair_once():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(-1, 6, (150, 4), generator=g)
