@@ -351,6 +351,9 @@ def prepare_completion(eng, req: CompletionRequest) -> Prepared:
     if req.echo:
         raise bad_request("`echo` is not supported", param="echo")
     ids = _completion_prompt(eng, req)
+    if eng.tok.image_id in ids:     # a span's rows exist only for image_url parts of chat messages
+        raise bad_request(f"the prompt holds the image placeholder token (id {eng.tok.image_id}); send images as "
+                          "image_url parts of a /v1/chat/completions message", param="prompt")
     max_tokens = _max_tokens(eng, len(ids), req.max_tokens, "prompt")
     params = _sampling(eng, req, ids, req.logprobs is not None, req.logprobs or 0)
     r = _submit(eng, Request(prompt_ids=ids, params=params, max_tokens=max_tokens, eos_ids=eng.eos_ids,
