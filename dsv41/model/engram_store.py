@@ -207,7 +207,7 @@ class EngramStore:
                 self._cache.popitem(last=False)
 
     def _unique_rows(self, tab: _Table, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        flat = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).numpy()
+        flat = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).cpu().numpy()   # hash ids may be on a GPU
         if flat.size and (flat.min() < 0 or flat.max() >= tab.rows):
             raise WeightError(tab.name, f"row id outside 0..{tab.rows - 1}")
         return np.unique(flat, return_inverse=True)
