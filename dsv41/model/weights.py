@@ -8,8 +8,9 @@ dequantised to the requested dtype with their `.scale` consumed (the returned di
 Engram tables (`layers.N.engram.embed.*`, ~100 GB each in the release) are checked here but not loaded: read their
 rows through `dsv41.model.engram_store.EngramStore`.
 
-EXL3 packs (spec/exl3.md) are a second format: config.py rejects `quant_method: exl3` today; supporting it means a
-second branch in `_load_one` keyed on `cfg.quant.quant_method` and a second inventory of `.trellis/.suh/.svh`.
+EXL3 packs (config `quant_method: exl3`, docs/exl3.md) are the second format: `load_weights` hands them to
+`exl3_load.load_exl3_weights`, which has its own inventory (`.trellis/.suh/.svh/...` per linear) and returns the
+same names.
 """
 from __future__ import annotations
 
