@@ -213,6 +213,9 @@ class ExpertStack:
 def stack_experts(experts: dict, n_experts: int) -> ExpertStack | None:
     """Stack a layer's Fp4Weight experts (dict id -> moe.Expert) and point each expert's weights into the stack, so
     the grouped kernel and the per-expert fallback read the same memory (held once)."""
+    if experts and type(next(iter(experts.values())).w1).__name__ == "Exl3Packed":   # an EXL3 pack (docs/exl3.md)
+        from dsv41.model.exl3_load import stack_exl3_experts
+        return stack_exl3_experts(experts, n_experts)
     if not experts or not all(isinstance(e.w1, Fp4Weight) for e in experts.values()):
         return None
     ids = sorted(experts)

@@ -288,7 +288,7 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig, share: RankShare = RankShar
     `device.Fp8Weight` / `device.Fp4Weight` (weight + scale, not dequantised)."""
     if cfg.quant.quant_method == "exl3":   # an EXL3 pack: its own inventory and decoder (docs/exl3.md)
         from dsv41.model.exl3_load import load_exl3_weights
-        return load_exl3_weights(ckpt, cfg, share=share, dtype=dtype, device=device)
+        return load_exl3_weights(ckpt, cfg, share=share, dtype=dtype, device=device, keep_quant=keep_quant)
     d = Path(ckpt)
     wm = read_weight_map(d)
     inv = check_inventory(wm, cfg)
