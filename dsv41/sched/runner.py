@@ -175,10 +175,10 @@ class ModelRunner:
         comm = getattr(self.model, "comm", None)
         if comm is None or comm.world <= 1 or not decisions:
             return decisions
-        t = torch.tensor(decisions, dtype=torch.float64)
+        t = torch.tensor(decisions, dtype=torch.float32, device=getattr(self.model, "device", None))
         if self.follower:
             t.zero_()
-        t = comm.all_reduce(t.float())          # exact: integers below 2^24, one rank non-zero
+        t = comm.all_reduce(t).cpu()            # exact: integers below 2^24, one rank non-zero
         return [(int(a), int(b)) for a, b in t.round().long().tolist()]
 
     def read_ahead(self, hints: list[tuple[list[int], int, list[int]]]) -> None:
