@@ -119,18 +119,16 @@ class DSpark:
         x = hc_collapse(streams, pre)
         logits = m.comm.all_gather_cols(linear(rms_norm(x, self.norm, t.rms_norm_eps), m.head)).view(B, S, -1)
         x = x.view(B, S, -1)
-        out = []
-        for b, (_, tok) in enumerate(items):
-            prev = torch.tensor([int(tok)])
-            toks, rows, conf = [], [], []
-            for i in range(S):
-                e = self.markov_embed[prev]                                      # [1, rank]
-                row = logits[b, i:i + 1] + linear(e, self.markov_head)           # [1, vocab]
-                conf.append(linear(torch.cat([x[b, i:i + 1], e], dim=1), self.confidence)[0, 0])
-                best = row.max()
-                prev = torch.nonzero(row[0] == best)[0]                           # ties to the lower id
-                toks.append(prev[0])
-                rows.append(row[0])
-            out.append(Draft(tokens=torch.stack(toks), logits=torch.stack(rows), head_logits=logits[b].clone(),
-                             confidence=torch.stack(conf)))
-        return out
+        # The Markov steps, all sequences at once (linear's fixed row tiles keep each row independent of the others)
+        prev = torch.tensor([int(tok) for _, tok in items])                      # d_0 = next_token
+        toks, rows, conf = [], [], []
+        for i in range(S):
+            e = self.markov_embed[prev]                                          # [B, rank]
+            row = logits[:, i] + linear(e, self.markov_head)                     # [B, vocab]
+            conf.append(linear(torch.cat([x[:, i], e], dim=1), self.confidence)[:, 0])
+            prev = torch.argmax(row, dim=1)                                      # first maximum: ties to the lower id
+            toks.append(prev)
+            rows.append(row)
+        toks, rows, conf = torch.stack(toks, 1), torch.stack(rows, 1), torch.stack(conf, 1)
+        return [Draft(tokens=toks[b], logits=rows[b], head_logits=logits[b].clone(), confidence=conf[b])
+                for b in range(B)]
