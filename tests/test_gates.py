@@ -1,6 +1,6 @@
 """tools/gates.py: each check can fail. A small stdlib HTTP server speaks the OpenAI shapes with one defect switched on
-at a time (ids that depend on concurrency or on `draft`, DSML in content, a stream without [DONE], a missing metric
-family); the matching check must fail and the others pass. Then the gates run against the live dsv41 server on the
+at a time (ids that depend on concurrency or on `draft`, drafts reported with `"draft": false`, DSML in content, a
+stream without [DONE], a missing metric family); the matching check must fail and the others pass. Then the gates run against the live dsv41 server on the
 built-in checkpoint (a few quick checks; bench/results/gates-cpu.md is the full run).
 """
 from __future__ import annotations
@@ -72,8 +72,11 @@ def make_handler(fake: Fake):
                     if fake.defect == "draft" and body.get("draft") is False:
                         key += "serial"
                     ids = fake.ids(key, body["max_tokens"])
-                    return self._send({"object": "text_completion", "choices": [
-                        {"index": 0, "text": "x", "finish_reason": "length", "token_ids": ids}]})
+                    reply = {"object": "text_completion", "choices": [
+                        {"index": 0, "text": "x", "finish_reason": "length", "token_ids": ids}]}
+                    if fake.defect != "nodrafts" and (body.get("draft") is not False or fake.defect == "draftleak"):
+                        reply["usage"] = {"drafts": {"drafted_tokens": 3, "accepted_tokens": 1}}
+                    return self._send(reply)
                 if self.path == "/v1/chat/completions":
                     return self.chat(body)
                 self._send({"error": {"message": "no"}}, 404)
@@ -139,6 +142,7 @@ def test_a_sound_server_passes(fake_server, tmp_path):
 
 
 @pytest.mark.parametrize("defect, check", [("racy", "concurrent_equals_solo"), ("draft", "drafted_equals_serial"),
+                                           ("draftleak", "drafted_equals_serial"),
                                            ("dsml", "chat_probe"), ("nodone", "reasoning_stream"),
                                            ("metrics", "metrics")])
 def test_each_defect_fails_its_check(fake_server, tmp_path, defect, check):
@@ -155,6 +159,16 @@ def test_a_missing_feature_skips_and_strict_fails_it(fake_server, tmp_path):
     assert "cached_tokens stayed 0" in rep
     code, rep = run_gates(url, tmp_path, only="resumed_equals_cold", extra=["--strict"])
     assert code == 1 and status_of(rep, "resumed_equals_cold") == "FAIL"
+
+
+def test_no_drafts_reported_is_tolerant_and_strict_fails_it(fake_server, tmp_path):
+    code, rep = run_gates(fake_server(), tmp_path, only="drafted_equals_serial", extra=["--strict"])
+    assert code == 0 and "drafting exercised: 18 draft tokens verified, 6 accepted (in the replies)" in rep, rep
+    url = fake_server("nodrafts")
+    code, rep = run_gates(url, tmp_path, only="drafted_equals_serial")
+    assert code == 0 and "tolerant: the server reported no drafted tokens" in rep, rep
+    code, rep = run_gates(url, tmp_path, only="drafted_equals_serial", extra=["--strict"])
+    assert code == 1 and status_of(rep, "drafted_equals_serial") == "FAIL", rep
 
 
 def test_png_is_a_valid_image():
