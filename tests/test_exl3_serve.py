@@ -12,19 +12,16 @@ from dsv41.tools.make_tiny import main as make_tiny
 
 @pytest.fixture(scope="module")
 def pack(tmp_path_factory) -> Path:
-    """A pack with the real V4.1 tokenizer (the chat template needs its special tokens). The Engram tables are
-    placed beside the pack's shards, outside its index, as a user would put DeepSeek's original shards there: the
-    server finds them by their headers."""
+    """A pack with the real V4.1 tokenizer (the chat template needs its special tokens); its Engram tables in
+    pack/engram, outside the pack, as the published packs leave them (served with --engram)."""
     d = tmp_path_factory.mktemp("exl3srv") / "tiny-exl3"
     assert make_tiny(["--out", str(d), "--format", "exl3", "--seed", "2"]) == 0
-    for f in (d / "engram").glob("*.safetensors"):
-        f.rename(d / f.name)
     return d
 
 
 @pytest.fixture(scope="module")
 def server(pack):
-    s = LiveServer("--model", str(pack), "--context", "512", "--prefill-chunk", "64", "--state-budget-gib", "1",
+    s = LiveServer("--model", str(pack), "--engram", str(pack / "engram"), "--context", "512", "--prefill-chunk", "64", "--state-budget-gib", "1",
                    "--shutdown-grace-s", "5", env={"OMP_NUM_THREADS": "1"})
     try:
         s.wait_ready()
