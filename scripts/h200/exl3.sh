@@ -6,11 +6,11 @@ set -u
 export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD} TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0
 mkdir -p "$OUT/bench/results"
 t0=$(date +%s)
-timeout -k 5 60 python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs -m gpu \
+timeout -k 5 55 python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs -m gpu \
     tests/test_exl3_triton.py tests/test_exl3_load.py 2>&1 | tail -20
 echo "exl3.sh: cuda tests done at $(( $(date +%s) - t0 ))s"
-DSV41_DEVICE=cuda timeout -k 5 75 python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs \
+DSV41_DEVICE=cuda timeout -k 5 60 python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs \
     tests/test_exl3_serve.py 2>&1 | tail -20
 echo "exl3.sh: served on cuda at $(( $(date +%s) - t0 ))s"
-timeout -k 5 70 python3 bench/exl3_bench.py --out "$OUT/bench/results/exl3.md" 2>&1 | tail -40
+timeout -k 5 55 python3 bench/exl3_bench.py --out "$OUT/bench/results/exl3.md" 2>&1 | tail -40
 echo "exl3.sh: done at $(( $(date +%s) - t0 ))s"
