@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     if a.four and a.four_budget_s > 0:
         fc = a.four_chunk or a.chunk
         fits = int(prefill_tps * a.four_budget_s / 8) // fc * fc      # 4 prompts together, then 4 alone
-        if fits < a.four:
+        if max(fc, fits) < a.four:
             four_n = max(fc, fits)
             skipped.append(f"four prompts: {four_n:,} tokens each instead of {a.four:,} (--four-budget-s "
                            f"{a.four_budget_s:g} at {prefill_tps:,.0f} tok/s)")
