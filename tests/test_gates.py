@@ -209,3 +209,67 @@ def test_gates_against_the_live_server(tmp_path):
         assert "tolerant: no content" not in rep      # the server closes the think block at thinking_budget
     finally:
         s.stop()
+
+
+# ------------------------------------------------------------------------------------------------ the replay floor
+def test_replay_floor_rings_born_poisoned(shared, monkeypatch):
+    """The length sweep's bug class (issue 13): a short last chunk at a cut must read only its own sequence's keys.
+    Every window ring is born full of garbage, as a ring reused from another request would be; the prompts of every
+    length 1..40 (the tiny-a window is 8, so five wraps; compression groups of 2 and 1, top-k 6), cut into chunks of
+    5, eight in flight in shuffled order, give the greedy ids each gives alone in one pass with clean rings."""
+    import asyncio
+    import json
+    import random
+
+    import torch
+
+    from dsv41.model.model import Model
+    from dsv41.model.state import SeqState
+    from dsv41.sched.memory import MemoryBudget, state_cost
+    from dsv41.sched.request import Request
+    from dsv41.sched.runner import ModelRunner
+    from dsv41.sched.sampler import SamplingParams
+    from dsv41.sched.scheduler import Scheduler
+
+    ckpt = shared / "vectors/model/tiny-a/checkpoint"
+    model = Model.load(ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cost = state_cost(cfg.get("text_config", cfg))
+    g = torch.Generator().manual_seed(7)
+    text = [0] + torch.randint(3, 500, (39,), generator=g).tolist()
+    prompts = [text[:n] for n in range(1, 41)]
+
+    def replies(order, chunk, max_streams):
+        async def go():
+            sched = Scheduler(ModelRunner(model), MemoryBudget(1 << 40, cost), max_streams=max_streams,
+                              prefill_chunk=chunk, stall_target_s=0)
+            sched.start()
+            made = {i: Request(prompts[i], SamplingParams(temperature=0.0), 4, ignore_eos=True) for i in order}
+            for i in order:
+                sched.submit(made[i])
+
+            async def drain(r):
+                async for _ in sched.stream(r):
+                    pass
+            await asyncio.gather(*[drain(r) for r in made.values()])
+            await sched.stop()
+            return {i: list(r.output_ids) for i, r in made.items()}
+        return asyncio.run(go())
+
+    clean = replies(list(range(len(prompts))), 4096, 1)      # one stream: each prompt alone, in one pass
+    born = SeqState.write_window
+    poisoned_rings = []
+
+    def write_window(self, layer, new_kv, start, window):
+        if layer not in self.windows:         # born full of another "request's" keys
+            self.windows[layer] = torch.full((window, new_kv.shape[1]), 1e4, dtype=new_kv.dtype)
+            poisoned_rings.append(self.windows[layer])
+        return born(self, layer, new_kv, start, window)
+
+    monkeypatch.setattr(SeqState, "write_window", write_window)
+    order = list(range(len(prompts)))
+    random.Random(3).shuffle(order)
+    got = replies(order, 5, 8)
+    assert poisoned_rings and any(bool((r == 1e4).any()) for r in poisoned_rings)    # short prompts leave poison
+    bad = {len(prompts[i]): (got[i], clean[i]) for i in clean if got[i] != clean[i]}
+    assert not bad, f"lengths whose reply read a poisoned slot (got, clean): {bad}"
