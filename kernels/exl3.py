@@ -32,7 +32,8 @@ def _codebook(w, CB: tl.constexpr):
     """fp16 value of 16-bit windows w (uint32) under codebook CB (0 3INST, 1 MCG, 2 MUL1); codebook.cuh exactly."""
     if CB == 2:
         x = w * 0x83DCD12D
-        s = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+        s = (x & 0x00FF00FF) + ((x >> 8) & 0x00FF00FF)              # two 16-bit lanes of byte-pair sums
+        s = (s & 0xFFFF) + (s >> 16)                                # the sum of the four bytes
         # (1024 + byte sum) * fp16(0x1eee) + fp16(0xc931) = ... * 1774*2^-18 - 1329*2^-7: exact in float32, so one
         # rounding like the fp16 fma
         v = (s + 1024).to(tl.float32) * 0.00676727294921875 + (-10.3828125)
@@ -50,10 +51,11 @@ def _codebook(w, CB: tl.constexpr):
 
 
 @triton.jit
-def _window_layout(K2: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """Where each element of a [BK, BN] block of W~ finds its 16-bit window inside its tile's words: (first word,
-    next word, bit offset of the window in the first word, MSB first). A function of the position in the 16x16 tile only, so it is
-    computed once per program and reused for every tile the program decodes.
+def _window_layout(NT, K2: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """Where each element of a [BK, BN] block of W~ finds its 16-bit window: (word offset of the first word, of the
+    next word, bit offset of the window in the first word, MSB first), the word offsets relative to the first word
+    of the block's first tile. A function of the position in the block only, so it is computed once per program
+    and every block the program decodes adds one scalar base.
 
     Element (row, col) sits at trellis position p = 8*lane + j (tensor-core order); its window ends at bit
     (p+1)*K of the tile's ring (half-integer K: the odd positions carry KA+1 bits)."""
@@ -68,21 +70,20 @@ def _window_layout(K2: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     end = (p >> 4) * (8 * K2) + m1 * KA + HALF * (m1 >> 1)
     start = (end - 16 + RING) % RING
     wi = start >> 5
-    return wi, (wi + 1) % NW, (start & 31).to(tl.uint32)
+    tile = (tl.arange(0, BK) // 16)[:, None] * NT + (tl.arange(0, BN) // 16)[None, :]
+    return tile * NW + wi, tile * NW + (wi + 1) % NW, (start & 31).to(tl.uint32)
 
 
 @triton.jit
-def _decode_block(words, wi, wj, off, k0, n0, NT, K2: tl.constexpr, CB: tl.constexpr,
-                  BK: tl.constexpr, BN: tl.constexpr):
+def _decode_block(words, oa, ob, off, k0, n0, NT, K2: tl.constexpr, CB: tl.constexpr):
     """W~[k0:k0+BK, n0:n0+BN] (fp16) from the trellis words (int32 view of the int16 trellis), given the layout.
 
     The window is bits off..off+15 (MSB first) of the pair (a, b): a funnel shift in 32-bit arithmetic (no 64-bit
     shifts), and the second word is loaded only where the window reaches into it (off > 16)."""
     NW: tl.constexpr = 4 * K2
-    tile = ((k0 // 16) + tl.arange(0, BK) // 16)[:, None] * NT + ((n0 // 16) + tl.arange(0, BN) // 16)[None, :]
-    base = words + tile.to(tl.int64) * NW
-    a = tl.load(base + wi).to(tl.uint32, bitcast=True)
-    b = tl.load(base + wj, mask=off > 16, other=0).to(tl.uint32, bitcast=True)
+    base = words + ((k0 // 16).to(tl.int64) * NT + n0 // 16) * NW
+    a = tl.load(base + oa).to(tl.uint32, bitcast=True)
+    b = tl.load(base + ob, mask=off > 16, other=0).to(tl.uint32, bitcast=True)
     hi = a << off
     lo = (b >> 1) >> (31 - off)                                   # b >> (32 - off), without a shift by 32
     w = ((hi | lo) >> 16) & 0xFFFF
@@ -158,13 +159,13 @@ def _gemm_kernel(x_ptr, words_ptr, ids_ptr, rows_ptr, part_ptr, M, N, D, NT, exp
         rn = pid_n * BN + tl.arange(0, BN)
         xrow = x_ptr + g.to(tl.int64) * M * D + rm[:, None].to(tl.int64) * D
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        wi, wj, off = _window_layout(K2, BK, BN)
+        oa, ob, off = _window_layout(NT, K2, BK, BN)
         s0 = pid_s * steps_per_split
         s1 = tl.minimum(s0 + steps_per_split, D // BK)
         for step in range(s0, s1):
             k0 = step * BK
             xk = tl.load(xrow + (k0 + tl.arange(0, BK))[None, :], mask=rm[:, None] < m_valid, other=0.0)
-            w = _decode_block(words, wi, wj, off, k0, pid_n * BN, NT, K2, CB, BK, BN)
+            w = _decode_block(words, oa, ob, off, k0, pid_n * BN, NT, K2, CB)
             acc += tl.dot(xk, w)
         off = (pid_s * G + g).to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
         tl.store(part_ptr + off, acc, mask=rm[:, None] < M)
@@ -175,8 +176,8 @@ def _reconstruct_kernel(words_ptr, out_ptr, N, NT, K2: tl.constexpr, CB: tl.cons
                         BK: tl.constexpr, BN: tl.constexpr):
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
-    wi, wj, off = _window_layout(K2, BK, BN)
-    w = _decode_block(words_ptr, wi, wj, off, pid_k * BK, pid_n * BN, NT, K2, CB, BK, BN)
+    oa, ob, off = _window_layout(NT, K2, BK, BN)
+    w = _decode_block(words_ptr, oa, ob, off, pid_k * BK, pid_n * BN, NT, K2, CB)
     rk = pid_k * BK + tl.arange(0, BK)
     rn = pid_n * BN + tl.arange(0, BN)
     tl.store(out_ptr + rk[:, None].to(tl.int64) * N + rn[None, :], w)
