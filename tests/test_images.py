@@ -305,7 +305,7 @@ def test_url_images_within_size_and_time_limits(service):
     png = image_bytes(40, 30, seed=9)
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             if self.path == "/slow.png":
                 time.sleep(2)
             if self.path == "/missing.png":
@@ -345,3 +345,24 @@ def test_url_images_within_size_and_time_limits(service):
         http.shutdown()
         svc.close()
         off.close()
+
+
+@pytest.mark.gpu
+def test_service_on_cuda_matches_cpu(ckpt, service):
+    """The server's tower on the GPU (float32, TF32 off): rows within fp32 rounding of the CPU's, types on the host,
+    the chunk slicing on the device."""
+    from dsv41.api.images import ImageService
+    from dsv41.model.vision import PromptImage
+    from dsv41.sched.images import chunk_rows
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu = ImageService.load(ckpt, ServeConfig(), "cuda")
+    try:
+        for (wh, fmt) in FIVE:
+            data = image_bytes(*wh, fmt=fmt, seed=wh[0])
+            a, b = service.encode_sync(data), gpu.encode_sync(data)
+            assert b.embeds.is_cuda and b.token_type.device.type == "cpu"
+            assert torch.equal(a.token_type, b.token_type) and rel(b.embeds.cpu(), a.embeds) < 1e-5, wh
+            e, t = chunk_rows([PromptImage(3, b)], 0, b.n_tokens + 5, b.embeds.shape[1])
+            assert e.is_cuda and t.device.type == "cpu" and torch.equal(e[3:3 + b.n_tokens], b.embeds)
+    finally:
+        gpu.close()
