@@ -10,7 +10,8 @@ Launches: (1) gate/up: a program takes one tile of up to BLOCK_M (row, slot) pai
 of the intermediate dimension, reads w1's and w3's rows of that tile together, applies the clamped SwiGLU and the
 routing weight in registers and writes h (fp32); (2) down: the same tiles times w2, each (row, slot) output written
 to its own place; (3) the slot sum per row in slot order. Weights are unpacked in registers (exact in bf16: an E2M1
-value times a power of two), activations rounded to bf16 for the tensor cores, fp32 accumulation.
+value times a power of two); activations (x, then h) are split into bf16 hi + lo parts, both multiplied on the
+tensor cores with fp32 accumulation, so the products are float32's to ~1e-5 relative.
 
 Exactness: fixed tile sizes and K order for every row count; each pair's output is computed from its own row only
 and the slot sum has a fixed order, so a row's bits do not depend on the other rows of the round. The work list is
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_linear import INTERPRET, bf16_operand, mma, round_bf16
+from kernels.fp8_linear import INTERPRET, bf16_operand, mma, split_bf16
 
 BLOCK_M = 64          # (row, slot) pairs per tile
 BLOCK_N_UP = 64       # intermediate columns per gate/up program (w1 and w3 tiles together)
@@ -50,21 +51,24 @@ def _fp4_pair(q, s_a, s_b, BKB: tl.constexpr, INTERP: tl.constexpr):
 def _fp4_mma(xt, wq, s_row, g0, acc, BM: tl.constexpr, BKB: tl.constexpr, SCALED: tl.constexpr,
              INTERP: tl.constexpr):
     """acc + xt · W for one K step of 2·BKB: xt [BM, 2·BKB] activations (float32/bf16), wq [BKB, BN] packed bytes of
-    W (low nibble = even k), s_row [BN] pointers to the scale rows, g0 the step's first scale group.
+    W (low nibble = even k), s_row [BN] pointers to the scale rows, g0 the step's first scale group. xt is split
+    into bf16 hi + lo parts (split_bf16), each multiplied by the same unpacked W, so the product is float32's.
     SCALED: Triton's microscaling product (tl.dot_scaled, bf16 x e2m1 with E8M0 scales per 32 along K); else the
-    bytes are unpacked here and x is split into even and odd k for two bf16 products."""
+    bytes are unpacked here and x is split into even and odd k for bf16 products with the low and high nibbles."""
+    x_hi, x_lo = split_bf16(xt, INTERP)
     if SCALED:
         s = tl.load(s_row[:, None] + g0 + tl.arange(0, BKB // 16)[None, :])               # [BN, groups]
-        if INTERP:
-            xb = round_bf16(xt.to(tl.float32)).to(tl.bfloat16)
-        else:
-            xb = xt.to(tl.bfloat16)
-        return tl.dot_scaled(xb, None, "bf16", wq.to(tl.uint8, bitcast=True), s, "e2m1", acc)
+        wu = wq.to(tl.uint8, bitcast=True)
+        acc = tl.dot_scaled(x_hi.to(tl.bfloat16), None, "bf16", wu, s, "e2m1", acc)
+        return tl.dot_scaled(x_lo.to(tl.bfloat16), None, "bf16", wu, s, "e2m1", acc)
     else:
-        xe, xo = tl.split(tl.reshape(bf16_operand(xt, INTERP), (BM, BKB, 2)))             # even k, odd k
-        lo, hi = _fp4_pair(wq, tl.load(s_row + g0), tl.load(s_row + g0 + 1), BKB, INTERP)
-        acc = mma(xe, lo, acc, INTERP)
-        return mma(xo, hi, acc, INTERP)
+        he, ho = tl.split(tl.reshape(x_hi, (BM, BKB, 2)))                                  # even k, odd k
+        le, lo_ = tl.split(tl.reshape(x_lo, (BM, BKB, 2)))
+        w_even, w_odd = _fp4_pair(wq, tl.load(s_row + g0), tl.load(s_row + g0 + 1), BKB, INTERP)
+        acc = mma(he, w_even, acc, INTERP)
+        acc = mma(le, w_even, acc, INTERP)
+        acc = mma(ho, w_odd, acc, INTERP)
+        return mma(lo_, w_odd, acc, INTERP)
 
 
 @triton.jit

@@ -2,8 +2,10 @@
 
 Reference: `dsv41.model.linear.linear(x, dsv41.model.quant.dequant_fp8(w, scale))`.
 
-W is dequantised in registers, exactly (an E4M3 value times a power of two is a bf16 value), x is rounded to bf16
-(nearest even) and the products run on the tensor cores (`tl.dot`) with fp32 accumulation.
+W is dequantised in registers, exactly (an E4M3 value times a power of two is a bf16 value); x is split into two
+bf16 parts (x = hi + lo to ~2^-17) and both products run on the tensor cores (`tl.dot`) with fp32 accumulation, so
+y is the float32 product to ~1e-5 relative, not a bf16-input approximation (the weight's unpacking, the costly
+part of a decode round, is shared by the two products).
 
 Exactness: one configuration for every row count. K is cut into S equal chunks chosen from the weight's shape only
 (`fp8_split`); each chunk's tensor-core sum starts from zero and the output is 0 + p_0 + p_1 + … + p_{S-1} in that
@@ -44,6 +46,19 @@ def bf16_operand(v, INTERP: tl.constexpr):
         return round_bf16(v.to(tl.float32))
     else:
         return v.to(tl.bfloat16)
+
+
+@triton.jit
+def split_bf16(v, INTERP: tl.constexpr):
+    """v = hi + lo to about 2^-17 relative: hi its bf16 rounding, lo the bf16 rounding of the rest, both as
+    tensor-core operands. With weights exact in bf16, hi·W + lo·W in fp32 is the float32 product to ~1e-5."""
+    v = v.to(tl.float32)
+    if INTERP:
+        hi = round_bf16(v)
+        return hi, round_bf16(v - hi)
+    else:
+        hi = v.to(tl.bfloat16)
+        return hi, (v - hi.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
@@ -93,7 +108,10 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, chunk_b
             f_lo = (s_lo.to(tl.int32) << 23).to(tl.float32, bitcast=True)
             f_hi = (s_hi.to(tl.int32) << 23).to(tl.float32, bitcast=True)
             wf = wt.to(tl.float32) * tl.where(first_half, f_lo[None, :], f_hi[None, :])
-            part = mma(bf16_operand(xt, INTERP), bf16_operand(wf, INTERP), part, INTERP)
+            wb = bf16_operand(wf, INTERP)
+            x_hi, x_lo = split_bf16(xt, INTERP)
+            part = mma(x_hi, wb, part, INTERP)
+            part = mma(x_lo, wb, part, INTERP)
         total = total + part
     out = out_ptr + pid_g.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(out, total, mask=m_ok[:, None] & n_ok[None, :])
