@@ -136,6 +136,11 @@ def _load_kernels() -> dict:
         found["fp4_moe"] = k
     except Exception:  # noqa: BLE001, S110
         pass
+    try:
+        from kernels.indexer import index_scores as k
+        found["index_scores"] = k
+    except Exception:  # noqa: BLE001, S110
+        pass
     return found
 
 
@@ -175,6 +180,12 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     if k is not None:
         return k(x.contiguous(), w.q, w.scale).float()
     return tiled_matmul(x, w.dequant())
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """The indexer's scores [n, T] (before the visibility mask) in one kernel launch, or None (the torch path)."""
+    k = kernel("index_scores", q)
+    return None if k is None or keys.shape[1] & (keys.shape[1] - 1) else k(q, w, keys, scale)
 
 
 def tree_row_sum(x: torch.Tensor) -> torch.Tensor:

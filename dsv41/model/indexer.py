@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv41.model import device as dev
 from dsv41.model import quant
 from dsv41.model.linear import linear, rms_norm, stable_topk, tiled
 from dsv41.model.rope import Rope, apply_rope
@@ -60,6 +61,10 @@ class Indexer:
         """Index scores [n, T] of one sequence's rows against its T keys, -inf where not yet visible."""
         n, T = q.shape[0], keys.shape[0]
         scale = self.head_dim ** -0.5
+        out = dev.index_scores(q, w, keys, scale)   # one Triton launch on CUDA when kernels/ has it
+        if out is not None:
+            visible = (positions[:, None] + 1) // ratio
+            return out.masked_fill(torch.arange(T, device=out.device)[None, :] >= visible, NEG_INF)
         cols = []
         for k0 in range(0, T, KEY_TILE):
             ktile = keys[k0:k0 + KEY_TILE]

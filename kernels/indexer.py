@@ -1,0 +1,58 @@
+"""Lightning-indexer scores in one launch: I[t, s] = Σ_h relu(q[t, h] · k[s]) · scale · w[t, h], float32.
+
+Reference: `dsv41.model.indexer.Indexer.scores` before its visibility mask (the torch path cuts the keys into tiles
+of 64 and the rows into fixed row tiles, with a Python loop over heads: thousands of launches per call on a GPU).
+
+Numerics: float32 throughout, IEEE products (no TF32), heads added in order 0..H-1 as the reference does; the sum
+over the head dim is the kernel's own fixed order, so values differ from the torch path by float32 rounding only.
+Exactness: one configuration (BLOCK_M rows x BLOCK_N keys per program, the whole head dim in one product), so a
+(row, key) value depends only on that row and that key: not on the other rows of the call, nor on how many keys
+the sequence has (chunked prompt == one pass, a row alone == among many).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M, BLOCK_N, NUM_WARPS = 16, 64, 4
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, N, T, scale, H: tl.constexpr, D: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    keys = tl.program_id(1) * BN + tl.arange(0, BN)
+    d = tl.arange(0, D)
+    rmask, kmask = rows < N, keys < T
+    kt = tl.load(k_ptr + keys[None, :] * D + d[:, None], mask=kmask[None, :], other=0.0)     # [D, BN]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for h in tl.static_range(H):
+        q = tl.load(q_ptr + rows[:, None] * (H * D) + h * D + d[None, :], mask=rmask[:, None], other=0.0)
+        if INTERP:   # numpy's BLAS would round a row by its place in the tile: an explicit product-sum instead
+            s = tl.sum(q[:, :, None] * kt[None, :, :], axis=1)
+        else:
+            s = tl.dot(q, kt, input_precision="ieee")
+        w = tl.load(w_ptr + rows * H + h, mask=rmask, other=0.0)
+        acc = acc + (tl.maximum(s, 0.0) * scale) * w[:, None]
+    tl.store(out_ptr + rows[:, None] * T + keys[None, :], acc, mask=rmask[:, None] & kmask[None, :])
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, H, D] float32, w [n, H] float32, keys [T, D] float32 -> scores [n, T] float32 (no visibility mask).
+    D must be a power of two (the release's 128)."""
+    n, H, D = q.shape
+    T = keys.shape[0]
+    if D & (D - 1) or keys.shape[1] != D or w.shape != (n, H):
+        raise ValueError(f"index_scores: q {list(q.shape)}, w {list(w.shape)}, keys {list(keys.shape)}")
+    out = torch.empty((n, T), dtype=torch.float32, device=q.device)
+    if n == 0 or T == 0:
+        return out
+    q, w, keys = (t.float().contiguous() for t in (q, w, keys))
+    grid = (triton.cdiv(n, BLOCK_M), triton.cdiv(T, BLOCK_N))
+    _index_scores_kernel[grid](q, w, keys, out, n, T, float(scale), H=H, D=D, BM=BLOCK_M, BN=BLOCK_N,
+                               INTERP=INTERPRET, num_warps=NUM_WARPS)
+    return out

@@ -1,0 +1,43 @@
+"""kernels/indexer.py (the indexer's scores in one launch, used on CUDA by dsv41/model/indexer.py through device.py)
+against the torch path, and its row/key invariance. On CPU the kernel runs under TRITON_INTERPRET=1 (conftest)."""
+import pytest
+import torch
+
+from dsv41.model.indexer import Indexer
+from kernels.indexer import index_scores
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _indexer(H, D):
+    return Indexer(layer=0, n_heads=H, head_dim=D, topk=8, wq_b=None, weights_proj=None, wk=None, k_norm=None, eps=1e-6)
+
+
+def _inputs(n, T, H, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, H, D, generator=g)
+    w = torch.randn(n, H, generator=g) * H ** -0.5
+    k = torch.randn(T, D, generator=g)
+    return q, w, k
+
+
+@pytest.mark.parametrize("n,T,H,D", [(1, 5, 4, 32), (3, 64, 2, 64), (17, 130, 4, 32), (40, 70, 8, 128)])
+def test_index_scores_equal_the_torch_path_to_float32_rounding(n, T, H, D):
+    q, w, k = _inputs(n, T, H, D, n + T)
+    ix = _indexer(H, D)
+    pos = torch.full((n,), 10 ** 6)          # everything visible
+    ref = ix.scores(q, w, k, pos, 1)         # the torch path (inputs on the CPU: no kernel)
+    got = index_scores(q.to(DEVICE), w.to(DEVICE), k.to(DEVICE), D ** -0.5).cpu()
+    assert got.shape == (n, T)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_index_scores_row_and_key_invariant():
+    """A (row, key) score is the same bits alone, among 40 rows, and with 3x the keys (chunked == one pass)."""
+    H, D = 4, 32
+    q, w, k = _inputs(40, 150, H, D, 7)
+    q, w, k = q.to(DEVICE), w.to(DEVICE), k.to(DEVICE)
+    full = index_scores(q, w, k, 0.1)
+    alone = index_scores(q[17:18], w[17:18], k[:50], 0.1)
+    assert torch.equal(alone[0], full[17, :50])
+    assert torch.equal(index_scores(q[3:9], w[3:9], k, 0.1), full[3:9])
