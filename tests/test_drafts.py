@@ -175,6 +175,10 @@ def test_policy_calibrates_by_acceptance():
     pol.record(pol.expected_accepted(conf, 5) * 20, 0)
     assert pol.scale < 0.1
     assert pol.lengths(2, 2, {0: (conf, 5), 1: (conf, 5)}) == {0: 1, 1: 1}
-    assert not pol.proposing(9) and pol.proposing(16)
-    pol.record(0.0, 200)                                    # the head turned out right after all
-    assert pol.scale > 1 and pol.proposing(9)
+    pol.record_pass(0.05, 1)                                # the DSpark pass: 50 ms per sequence
+    pol.verified = 100                                      # none of 100 accepted: not worth a pass
+    assert not pol.proposing(9, 2, 2) and pol.proposing(16, 2, 2)
+    pol.record(0.0, 95, 0)                                  # 95 of 100 accepted after all
+    assert pol.scale > 1 and pol.proposing(9, 2, 2)
+    pol.record_pass(10.0, 1)                                # a pass dearer than any gain
+    assert not pol.proposing(9, 2, 2)

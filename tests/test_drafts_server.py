@@ -1,7 +1,7 @@
 """Speculative decoding through the live server (tests/test_server.py's LiveServer): a server on a checkpoint whose
 DSpark head agrees with the target (make_tiny --draft-agrees, real tokenizer), drafting on; every request is also
 sent with "draft": false (the serial path) and the token ids must be equal: 16 prompts greedy and seeded (T=0.6,
-top-p 0.95), 48 tokens with ignore_eos (128 in tests/test_drafts.py, in process: the serial side of 16 x 128 takes
+top-p 0.95), 32 tokens with ignore_eos (128 in tests/test_drafts.py, in process: the serial side of 16 x 128 takes
 3 minutes here on 2 cores), as a 16-stream burst and alone, and JSON-schema replies (drafts cut by the grammar,
 verify rows masked). usage.drafts and /metrics report the drafts."""
 import concurrent.futures as cf
@@ -22,8 +22,10 @@ NO_THINK = {"chat_template_kwargs": {"thinking": False}}
 def server(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("agree-real")
     make_tiny.main(["--out", str(ckpt), "--seed", "0", "--draft-agrees", "--layers", "7"])
+    # --draft-tokens 5: every round verifies what fits (the adaptive policy rightly declines most drafts for 16 CPU
+    # streams, where the DSpark pass costs as much as a decode row; tests/test_drafts.py covers the policy)
     s = LiveServer("--model", str(ckpt), "--context", "1024", "--state-budget-gib", "2", "--max-streams", "16",
-                   "--prompt-cache-gib", "0")
+                   "--prompt-cache-gib", "0", "--draft-tokens", "5")
     try:
         s.wait_ready()
         yield s
@@ -31,7 +33,7 @@ def server(tmp_path_factory):
         s.stop()
 
 
-def _body(i: int, sampled: bool, n: int = 48) -> dict:
+def _body(i: int, sampled: bool, n: int = 32) -> dict:
     prompt = [0] + [(i * 7919 + k * 104729) % 120000 + 100 for k in range(5 + i % 7)]
     body = {"prompt": prompt, "max_tokens": n, "ignore_eos": True, "return_token_ids": True}
     body.update({"temperature": 0.6, "top_p": 0.95, "seed": 500 + i} if sampled else {"temperature": 0})
@@ -55,12 +57,12 @@ def test_burst_drafted_equals_serial(server):
     serial = _burst(server.url, "/v1/completions", [dict(b, draft=False) for b in bodies])
     for d, s in zip(drafted, serial):
         assert d["choices"][0]["token_ids"] == s["choices"][0]["token_ids"]
-        assert len(d["choices"][0]["token_ids"]) == 48
+        assert len(d["choices"][0]["token_ids"]) == 32
         assert "drafts" not in s["usage"]
     u = [d["usage"]["drafts"] for d in drafted]
     accepted = sum(x["accepted_tokens"] for x in u)
     assert accepted > 0.8 * sum(x["drafted_tokens"] for x in u)
-    assert sum(x["rounds"] for x in u) < 0.5 * 16 * 48           # several tokens per round
+    assert sum(x["rounds"] for x in u) < 0.5 * 16 * 32           # several tokens per round
     assert all(x["tokens_per_round"] > 2 for x in u)
     # alone: one greedy and one sampled request by themselves
     for b, s in ((bodies[0], serial[0]), (bodies[1], serial[1])):

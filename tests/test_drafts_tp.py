@@ -22,7 +22,7 @@ def two_ranks(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("agree-tp")
     make_tiny.main(["--out", str(ckpt), "--seed", "0", "--draft-agrees", "--layers", "7"])
     common = ["--model", str(ckpt), "--context", "256", "--state-budget-gib", "1", "--prefill-chunk", "16",
-              "--shutdown-grace-s", "5", "--prompt-cache-gib", "0"]
+              "--shutdown-grace-s", "5", "--prompt-cache-gib", "0", "--draft-tokens", "4"]
     master = f"127.0.0.1:{lane_port()}"
     r1 = Proc("--tp", "2", "--rank", "1", "--master", master, *common)
     try:

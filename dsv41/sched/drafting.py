@@ -7,14 +7,19 @@ maximise the expected reply tokens per second of the round:
 - the expected tokens a draft of length n adds are sum_{i<=n} prod_{j<=i} p_j, p_j = sigmoid(confidence_j) (the
   DSpark confidence head's logit for draft position j; arch.md leaves its use open, so it is read as the chance
   the token is accepted given the ones before it);
-- a round of R rows costs `costs(R)` seconds, a table measured when the server starts (`RoundCosts.measure`: one
-  forward per row count, linear in between);
+- a round of R rows over B sequences costs `costs(R) + B * per_seq` seconds: `costs` is a table measured when the
+  server starts (`RoundCosts.measure`: one forward of R rows of one sequence per row count, linear in between) and
+  `per_seq` the work each extra sequence adds (its own attention / indexer / ring bookkeeping), learnt from the
+  rounds the server runs (what the table does not explain, per sequence);
 - greedily add the draft token with the largest expected gain, remember the expected tokens per second after each
   addition, and keep the best prefix; a round never exceeds `round_rows`;
 - calibration: the server counts the drafts it expected to be accepted and those that were; p_j is scaled by
   (accepted + 2) / (expected + 2), so a head whose confidence overstates (random weights: acceptance near zero)
-  soon gets no rows. While that scale is below EXPLORE_BELOW, drafts are proposed only every EXPLORE_EVERY rounds and
-  then verified at least one token deep, so the estimate can recover.
+  soon gets no rows. While that scale is below EXPLORE_BELOW, drafts are verified at least one token deep, so the
+  estimate can recover;
+- proposing: the DSpark pass itself costs time (seconds per drafting sequence, measured on the rounds that ran it), so
+  a round proposes drafts only when, at the acceptance rate seen so far, the best draft length would give more
+  tokens per second than serial decoding after paying for the pass; every EXPLORE_EVERY-th round proposes anyway.
 
 More live sequences leave fewer rows and make each row's share of the round smaller, so drafts get shorter. With
 `fixed` > 0 every sequence verifies min(fixed, what fits) draft tokens instead (a knob for measuring and testing).
@@ -87,18 +92,46 @@ class DraftPolicy:
         self.fixed = fixed
         self.expected = 0.0          # draft tokens the confidence head expected accepted (verified ones)
         self.accepted = 0            # and those accepted
+        self.verified = 0            # draft tokens verified
+        self.pass_s = 0.0            # seconds of the DSpark pass per drafting sequence (running estimate)
+        self.per_seq = 0.0           # seconds each sequence of a round adds beyond the table (running estimate)
+
+    def round_s(self, rows: int, streams: int) -> float:
+        return self.costs(rows) + self.per_seq * streams
+
+    def observe_round(self, rows: int, streams: int, seconds: float) -> None:
+        """A round's forward + sampling seconds (without the DSpark pass): refine per_seq."""
+        if streams > 1 and rows > 0:
+            per = max(0.0, seconds - self.costs(rows)) / streams
+            self.per_seq = per if self.per_seq == 0 else 0.8 * self.per_seq + 0.2 * per
 
     @property
     def scale(self) -> float:
         return (self.accepted + 2.0) / (self.expected + 2.0)
 
-    def record(self, expected: float, accepted: int) -> None:
+    def record(self, expected: float, accepted: int, verified: int = 0) -> None:
         self.expected += expected
         self.accepted += accepted
+        self.verified += verified
 
-    def proposing(self, round_no: int) -> bool:
-        """Whether sequences propose drafts this round (the DSpark pass costs time even when nothing is verified)."""
-        return self.fixed > 0 or self.scale >= EXPLORE_BELOW or round_no % EXPLORE_EVERY == 0
+    def record_pass(self, seconds: float, sequences: int) -> None:
+        if sequences > 0:
+            per = seconds / sequences
+            self.pass_s = per if self.pass_s == 0 else 0.8 * self.pass_s + 0.2 * per
+
+    def proposing(self, round_no: int, streams: int = 1, base_rows: int = 1, block: int = 5) -> bool:
+        """Whether the round's sequences propose drafts (for the next round): worth the DSpark pass at the acceptance
+        rate seen so far (each draft token accepted with that chance given the ones before it)?"""
+        if self.fixed > 0 or round_no % EXPLORE_EVERY == 0 or self.pass_s == 0:
+            return True
+        a = (self.accepted + 1.0) / (self.verified + 2.0)
+        serial = streams / self.round_s(base_rows, streams)
+        for n in range(1, block + 1):
+            rows = base_rows + min(streams * n, max(0, self.round_rows - base_rows))
+            tokens = streams * sum(a ** i for i in range(min(n, (rows - base_rows) // max(streams, 1)) + 1))
+            if tokens / (self.round_s(rows, streams) + self.pass_s * streams) > serial:
+                return True
+        return False
 
     def expected_accepted(self, confidence: list[float], n: int) -> float:
         """Accepted draft tokens the (uncalibrated) confidence expects from the first n."""
@@ -127,7 +160,7 @@ class DraftPolicy:
         reach = {s: 1.0 for s in cands}          # P(every draft token so far accepted)
         order = []                               # additions, best expected gain first
         tokens = float(base_tokens)
-        best_rate, best_k = tokens / self.costs(base_rows), 0
+        best_rate, best_k = tokens / self.round_s(base_rows, base_tokens), 0
         for k in range(1, room + 1):
             pick, gain = None, 0.0
             for s, p in probs.items():
@@ -140,7 +173,7 @@ class DraftPolicy:
             reach[pick] *= probs[pick][out[pick] - 1]
             order.append(pick)
             tokens += gain
-            rate = tokens / self.costs(base_rows + k)
+            rate = tokens / self.round_s(base_rows + k, base_tokens)
             if rate > best_rate:
                 best_rate, best_k = rate, k
         final = {s: 0 for s in cands}

@@ -100,6 +100,7 @@ class Scheduler:
         self._drafts: dict[int, tuple[list[int], list[float]]] = {}   # seq -> the draft proposed for its next row
         self._fed: dict[int, int] = {}            # seq -> tokens its state holds (may run past the reply: Rollback)
         self._expect: dict[int, float] = {}       # seq -> accepted drafts its confidence expected this round
+        self._propose_now = False                 # this round's sequences propose drafts (DraftPolicy.proposing)
 
     # --- API side ------------------------------------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -266,7 +267,7 @@ class Scheduler:
         return self.policy is not None and req.draft
 
     def _proposing(self, req: Request) -> bool:
-        return self._drafting(req) and self.policy.proposing(self._round)
+        return self._drafting(req) and self._propose_now
 
     def _fail_all(self, err: Exception) -> None:
         """Drop every running sequence (their states may be out of step with the bookkeeping) and fail them."""
@@ -320,6 +321,8 @@ class Scheduler:
         self._plan_has_decode = bool(decoding)
         room = self.prompt_room(decoding=bool(decoding))
         shares = self._prompt_shares(room)
+        self._propose_now = self.policy is not None and self.policy.proposing(
+            self._round, max(1, len(decoding)), len(decoding) + sum(n for _, n in shares), self.block_size)
         lengths = self._draft_lengths(decoding, sum(n for _, n in shares))
         for r in decoding:
             d = lengths.get(r.id, [])
@@ -479,6 +482,10 @@ class Scheduler:
             if req.filled == req.prompt_len:
                 req.phase = Phase.DECODE
                 req.prompt_done_time = time.monotonic()
+        if self.policy is not None:
+            self.policy.observe_round(plan.n_rows, len(plan.rows), result.seconds - result.draft_seconds)
+            if result.drafts:
+                self.policy.record_pass(result.draft_seconds, len(result.drafts))
         got: dict[int, list] = {}
         for seq, sample in result.samples:
             got.setdefault(seq, []).append(sample)
@@ -492,7 +499,7 @@ class Scheduler:
             samples = got.get(row.seq, [])
             if drafted:
                 self.draft_stats.add(drafted, accepted, len(samples))
-                self.policy.record(self._expect.pop(row.seq, 0.0), accepted)
+                self.policy.record(self._expect.pop(row.seq, 0.0), accepted, drafted)
                 req.drafted += drafted
                 req.draft_accepted += accepted
             if samples:
