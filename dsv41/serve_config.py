@@ -66,6 +66,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     image_url_max_bytes: int = 20 << 20  # largest image file fetched from a URL
     image_url_timeout_s: float = 10.0    # whole fetch of one image URL
     image_max_pixels: int = 8192 * 8192  # larger images (stored width x height) get 400 (decompression bombs)
+    image_exif_orientation: bool = False # turn images upright by their EXIF tag first (the reference ignores it)
     # streaming and life cycle
     keepalive_s: float = 10.0
     shutdown_grace_s: float = 30.0
@@ -211,6 +212,8 @@ FIELD_HELP: dict[str, str] = {
     "image_url_timeout_s": "seconds one image URL fetch may take (connect + download); slower gets 400",
     "image_max_pixels": "images whose stored width x height is larger get 400 (decompression bombs); Pillow itself "
                         "refuses above about 179 M pixels",
+    "image_exif_orientation": "turn each image upright by its EXIF orientation tag before preprocessing (phone "
+                              "photos); off = as DeepSeek's reference, which ignores the tag",
     "keepalive_s": "seconds between ': keepalive' SSE comments while a streamed request waits or its prompt fills",
     "shutdown_grace_s": "on SIGTERM: stop admitting, let running replies finish for this long, then cancel them",
     "log_level": "server log level",

@@ -178,6 +178,34 @@ def test_five_images_rows_and_token_count_match_the_reference(service, weights, 
     assert len(seen) == 5
 
 
+def test_more_formats_match_the_reference(ckpt, service, weights, vcfg):
+    """TIFF, a CMYK JPEG (Pillow's conversion, as the reference), and a JPEG with an EXIF orientation tag (ignored,
+    as the reference ignores it, unless --image-exif-orientation)."""
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, size=(70, 110, 3), dtype=np.uint8)).save(
+        buf, format="JPEG", exif=_exif_rotate_90())
+    rotated = buf.getvalue()
+    for data in (image_bytes(130, 60, "TIFF", seed=1), image_bytes(90, 90, "JPEG", seed=2, mode="CMYK"), rotated):
+        enc = service.encode_sync(data)
+        rows, n_h, n_w = ref_rows(data, weights, vcfg)
+        assert (enc.n_h, enc.n_w) == (n_h, n_w) and rel(enc.embeds, ref_span(rows, n_h, n_w, weights)[0]) < 1e-5
+    assert Image.open(io.BytesIO(rotated)).getexif()[0x0112] == 6
+    from dsv41.api.images import ImageService
+    upright = ImageService.load(ckpt, ServeConfig(image_exif_orientation=True))
+    try:
+        plain, turned = service.encode_sync(rotated), upright.encode_sync(rotated)
+        assert (plain.n_h, plain.n_w) == (turned.n_w, turned.n_h) != (turned.n_h, turned.n_w)   # 110x70 -> 70x110
+        assert upright.prep.apply_exif_orientation and not service.prep.apply_exif_orientation
+    finally:
+        upright.close()
+
+
+def _exif_rotate_90():
+    exif = Image.Exif()
+    exif[0x0112] = 6      # "rotate 90 clockwise to display"
+    return exif
+
+
 def _prompt(tok, image_id: int) -> list[int]:
     return [tok.bos_id] + tok.encode("<｜User｜>Look:", special=True) + [image_id] + \
         tok.encode(" what is it?<｜Assistant｜></think>", special=True)

@@ -78,7 +78,8 @@ class ImageService:
         if mc.vision is None:
             return None
         w = load_vision_weights(ckpt, device)
-        prep = ImagePrepConfig.from_vision_config(mc.vision, max_pixels=cfg.image_max_pixels)
+        prep = ImagePrepConfig.from_vision_config(mc.vision, max_pixels=cfg.image_max_pixels,
+                                                  apply_exif_orientation=cfg.image_exif_orientation)
         tower = VisionTower.load(w, mc.vision, dtype=torch.float32, device=device, prep=prep)
         rows = tuple(w[n].float() for n in ("image_start", "image_newline", "image_end"))
         return cls(tower, rows, mc.image_token_id,
