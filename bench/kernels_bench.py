@@ -51,13 +51,43 @@ def ceilings():
 def time_graph(fn) -> float:
     fn()
     torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e-3
+    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
 
 
 def fp8_weight(out_f, in_f):
     w = (torch.randn(out_f, in_f, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
     s = torch.randint(112, 122, (triton.cdiv(out_f, 32), in_f // 32), dtype=torch.uint8, device="cuda")
     return w, s
+
+
+def write(path, rows_dec, rows_pre, bw, mm, partial):
+    """The results file; rewritten after each section so a run cut by its time limit keeps what it measured."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, check=False).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    lines = [
+        "# Triton kernels: fp8_linear, fp4_moe and sparse_attn at V4.1 shapes", "",
+        f"- command: `python3 {' '.join(sys.argv)}` (scripts/h200/kernels.sh), commit {commit}",
+        (f"- machine: {torch.cuda.get_device_name()} ({socket.gethostname()}), torch {torch.__version__}, "
+         f"triton {triton.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"),
+        (f"- ceilings measured in the same run: device copy {bw / 1e12:.2f} TB/s (read+write bytes), "
+         f"bf16 GEMM (torch, 8192^3) {mm / 1e12:.0f} TFLOP/s"),
+        "- times: median CUDA-graph replay of one call (triton.testing.do_bench_cudagraph); random weights"
+        + ("; PARTIAL: the run stopped before its last section" if partial else ""),
+        "", "## Decode rows: time vs bytes read", "",
+        "| call | rows | bytes read (MB) | time (us) | TB/s | % of copy bandwidth |", "|---|---|---|---|---|---|"]
+    for name, n, nb, t in rows_dec:
+        lines.append(f"| {name} | {n} | {nb / 1e6:.1f} | {t * 1e6:.1f} | {nb / t / 1e12:.2f} | {nb / t / bw * 100:.0f}% |")
+    lines += ["", f"## Prompt rows ({PROMPT_ROWS}): matrix rate", "",
+              "| call | GFLOP | time (ms) | TFLOP/s | % of bf16 GEMM |", "|---|---|---|---|---|"]
+    for name, fl, t in rows_pre:
+        lines.append(f"| {name} | {fl / 1e9:.0f} | {t * 1e3:.3f} | {fl / t / 1e12:.0f} | {fl / t / mm * 100:.0f}% |")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
 
 
 def main() -> int:
@@ -86,6 +116,7 @@ def main() -> int:
         print(f"{rows_pre[-1][0]} rows {PROMPT_ROWS}: {fl / t / 1e12:.0f} TFLOP/s ({fl / t / mm * 100:.0f}% of bf16)",
               flush=True)
     torch.cuda.empty_cache()
+    write(args.out, rows_dec, rows_pre, bw, mm, partial=True)
 
     E = args.experts
     w13 = torch.randint(-128, 128, (E, 2 * INTER, H // 2), dtype=torch.int8, device="cuda")
@@ -117,6 +148,7 @@ def main() -> int:
                 print(f"{name} rows {n}: {t * 1e6:.1f} us, {nb / t / 1e12:.2f} TB/s ({nb / t / bw * 100:.0f}% of copy)",
                       flush=True)
 
+    write(args.out, rows_dec, rows_pre, bw, mm, partial=True)
     pool = torch.randn(65536, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     sink = torch.randn(HEADS, device="cuda")
     keys = WINDOW + INDEX_TOPK
@@ -135,31 +167,7 @@ def main() -> int:
             print(f"sparse_attn rows {n}: {t * 1e6:.1f} us, {nb / t / 1e12:.2f} TB/s ({nb / t / bw * 100:.0f}% of copy)",
                   flush=True)
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, check=False).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
-    lines = [
-        "# Triton kernels: fp8_linear, fp4_moe and sparse_attn at V4.1 shapes", "",
-        f"- command: `python3 {' '.join(sys.argv)}` (scripts/h200/kernels.sh), commit {commit}",
-        (f"- machine: {torch.cuda.get_device_name()} ({socket.gethostname()}), torch {torch.__version__}, "
-         f"triton {triton.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"),
-        (f"- ceilings measured in the same run: device copy {bw / 1e12:.2f} TB/s (read+write bytes), "
-         f"bf16 GEMM (torch, 8192^3) {mm / 1e12:.0f} TFLOP/s"),
-        "- times: median CUDA-graph replay of one call (triton.testing.do_bench_cudagraph); random weights",
-        "", "## Decode rows: time vs bytes read", "",
-        "| call | rows | bytes read (MB) | time (us) | TB/s | % of copy bandwidth |", "|---|---|---|---|---|---|"]
-    for name, n, nb, t in rows_dec:
-        lines.append(f"| {name} | {n} | {nb / 1e6:.1f} | {t * 1e6:.1f} | {nb / t / 1e12:.2f} | {nb / t / bw * 100:.0f}% |")
-    lines += ["", f"## Prompt rows ({PROMPT_ROWS}): matrix rate", "",
-              "| call | GFLOP | time (ms) | TFLOP/s | % of bf16 GEMM |", "|---|---|---|---|---|"]
-    for name, fl, t in rows_pre:
-        lines.append(f"| {name} | {fl / 1e9:.0f} | {t * 1e3:.3f} | {fl / t / 1e12:.0f} | {fl / t / mm * 100:.0f}% |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
+    write(args.out, rows_dec, rows_pre, bw, mm, partial=False)
     return 0
 
 

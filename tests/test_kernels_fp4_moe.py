@@ -204,22 +204,26 @@ def test_bad_input(small):
 
 # --- V4.1 shapes on the GPU ---------------------------------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def v41():
+    """8 random experts at V4.1 shapes (H 5120, I 2304), dequantised once for both paths' references."""
+    raw = _experts(8, 5120, 2304, seed=1)
+    return _deq(raw), [t.cuda() for t in stack_experts(raw)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scaled_dot", [False, True])
-def test_v41_shapes_on_gpu(scaled_dot):
-    n_exp, hidden, inter, k = 16, 5120, 2304, 6
-    raw = _experts(n_exp, hidden, inter, seed=1)
-    exps = _deq(raw)
-    W = [t.cuda() for t in stack_experts(raw)]
-    x = _inputs(2048, hidden, seed=2)
-    ids, wts = _routing(2048, n_exp, k, seed=3)
+def test_v41_shapes_on_gpu(v41, scaled_dot):
+    exps, W = v41
+    x = _inputs(2048, 5120, seed=2)
+    ids, wts = _routing(2048, len(exps), 6, seed=3)
     xd, idd, wd = x.cuda(), ids.cuda(), wts.cuda()
 
     def run(rows):
         return fp4_moe(xd[rows], *W, idd[rows], wd[rows], LIMIT, scaled_dot=scaled_dot)
 
     big = run(slice(None))
-    pick = [0, 1, 2, 700, 2047]
+    pick = [0, 1, 700, 2047]
     _close(big[pick], x[pick], exps, ids[pick], wts[pick])
     for n in (1, 3, 16, 64):
         assert torch.equal(run(slice(0, n)), big[:n]), f"rows 0..{n} differ from the same rows among 2048"
