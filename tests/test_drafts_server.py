@@ -25,7 +25,7 @@ def server(tmp_path_factory):
     # --draft-tokens 5: every round verifies what fits (the adaptive policy rightly declines most drafts for 16 CPU
     # streams, where the DSpark pass costs as much as a decode row; tests/test_drafts.py covers the policy)
     s = LiveServer("--model", str(ckpt), "--context", "1024", "--state-budget-gib", "2", "--max-streams", "16",
-                   "--prompt-cache-gib", "0", "--draft-tokens", "5")
+                   "--draft-tokens", "5")
     try:
         s.wait_ready()
         yield s
@@ -87,6 +87,30 @@ def test_json_schema_drafted_equals_serial(server):
         if d["choices"][0]["finish_reason"] == "stop":
             json.loads(d["choices"][0]["message"]["content"])
     assert sum(d["usage"].get("drafts", {}).get("drafted_tokens", 0) for d in drafted) > 0
+
+
+def test_kept_state_of_a_reply_that_ended_inside_a_draft(server):
+    """A stop string ends the reply at an accepted draft token (the prompt ends on cycle token 1010, so the reply is
+    1011 '么', 1012 'reat', 1013 'ark', 1014 ' time' and the stop ' time' lands on the 3rd draft of the verify
+    round): the state holds two rows past the reply, taken back before it is kept (docs/kept.md); a longer prompt
+    resumes there and equals a cold run (another salt)."""
+    prompt = [0] + [300 + (j * 13) % 900 for j in range(20)] + [1010]
+    body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "cache_salt": "d1", "stop": [" time"],
+            "return_token_ids": True}
+    r1 = _post(server.url, "/v1/completions", body)
+    ids = r1["choices"][0]["token_ids"]
+    assert ids == [1011, 1012, 1013, 1014] and r1["choices"][0]["finish_reason"] == "stop"
+    assert r1["usage"]["drafts"]["accepted_tokens"] >= 2
+    nxt = prompt + ids + [1200, 1201]
+    b = len(prompt) + len(ids) - 1
+    for sampled in (False, True):
+        extra = {"temperature": 0.6, "top_p": 0.95, "seed": 3} if sampled else {}
+        more = {"prompt": nxt, "stop": [], "ignore_eos": True, "max_tokens": 12, **extra}
+        r2 = _post(server.url, "/v1/completions", {**body, **more})
+        r3 = _post(server.url, "/v1/completions", {**body, **more, "cache_salt": f"cold{sampled}"})
+        assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == b
+        assert r3["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert r2["choices"][0]["token_ids"] == r3["choices"][0]["token_ids"]
 
 
 def test_no_drafts_flag_parses():
