@@ -9,6 +9,7 @@ frees its sequence at the next round boundary.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
@@ -432,13 +433,14 @@ async def reply_events(request: HttpRequest, eng, prep: Prepared, stream: bool =
 async def collect(request: HttpRequest, eng, prep: Prepared, on_token=None):
     """Run a non-streamed reply to its end: (FinishEvent, FinalMessage | None); on_token(TokenEvent) sees each
     token. A failed or cancelled reply raises its ApiError."""
-    async for kind, v in reply_events(request, eng, prep, stream=False):
-        if kind == TOKEN and on_token is not None:
-            on_token(v)
-        elif kind == ERROR:
-            raise v
-        elif kind == FINISH:
-            return v
+    async with contextlib.aclosing(reply_events(request, eng, prep, stream=False)) as events:   # watcher ends now
+        async for kind, v in events:
+            if kind == TOKEN and on_token is not None:
+                on_token(v)
+            elif kind == ERROR:
+                raise v
+            elif kind == FINISH:
+                return v
     raise RuntimeError("event stream ended without a finish")   # pragma: no cover
 
 
