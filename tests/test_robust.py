@@ -3,8 +3,8 @@ prompt, API keys. The server runs as scripts/serve.sh runs it (`python -m dsv41 
 on a free loopback port, through test_server.LiveServer.
 
 Knobs: DSV41_ROBUST_LOAD_S (seconds of the 64-client load; 20 in CI, 120 for the full run).
-No OpenAPI document is served yet, so the bad-input cases are written by hand (plus a small hypothesis fuzz of the
-request fields) instead of a schemathesis run.
+The bad-input cases here are written by hand (plus a small hypothesis fuzz of the request fields); the schemathesis
+run over the whole OpenAPI document is tests/test_openapi.py. API keys: env, flag and key file (and bad key files).
 """
 from __future__ import annotations
 
