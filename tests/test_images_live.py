@@ -74,7 +74,11 @@ def test_user_image_streamed_and_not(client):
 
 
 def span_tokens(part: dict) -> int:
-    from dsv41.model.image_prep import ImagePrepConfig, image_bytes_from_data_url, prepare_image
+    from dsv41.model.image_prep import (
+        ImagePrepConfig,
+        image_bytes_from_data_url,
+        prepare_image,
+    )
     img = prepare_image(image_bytes_from_data_url(part["image_url"]["url"]),
                         ImagePrepConfig(min_pixels=SMALL_MIN_PIXELS))
     assert img.n_tokens == img.plan.n_llm_h * (img.plan.n_llm_w + 1) + 2
@@ -89,10 +93,17 @@ def test_tool_result_image(client):
              "content": [{"type": "text", "text": "here"}, img_part(image_bytes(80, 120, "JPEG", seed=4),
                                                                       "image/jpeg")]}]
     tools = [{"type": "function", "function": {"name": "shot", "parameters": {"type": "object"}}}]
+    extra = {**NO_THINK, "return_token_ids": True}
     r = client.chat.completions.create(model="tiny", messages=msgs, tools=tools, max_tokens=4, temperature=0,
-                                       extra_body=NO_THINK)
+                                       extra_body=extra)
     assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
     assert r.usage.prompt_tokens > span_tokens(msgs[2]["content"][1])
+    ids = None
+    for ch in client.chat.completions.create(model="tiny", messages=msgs, tools=tools, max_tokens=4, temperature=0,
+                                             stream=True, extra_body=extra):
+        if ch.choices and ch.choices[0].finish_reason is not None:
+            ids = ch.choices[0].model_extra.get("token_ids")
+    assert ids == r.choices[0].token_ids
 
 
 def test_four_at_once_equal_each_alone(client):
