@@ -28,9 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from dsv41.model.model import Model, SeqInput  # noqa: E402
+from dsv41.model.model import Model, SeqInput
 
 RATES = (0.3, 0.5, 0.7)
 
@@ -126,6 +126,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-draft", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--check", action="store_true", help="also check verify == serial on the device (torch.equal)")
+    ap.add_argument("--project-layers", type=int, default=0,
+                    help="also project the tokens/s table to a model of this many backbone layers (round time x "
+                         "L / n_layers, the draft pass as measured or estimated: e.g. 43 for the release)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     if a.model:
@@ -154,9 +157,9 @@ def main(argv=None) -> int:
              f"{torch.__version__}, device {a.device}"
              + (f" ({torch.cuda.get_device_name()})" if a.device.startswith("cuda") else "")
              + f", OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}",
-             f"Checkpoint: {ckpt} ({model.t.num_hidden_layers} layers, hidden {model.t.hidden_size}, vocab "
-             f"{model.t.vocab_size}, DSpark {'yes' if model.dspark is not None else 'no (draft pass estimated)'}); "
-             f"{a.context}-token prompt per stream; best of {a.reps}", ""]
+             (f"Checkpoint: {ckpt} ({model.t.num_hidden_layers} layers, hidden {model.t.hidden_size}, vocab "
+              f"{model.t.vocab_size}, DSpark {'yes' if model.dspark is not None else 'no (draft pass estimated)'}); "
+              f"{a.context}-token prompt per stream; best of {a.reps}"), ""]
     if check:
         lines += [f"Exactness on {a.device}: {check}", ""]
     lines += ["## Round time by rows (verify forward of B x (1 + n) rows)", "",
@@ -165,18 +168,25 @@ def main(argv=None) -> int:
     for B in streams:
         cells = [f"{T[B, n] * 1e3:.2f} ({B * (1 + n)})" for n in range(a.max_draft + 1)]
         lines.append(f"| {B} | " + " | ".join(cells) + f" | {D[B][0] * 1e3:.2f}{' est.' if D[B][1] else ''} |")
-    lines += ["", "## Tokens per second per stream (best draft length n for each rate)", "",
-              "| B | serial tok/s | " + " | ".join(f"a={r}: n, tok/s, x" for r in RATES) + " |",
-              "|---|---|" + "---|" * len(RATES)]
-    for B in streams:
-        serial = 1.0 / T[B, 0]
-        cells = []
-        for r in RATES:
-            best = max(range(1, a.max_draft + 1),
-                       key=lambda n: sum(r ** i for i in range(n + 1)) / (T[B, n] + D[B][0]))
-            rate = sum(r ** i for i in range(best + 1)) / (T[B, best] + D[B][0])
-            cells.append(f"{best}, {rate:.1f}, {rate / serial:.2f}x")
-        lines.append(f"| {B} | {serial:.1f} | " + " | ".join(cells) + " |")
+    def table(title: str, scale: float) -> None:
+        nonlocal lines
+        lines += ["", title, "", "| B | serial tok/s | " + " | ".join(f"a={r}: n, tok/s, x" for r in RATES) + " |",
+                  "|---|---|" + "---|" * len(RATES)]
+        for B in streams:
+            serial = 1.0 / (T[B, 0] * scale)
+            cells = []
+            for r in RATES:
+                def rate(n, r=r, B=B):
+                    return sum(r ** i for i in range(n + 1)) / (T[B, n] * scale + D[B][0])
+                best = max(range(1, a.max_draft + 1), key=rate)
+                cells.append(f"{best}, {rate(best):.3g}, {rate(best) / serial:.2f}x")
+            lines.append(f"| {B} | {serial:.3g} | " + " | ".join(cells) + " |")
+
+    table("## Tokens per second per stream (best draft length n for each rate)", 1.0)
+    if a.project_layers:
+        K = len(model.layout.layers)
+        table(f"## Projected to {a.project_layers} backbone layers (round time x {a.project_layers}/{K}, the draft "
+              f"pass unchanged)", a.project_layers / K)
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

@@ -68,7 +68,7 @@ def test_burst_drafted_equals_serial(server):
     for b, s in ((bodies[0], serial[0]), (bodies[1], serial[1])):
         assert _post(server.url, "/v1/completions", b)["choices"][0]["token_ids"] == s["choices"][0]["token_ids"]
     m = httpx.get(server.url + "/metrics", timeout=30).text
-    got = {k: float(v) for k, v in re.findall(r"^dsv41:(draft_\w+) (\S+)$", m, re.M)}
+    got = {k: float(v) for k, v in re.findall(r"^dsv41:(draft_\w+) (\S+)$", m, re.MULTILINE)}
     assert got["draft_accepted_tokens_total"] >= accepted
     assert got["draft_tokens_per_round"] > 2
 

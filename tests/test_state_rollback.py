@@ -42,7 +42,7 @@ def test_rollback_equals_serial(model, prompt):
     base = model.new_state()
     model.forward([SeqInput(base, ids[:prompt], logits="none")])
     ratios, W = _ratios(model), model.t.sliding_window
-    for keep in range(0, 7):
+    for keep in range(7):
         st = base.snapshot()
         st.mark(6, W)
         model.forward([SeqInput(st, ids[prompt:prompt + 6], logits="all")])

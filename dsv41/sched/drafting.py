@@ -180,8 +180,8 @@ class DraftPolicy:
         for s in order[:best_k]:
             final[s] += 1
         if k < EXPLORE_BELOW:                    # exploring: one token deep where the round has room
-            for s in final:
-                if room > 0 and final[s] == 0:
+            for s, n in list(final.items()):
+                if room > 0 and n == 0:
                     final[s] = 1
                     room -= 1
         return final

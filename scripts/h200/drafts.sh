@@ -13,7 +13,7 @@ ck=/tmp/dsv41-real-2
 [ -f "$ck/config.json" ] || timeout -k 5 90 python3 -m dsv41.tools.make_real --layers 2 --out "$ck" 2>&1 | tail -3
 echo "drafts.sh: checkpoint at $(( $(date +%s) - t0 ))s"
 timeout -k 5 60 python3 bench/draft_bench.py --model "$ck" --device cuda --streams 1,8,32 --context 256 --reps 3 \
-    --out "$OUT/bench/results/drafts-h200.md" 2>&1 | tail -30
+    --project-layers 43 --out "$OUT/bench/results/drafts-h200.md" 2>&1 | tail -40
 echo "drafts.sh: real-shaped bench at $(( $(date +%s) - t0 ))s"
 timeout -k 5 60 python3 bench/draft_bench.py --device cuda --streams 1,8,32 --context 256 --reps 3 --check \
     --out "$OUT/bench/results/drafts-h200-tiny.md" 2>&1 | tail -30
