@@ -15,6 +15,6 @@ echo "drafts.sh: checkpoint at $(( $(date +%s) - t0 ))s"
 timeout -k 5 60 python3 bench/draft_bench.py --model "$ck" --device cuda --streams 1,8,32 --context 256 --reps 3 \
     --project-layers 43 --out "$OUT/bench/results/drafts-h200.md" 2>&1 | tail -40
 echo "drafts.sh: real-shaped bench at $(( $(date +%s) - t0 ))s"
-timeout -k 5 60 python3 bench/draft_bench.py --device cuda --streams 1,8,32 --context 256 --reps 3 --check \
+timeout -k 5 60 python3 bench/draft_bench.py --device cuda --streams 1,8,32 --context 128 --reps 2 --check \
     --out "$OUT/bench/results/drafts-h200-tiny.md" 2>&1 | tail -30
 echo "drafts.sh: done at $(( $(date +%s) - t0 ))s"
