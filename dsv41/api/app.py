@@ -296,10 +296,7 @@ async def prepare_chat(eng, raw: dict, req: ChatCompletionRequest | None = None,
     from dsv41.sched.controls import ControlledRequest, reasoning_control, wait_background_turn
     try:
         if req is None:
-            try:
-                req = msgspec.convert(raw, ChatCompletionRequest)
-            except msgspec.ValidationError as e:
-                raise from_decode_error(e) from None
+            req = check_fields(raw, ChatCompletionRequest)
         if not req.messages:
             raise bad_request("the conversation is empty: send at least one message", param="messages")
         prompt = chat_prompt(eng, raw)
