@@ -379,12 +379,12 @@ class Model:
         if g:
             if r.owns_index_keys:
                 k = blk.indexer.keys(latent, gpos, self.rope, self.qat)
-                st.index_keys[r.index] = torch.cat([st.index_keys[r.index], k])
+                st.index_keys[r.index] = _append_rows(st.index_keys[r.index], k)
             cos, sin = self.rope.cos_sin("compress", gpos)
             entry = apply_rope(latent, cos, sin)
             if self.qat:
                 entry = quant.fp4_fake_quant_e4m3(entry, 16)
-            st.compressed[r.index] = torch.cat([st.compressed[r.index], entry])
+            st.compressed[r.index] = _append_rows(st.compressed[r.index], entry)
         sh["kv"] = st.compressed[r.index]
         # "intended": an owner publishes its running keys on every call. "quirk" (the release): a ratio-2 owner
         # publishes only on calls that close a group; otherwise later index layers score the last published keys.
@@ -413,6 +413,24 @@ class Model:
         if trace is not None:
             trace.setdefault(f"topk.layer{r.index}", []).append(topk)
         return topk
+
+
+def _append_rows(rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """rows then new (dim 0), without copying rows when the buffer they are the start of has room. A long prompt's
+    compressed KV and index keys would otherwise be copied whole once per chunk (O(T^2) bytes over a 1M prompt). The
+    buffer grows by a quarter (the memory plan's margin) and is reached only through views of its first rows, so a
+    rollback's shorter view, a snapshot's clone and this forward's published view all stay correct."""
+    n, g, d = rows.shape[0], new.shape[0], rows.shape[1]
+    cap = 0
+    if rows.is_contiguous() and rows.storage_offset() == 0 and rows.dtype == new.dtype:
+        cap = rows.untyped_storage().nbytes() // (rows.element_size() * d)
+    if n + g <= cap:
+        buf = rows.as_strided((cap, d), (d, 1), 0)
+    else:
+        buf = rows.new_empty(((n + g) * 5 // 4 + 16, d))
+        buf[:n] = rows
+    buf[n:n + g] = new
+    return buf[:n + g]
 
 
 def _stream_mean(streams: torch.Tensor) -> torch.Tensor:
