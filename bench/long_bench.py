@@ -48,6 +48,20 @@ def filler_ids(n: int, vocab: int, offset: int = 0) -> torch.Tensor:
     return (base.repeat(reps)[offset:offset + n]) % vocab
 
 
+def held_bytes(st) -> int:
+    """Bytes of the storages behind the state's tensors (growth buffers' room included, unlike SeqState.nbytes)."""
+    seen, total = set(), 0
+    tensors = [st.engram_history]
+    for d in (st.windows, st.compressed, st.index_keys, st.partial_kv, st.partial_gate):
+        tensors += list(d.values())
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
 def host_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -154,7 +168,7 @@ def main(argv=None) -> int:
     prefill_tps = done / secs
     dec_tps = decode(model, st, last, a.decode, dev)
     peak_dev = torch.cuda.max_memory_allocated() if cuda else 0
-    state_bytes = st.nbytes()
+    state_bytes = held_bytes(st)
     host = host_peak()
     plan_done = memory_plan(text_config, cost, done + a.decode, 1, a.chunk, 0)
     four = None
@@ -180,7 +194,7 @@ def main(argv=None) -> int:
         ("prompt tokens done / asked", f"{done:,} / {tokens:,}"),
         ("prefill", f"{prefill_tps:,.1f} tok/s ({secs:.1f} s, chunks of {a.chunk})"),
         (f"decode after it ({a.decode} rounds, 1 row)", f"{dec_tps:,.2f} tok/s"),
-        ("state held (SeqState.nbytes)", f"{state_bytes / GIB:.3f} GiB"),
+        ("state held (its tensors' storages)", f"{state_bytes / GIB:.3f} GiB"),
         ("plan: state lines for that length", f"{(plan_done.pool + plan_done.fixed) / GIB:.3f} GiB"),
         ("plan: + prompt-pass scratch", f"{(plan_done.pool + plan_done.fixed + plan_done.prompt_scratch) / GIB:.3f} GiB"),
     ]
