@@ -26,10 +26,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dsv41 import BUILTIN_TOKENIZER_DIR  # noqa: E402
-from dsv41.chat.tokenizer import Tokenizer  # noqa: E402
-from dsv41.model.model import Model, SeqInput  # noqa: E402
-from dsv41.sched.memory import memory_plan, state_cost  # noqa: E402
+from dsv41 import BUILTIN_TOKENIZER_DIR
+from dsv41.chat.tokenizer import Tokenizer
+from dsv41.model.model import Model, SeqInput
+from dsv41.sched.memory import memory_plan, state_cost
 
 FILLER = ("The committee met again on Tuesday to go over the harvest figures, the state of the river road and the "
           "plans for the winter market. Each speaker kept to the agenda; the notes were read back and signed. ")
@@ -188,8 +188,8 @@ def main(argv=None) -> int:
 
     rows = [
         ("device", f"{dev}" + (f" ({torch.cuda.get_device_name()})" if cuda else "")),
-        ("checkpoint", f"{a.checkpoint}: {t.num_hidden_layers} layers, hidden {t.hidden_size}, vocab {vocab:,}, "
-                       f"Engram {'off' if model.engram_store is None else 'on'}"),
+        ("checkpoint", (f"{a.checkpoint}: {t.num_hidden_layers} layers, hidden {t.hidden_size}, vocab {vocab:,}, "
+                        f"Engram {'off' if model.engram_store is None else 'on'}")),
         ("load", f"{t_load:.1f} s"),
         ("prompt tokens done / asked", f"{done:,} / {tokens:,}"),
         ("prefill", f"{prefill_tps:,.1f} tok/s ({secs:.1f} s, chunks of {a.chunk})"),
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
                  ("four: together / alone", f"{four[1]:.1f} s / {four[2]:.1f} s")]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
+                                text=True, check=False).stdout.strip()
     except OSError:
         commit = "?"
     machine = f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, " \

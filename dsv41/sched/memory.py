@@ -113,8 +113,8 @@ class MemoryPlan:
             return f"  {name:<22}{b / g:10.3f} GiB  {note}"
         m = f"x{self.margin:g}"
         per_pos = (self.compressed_kv + self.index_keys + self.engram_history) * self.margin / max(1, self.window)
-        return [f"memory plan: {self.window:,} positions shared by up to {self.max_streams} streams "
-                f"(~{per_pos:,.0f} B of state per position), prompt passes of {self.prompt_chunk} rows",
+        return [(f"memory plan: {self.window:,} positions shared by up to {self.max_streams} streams "
+                 f"(~{per_pos:,.0f} B of state per position), prompt passes of {self.prompt_chunk} rows"),
                 row("window KV", int(self.window_kv * self.margin), f"{self.max_streams} streams, fixed per stream, {m}"),
                 row("compressor partials", int(self.compressor_partials * self.margin), f"per stream, {m}"),
                 row("compressed KV", int(self.compressed_kv * self.margin), f"{self.window:,} positions, {m}"),
