@@ -7,9 +7,13 @@ set -u
 export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD} TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0
 mkdir -p "$OUT/bench/results"
 t0=$(date +%s)
-tests="tests/test_gpu_cuda.py tests/test_gpu_path.py"
-[ -f scripts/h200/kernels.sh ] || tests="$tests $(ls tests/test_kernels_*.py 2>/dev/null | tr '\n' ' ')"
-timeout -k 5 "${GPU_TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs --durations=12 $tests 2>&1
+if [ ! -f scripts/h200/kernels.sh ] && ls tests/test_kernels_*.py > /dev/null 2>&1; then   # the kernel tests, first
+  timeout -k 5 "${GPU_KERNEL_TEST_S:-90}" python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs --durations=8 \
+      tests/test_kernels_*.py 2>&1
+  echo "gpu.sh: kernel tests done at $(( $(date +%s) - t0 ))s"
+fi
+timeout -k 5 "${GPU_TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs --durations=12 \
+    tests/test_gpu_path.py tests/test_gpu_indexer.py tests/test_gpu_cuda.py 2>&1
 echo "gpu.sh: tests done at $(( $(date +%s) - t0 ))s"
 ck=/tmp/dsv41-real-${GPU_LAYERS:-2}
 [ -f "$ck/config.json" ] || timeout -k 5 90 python3 -m dsv41.tools.make_real --layers "${GPU_LAYERS:-2}" --out "$ck" 2>&1 | tail -3
