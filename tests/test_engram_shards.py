@@ -45,7 +45,7 @@ def _whole(path: Path, name: str) -> torch.Tensor:
 
 
 def test_split_folder_holds_only_the_tables_in_real_layout(ckpts):
-    inline, split, tables = ckpts
+    _, split, tables = ckpts
     cfg = ModelConfig.from_checkpoint(split)
     files = sorted(tables.glob("*.safetensors"))
     assert len(files) == len(cfg.text.engram_layer_ids) and not (tables / "model.safetensors.index.json").exists()
@@ -134,8 +134,8 @@ def test_server_start_refuses_without_tables_and_says_degraded(ckpts, capsys):
     from dsv41.api.engine import StartError, load_engine
     from dsv41.serve_config import ServeConfig
     _, split, tables = ckpts
-    base = dict(model=str(split), tokenizer=str(BUILTIN_TOKENIZER_DIR), device="cpu", max_images=0,
-                prompt_cache_gib=0, state_budget_gib=0.5, max_streams=2)
+    base = {"model": str(split), "tokenizer": str(BUILTIN_TOKENIZER_DIR), "device": "cpu", "max_images": 0,
+            "prompt_cache_gib": 0, "state_budget_gib": 0.5, "max_streams": 2}
     with pytest.raises(StartError, match="--engram DIR.*--no-engram"):
         load_engine(ServeConfig(**base))
     eng = load_engine(ServeConfig(**base, no_engram=True))

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from test_server import LiveServer
 
 from dsv41.config import release_config_dict
 from dsv41.sched.memory import MemoryBudget, StateCost, memory_plan, state_cost, window_that_fits
@@ -19,7 +20,6 @@ from dsv41.sched.request import Phase, Request
 from dsv41.sched.runner import RoundResult
 from dsv41.sched.sampler import Sample, SamplingParams
 from dsv41.sched.scheduler import Scheduler, TooLarge
-from test_server import LiveServer
 
 WINDOW = 200
 
@@ -107,7 +107,7 @@ def server():
 
 
 def metric(url: str, name: str) -> float:
-    m = re.search(rf"^dsv41:{name} (\S+)$", httpx.get(url + "/metrics", timeout=30).text, re.M)
+    m = re.search(rf"^dsv41:{name} (\S+)$", httpx.get(url + "/metrics", timeout=30).text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
 
 
@@ -174,14 +174,13 @@ def test_long_prompt_is_cancelled_between_chunks(server):
     n = WINDOW - 2
     before = metric(server.url, "prompt_tokens_total")
     saw_keepalive = False
-    with httpx.Client(timeout=60) as http:
-        with http.stream("POST", server.url + "/v1/completions",
-                         json={"prompt": _ids(9, n), "max_tokens": 1, "stream": True}) as r:
-            for line in r.iter_lines():
-                assert not line.startswith("data: "), "the prompt filled before the client left"
-                if line.startswith(": keepalive"):
-                    saw_keepalive = True
-                    break
+    body = {"prompt": _ids(9, n), "max_tokens": 1, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", server.url + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            assert not line.startswith("data: "), "the prompt filled before the client left"
+            if line.startswith(": keepalive"):
+                saw_keepalive = True
+                break
     assert saw_keepalive
     t0 = time.monotonic()
     while metric(server.url, "requests_running") != 0:
