@@ -131,11 +131,13 @@ def _sum_partials_kernel(p_ptr, out_ptr, MN, S, BLOCK: tl.constexpr):
 @functools.cache
 def fp8_split(out_f: int, in_f: int) -> int:
     """S, the number of K chunks for a weight [out_f, in_f]: the smallest divisor of the K block count that gives
-    TARGET_PROGRAMS programs for one row tile (1 for wide weights), else the largest divisor. A function of the
-    weight's shape only, never of the row count."""
+    TARGET_PROGRAMS programs for one row tile (1 for wide weights), else the largest one that leaves chunks of two
+    or more blocks. A function of the weight's shape only, never of the row count."""
     n_tiles = triton.cdiv(out_f, BLOCK_N)
     kb = triton.cdiv(in_f, BLOCK_K)
-    divisors = [d for d in range(1, kb + 1) if kb % d == 0]
+    # chunks of at least 2 K blocks: a chunk's sum then stays a loop result, which Triton cannot fold into the
+    # next dot's accumulator (it folds `dot(a, b, 0) + c` into `dot(a, b, c)`, which would change the bits)
+    divisors = [d for d in range(1, kb + 1) if kb % d == 0 and (d == 1 or kb // d >= 2)]
     for d in divisors:
         if n_tiles * d >= TARGET_PROGRAMS:
             return d
