@@ -21,8 +21,10 @@ BLOCK_M, BLOCK_N, NUM_WARPS = 16, 64, 4
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
-def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, N, T, scale, H: tl.constexpr, D: tl.constexpr,
+# N, T (rows, keys) and H are not specialised on, and the head loop is a runtime loop: one compiled variant for
+# every call (the first H200 run spent ~70 s compiling unrolled variants per key count).
+@triton.jit(do_not_specialize=["N", "T", "H"])
+def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, N, T, scale, H, D: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     keys = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -30,7 +32,7 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, N, T, scale, H: tl.conste
     rmask, kmask = rows < N, keys < T
     kt = tl.load(k_ptr + keys[None, :] * D + d[:, None], mask=kmask[None, :], other=0.0)     # [D, BN]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for h in tl.static_range(H):
+    for h in range(H):
         q = tl.load(q_ptr + rows[:, None] * (H * D) + h * D + d[None, :], mask=rmask[:, None], other=0.0)
         if INTERP:   # numpy's BLAS would round a row by its place in the tile: an explicit product-sum instead
             s = tl.sum(q[:, :, None] * kt[None, :, :], axis=1)
@@ -53,6 +55,6 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: fl
         return out
     q, w, keys = (t.float().contiguous() for t in (q, w, keys))
     grid = (triton.cdiv(n, BLOCK_M), triton.cdiv(T, BLOCK_N))
-    _index_scores_kernel[grid](q, w, keys, out, n, T, float(scale), H=H, D=D, BM=BLOCK_M, BN=BLOCK_N,
+    _index_scores_kernel[grid](q, w, keys, out, n, T, float(scale), H, D=D, BM=BLOCK_M, BN=BLOCK_N,
                                INTERP=INTERPRET, num_warps=NUM_WARPS)
     return out

@@ -83,6 +83,45 @@ def test_weights_stay_in_checkpoint_form(tiny_cuda):
     assert isinstance(e.w1, dev.Fp4Weight) and e.w1.packed.dtype == torch.int8 and e.w1.packed.is_cuda
 
 
+# ---- the server with --device cuda -----------------------------------------------------------------------------
+
+def _complete(client, prompt, n=12):
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0.0,
+                                  extra_body={"ignore_eos": True})
+    return r.choices[0].text
+
+
+def test_server_cuda_gives_cpu_tokens_and_solo_equals_burst():
+    """--device cuda on the built-in tiny checkpoint: greedy replies equal the CPU server's (torch fallbacks: the
+    same float32 function) and each reply alone equals it inside a 32-stream burst (fallbacks and kernels)."""
+    import openai
+    from test_server import LiveServer
+    prompts = [_ids(4 + 5 * k, 300 + k, vocab=20000).tolist() for k in range(32)]
+    common = ["--context", "512", "--prefill-chunk", "256", "--state-budget-gib", "2", "--name", "tiny",
+              "--max-streams", "32", "--prompt-cache-gib", "0"]
+    runs = [("cpu", "0"), ("cuda", "0")] + ([("cuda", "1")] if dev.KERNELS else [])
+    texts = {}
+    for device, kernels in runs:
+        s = LiveServer("--device", device, *common, env={"DSV41_KERNELS": kernels})
+        try:
+            s.wait_ready()
+            client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", timeout=600, max_retries=0)
+            if device == "cpu":
+                texts["cpu"] = [_complete(client, p) for p in prompts[:6]]
+                continue
+            assert any(f"on {device}" in line for line in s.lines), s.lines[-5:]
+            solo = [_complete(client, p) for p in prompts]
+            with cf.ThreadPoolExecutor(32) as ex:
+                burst = list(ex.map(lambda p, c=client: _complete(c, p), prompts))
+            texts[kernels] = (solo, burst)
+        finally:
+            s.stop()
+    for kernels, (solo, burst) in texts.items():
+        if kernels != "cpu":
+            assert burst == solo, kernels
+    assert texts["0"][0][:6] == texts["cpu"]
+
+
 @pytest.fixture
 def fallback():
     dev.set_kernels(False)
@@ -196,42 +235,3 @@ def test_batch_of_four_equals_each_alone_on_cuda(tiny_cuda, path):
     one = m.dspark.draft([(sts[1], 9)])[0]
     many = m.dspark.draft([(st, 9) for st in sts])[1]
     assert torch.equal(one.logits, many.logits) and torch.equal(one.tokens, many.tokens)
-
-
-# ---- the server with --device cuda -----------------------------------------------------------------------------
-
-def _complete(client, prompt, n=12):
-    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0.0,
-                                  extra_body={"ignore_eos": True})
-    return r.choices[0].text
-
-
-def test_server_cuda_gives_cpu_tokens_and_solo_equals_burst():
-    """--device cuda on the built-in tiny checkpoint: greedy replies equal the CPU server's (torch fallbacks: the
-    same float32 function) and each reply alone equals it inside a 32-stream burst (fallbacks and kernels)."""
-    import openai
-    from test_server import LiveServer
-    prompts = [_ids(4 + 5 * k, 300 + k, vocab=20000).tolist() for k in range(32)]
-    common = ["--context", "512", "--prefill-chunk", "256", "--state-budget-gib", "2", "--name", "tiny",
-              "--max-streams", "32", "--prompt-cache-gib", "0"]
-    runs = [("cpu", "0"), ("cuda", "0")] + ([("cuda", "1")] if dev.KERNELS else [])
-    texts = {}
-    for device, kernels in runs:
-        s = LiveServer("--device", device, *common, env={"DSV41_KERNELS": kernels})
-        try:
-            s.wait_ready()
-            client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", timeout=600, max_retries=0)
-            if device == "cpu":
-                texts["cpu"] = [_complete(client, p) for p in prompts[:6]]
-                continue
-            assert any(f"on {device}" in line for line in s.lines), s.lines[-5:]
-            solo = [_complete(client, p) for p in prompts]
-            with cf.ThreadPoolExecutor(32) as ex:
-                burst = list(ex.map(lambda p, c=client: _complete(c, p), prompts))
-            texts[kernels] = (solo, burst)
-        finally:
-            s.stop()
-    for kernels, (solo, burst) in texts.items():
-        if kernels != "cpu":
-            assert burst == solo, kernels
-    assert texts["0"][0][:6] == texts["cpu"]
