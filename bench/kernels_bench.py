@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import socket
 import subprocess
 import sys
@@ -60,13 +61,14 @@ def fp8_weight(out_f, in_f):
     return w, s
 
 
-def write(path, rows_dec, rows_pre, bw, mm, partial):
+def write(path, rows_dec, rows_pre, bw, mm, partial, commit=""):
     """The results file; rewritten after each section so a run cut by its time limit keeps what it measured."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, check=False).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True, check=False).stdout.strip() or "unknown"
+        except OSError:
+            commit = "unknown"
     lines = [
         "# Triton kernels: fp8_linear, fp4_moe and sparse_attn at V4.1 shapes", "",
         f"- command: `python3 {' '.join(sys.argv)}` (scripts/h200/kernels.sh), commit {commit}",
@@ -94,6 +96,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kernels.md"))
     ap.add_argument("--experts", type=int, default=384, help="routed experts in the stack (V4.1: 384)")
+    ap.add_argument("--commit", default=os.environ.get("DSV41_COMMIT", ""),
+                    help="the commit measured (the device copy's git HEAD can be stale); default: git rev-parse")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw, mm = ceilings()
@@ -116,7 +120,7 @@ def main() -> int:
         print(f"{rows_pre[-1][0]} rows {PROMPT_ROWS}: {fl / t / 1e12:.0f} TFLOP/s ({fl / t / mm * 100:.0f}% of bf16)",
               flush=True)
     torch.cuda.empty_cache()
-    write(args.out, rows_dec, rows_pre, bw, mm, partial=True)
+    write(args.out, rows_dec, rows_pre, bw, mm, partial=True, commit=args.commit)
 
     E = args.experts
     w13 = torch.randint(-128, 128, (E, 2 * INTER, H // 2), dtype=torch.int8, device="cuda")
@@ -148,7 +152,7 @@ def main() -> int:
                 print(f"{name} rows {n}: {t * 1e6:.1f} us, {nb / t / 1e12:.2f} TB/s ({nb / t / bw * 100:.0f}% of copy)",
                       flush=True)
 
-    write(args.out, rows_dec, rows_pre, bw, mm, partial=True)
+    write(args.out, rows_dec, rows_pre, bw, mm, partial=True, commit=args.commit)
     pool = torch.randn(65536, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     sink = torch.randn(HEADS, device="cuda")
     keys = WINDOW + INDEX_TOPK
@@ -167,7 +171,7 @@ def main() -> int:
             print(f"sparse_attn rows {n}: {t * 1e6:.1f} us, {nb / t / 1e12:.2f} TB/s ({nb / t / bw * 100:.0f}% of copy)",
                   flush=True)
 
-    write(args.out, rows_dec, rows_pre, bw, mm, partial=False)
+    write(args.out, rows_dec, rows_pre, bw, mm, partial=False, commit=args.commit)
     return 0
 
 
