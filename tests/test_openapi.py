@@ -12,7 +12,7 @@ import os
 
 import httpx
 import pytest
-import schemathesis
+schemathesis = pytest.importorskip("schemathesis")  # test dep (scripts/setup.sh); skip where absent
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
