@@ -21,13 +21,9 @@ GREEDY = {"temperature": 0, "return_token_ids": True}
 
 @pytest.fixture(scope="module")
 def server():
-    s = LiveServer("--context", "768", "--prefill-chunk", "256", "--keepalive-s", "0.3", "--state-budget-gib", "2",
-                   "--name", "tiny", "--api-key", KEY)
-    try:
-        s.wait_ready()
+    with LiveServer("--context", "768", "--prefill-chunk", "256", "--keepalive-s", "0.3", "--state-budget-gib", "2",
+                    "--name", "tiny", "--api-key", KEY) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -24,13 +24,9 @@ def server(tmp_path_factory):
     make_tiny.main(["--out", str(ckpt), "--seed", "0", "--draft-agrees", "--layers", "7"])
     # --draft-tokens 5: every round verifies what fits (the adaptive policy rightly declines most drafts for 16 CPU
     # streams, where the DSpark pass costs as much as a decode row; tests/test_drafts.py covers the policy)
-    s = LiveServer("--model", str(ckpt), "--context", "1024", "--state-budget-gib", "2", "--max-streams", "16",
-                   "--draft-tokens", "5")
-    try:
-        s.wait_ready()
+    with LiveServer("--model", str(ckpt), "--context", "1024", "--state-budget-gib", "2", "--max-streams", "16",
+                    "--draft-tokens", "5") as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _body(i: int, sampled: bool, n: int = 32) -> dict:

@@ -3,7 +3,6 @@ scripts/h200/exl3.sh runs it with DSV41_DEVICE=cuda (the server then loads the p
 import os
 from pathlib import Path
 
-import openai
 import pytest
 from test_server import LiveServer
 
@@ -21,18 +20,14 @@ def pack(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(pack):
-    s = LiveServer("--model", str(pack), "--engram", str(pack / "engram"), "--context", "512", "--prefill-chunk", "64", "--state-budget-gib", "1",
-                   "--shutdown-grace-s", "5", env={"OMP_NUM_THREADS": "1"})
-    try:
-        s.wait_ready()
+    with LiveServer("--model", str(pack), "--engram", str(pack / "engram"), "--context", "512", "--prefill-chunk", "64", "--state-budget-gib", "1",
+                    "--shutdown-grace-s", "5", env={"OMP_NUM_THREADS": "1"}) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300, max_retries=0)
+    return server.openai_client()
 
 
 MSG = [{"role": "user", "content": "Name three rivers."}]

@@ -23,19 +23,15 @@ MAX_PIXELS = 1_000_000
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     ckpt = make_vision_checkpoint(tmp_path_factory.mktemp("vision_live"))
-    s = LiveServer("--model", str(ckpt), "--name", "tiny", "--context", "2048", "--prefill-chunk", "32",
-                   "--state-budget-gib", "1", "--keepalive-s", "0.3", "--max-images", "3",
-                   "--image-max-pixels", str(MAX_PIXELS), env={"OMP_NUM_THREADS": "1"})
-    try:
-        s.wait_ready()
+    with LiveServer("--model", str(ckpt), "--name", "tiny", "--context", "2048", "--prefill-chunk", "32",
+                    "--state-budget-gib", "1", "--keepalive-s", "0.3", "--max-images", "3",
+                    "--image-max-pixels", str(MAX_PIXELS), env={"OMP_NUM_THREADS": "1"}) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300, max_retries=0)
+    return server.openai_client()
 
 
 def img_part(data: bytes, mime: str = "image/png") -> dict:

@@ -96,14 +96,10 @@ def test_requests_that_do_not_fit_wait_and_run_when_room_frees():
 # ------------------------------------------------------------------------------------------------ live server
 @pytest.fixture(scope="module")
 def server():
-    s = LiveServer("--window", str(WINDOW), "--max-model-len", "1000", "--prefill-chunk", "2", "--max-streams", "4",
-                   "--keepalive-s", "0.2", "--prompt-cache-gib", "0", "--name", "tiny",
-                   env={"OMP_NUM_THREADS": "1"})
-    try:
-        s.wait_ready()
+    with LiveServer("--window", str(WINDOW), "--max-model-len", "1000", "--prefill-chunk", "2", "--max-streams", "4",
+                    "--keepalive-s", "0.2", "--prompt-cache-gib", "0", "--name", "tiny",
+                    env={"OMP_NUM_THREADS": "1"}) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def metric(url: str, name: str) -> float:

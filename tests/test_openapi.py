@@ -58,13 +58,9 @@ def test_document_lists_every_route_and_body_type():
 
 @pytest.fixture(scope="module")
 def server():
-    s = LiveServer("--context", str(CONTEXT), "--max-tokens", str(REPLY_CAP), "--prefill-chunk", "64",
-                   "--keepalive-s", "0.3", "--state-budget-gib", "1", "--name", "tiny", "--api-key", KEY)
-    try:
-        s.wait_ready()
+    with LiveServer("--context", str(CONTEXT), "--max-tokens", str(REPLY_CAP), "--prefill-chunk", "64",
+                    "--keepalive-s", "0.3", "--state-budget-gib", "1", "--name", "tiny", "--api-key", KEY) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,9 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of
 
 @pytest.fixture(scope="module")
 def server():
-    s = LiveServer("--context", "768", "--prefill-chunk", "256", "--keepalive-s", "0.3", "--state-budget-gib", "2",
-                   "--name", "tiny", "--api-key", KEY)
-    try:
-        s.wait_ready()
+    with LiveServer("--context", "768", "--prefill-chunk", "256", "--keepalive-s", "0.3", "--state-budget-gib", "2",
+                    "--name", "tiny", "--api-key", KEY) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -34,14 +34,10 @@ NO_THINK = {"chat_template_kwargs": {"thinking": False}}
 @pytest.fixture(scope="module")
 def server():
     # keys from the environment (comma-separated); the flag path is tested on its own server below
-    s = LiveServer("--context", str(CONTEXT), "--prefill-chunk", "64", "--keepalive-s", "0.3",
-                   "--state-budget-gib", "2", "--shutdown-grace-s", str(GRACE_S), "--name", "tiny",
-                   env={"DSV41_API_KEY": ",".join(KEYS)})
-    try:
-        s.wait_ready()
+    with LiveServer("--context", str(CONTEXT), "--prefill-chunk", "64", "--keepalive-s", "0.3",
+                    "--state-budget-gib", "2", "--shutdown-grace-s", str(GRACE_S), "--name", "tiny",
+                    env={"DSV41_API_KEY": ",".join(KEYS)}) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

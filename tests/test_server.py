@@ -58,6 +58,21 @@ class LiveServer:
             time.sleep(0.2)
         raise RuntimeError("server not ready in time:\n" + "".join(self.lines[-40:]))
 
+    def __enter__(self) -> "LiveServer":
+        """`with LiveServer(...) as s:` waits until it serves and stops it on the way out, even when the start fails."""
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def openai_client(self, api_key: str = "none", timeout: float = 300) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, timeout=timeout, max_retries=0)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -70,18 +85,14 @@ class LiveServer:
 
 @pytest.fixture(scope="module")
 def server():
-    s = LiveServer("--context", str(CONTEXT), "--prefill-chunk", "64", "--keepalive-s", "0.3",
-                   "--state-budget-gib", "2", "--shutdown-grace-s", "20", "--name", "tiny")
-    try:
-        s.wait_ready()
+    with LiveServer("--context", str(CONTEXT), "--prefill-chunk", "64", "--keepalive-s", "0.3",
+                    "--state-budget-gib", "2", "--shutdown-grace-s", "20", "--name", "tiny") as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300, max_retries=0)
+    return server.openai_client()
 
 
 NO_THINK = {"chat_template_kwargs": {"thinking": False}}

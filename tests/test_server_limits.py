@@ -10,13 +10,9 @@ from test_server import LiveServer, ids_prompt, metric
 
 @pytest.fixture(scope="module")
 def server():
-    s = LiveServer("--max-streams", "1", "--max-waiting", "1", "--api-key", "sekrit", "--metrics-open",
-                   "--state-budget-gib", "1")
-    try:
-        s.wait_ready()
+    with LiveServer("--max-streams", "1", "--max-waiting", "1", "--api-key", "sekrit", "--metrics-open",
+                    "--state-budget-gib", "1") as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _hold(url: str, stop: threading.Event, got: dict, key: str) -> None:

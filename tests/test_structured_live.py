@@ -30,18 +30,14 @@ MAX_TOKENS = 400     # room for the longest of the 30 schemas' replies; a cut re
 
 @pytest.fixture(scope="module")
 def server():
-    s = LiveServer("--context", str(CONTEXT), "--prefill-chunk", "64", "--keepalive-s", "0.3",
-                   "--state-budget-gib", "2", "--shutdown-grace-s", "20", "--name", "tiny")
-    try:
-        s.wait_ready()
+    with LiveServer("--context", str(CONTEXT), "--prefill-chunk", "64", "--keepalive-s", "0.3",
+                    "--state-budget-gib", "2", "--shutdown-grace-s", "20", "--name", "tiny") as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300, max_retries=0)
+    return server.openai_client()
 
 
 def _aclient(server) -> openai.AsyncOpenAI:
