@@ -5,14 +5,13 @@ only: rank 0's accept decisions are summed into rank 1). Every round's logits di
 a rank that rolled back or drafted differently fails the lane."""
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from test_tp_serve import two_rank_server
 
 from dsv41.tools import make_tiny
-from tests.test_tp_serve import Proc, lane_port
 
 N_TOKENS = 24
 
@@ -23,19 +22,8 @@ def two_ranks(tmp_path_factory):
     make_tiny.main(["--out", str(ckpt), "--seed", "0", "--draft-agrees", "--layers", "7"])
     common = ["--model", str(ckpt), "--context", "256", "--state-budget-gib", "1", "--prefill-chunk", "16",
               "--shutdown-grace-s", "5", "--prompt-cache-gib", "0", "--draft-tokens", "4"]
-    master = f"127.0.0.1:{lane_port()}"
-    r1 = Proc("--tp", "2", "--rank", "1", "--master", master, *common)
-    try:
-        r1.wait_line(r"waiting for rank 0", 60)
-        time.sleep(1)
-        r0 = Proc("--tp", "2", "--master", master, "--port", "0", *common)
-        try:
-            r0.wait_ready()
-            yield r0, r1
-        finally:
-            r0.stop()
-    finally:
-        r1.stop()
+    with two_rank_server(*common, settle_s=1.0) as ranks:
+        yield ranks
 
 
 def _post(url: str, path: str, body: dict) -> dict:

@@ -3,14 +3,13 @@ span rows from rank 0 through the ring (dsv41/sched/images.py), so the reply equ
 logits digests agree (a rank without the rows would diverge at the first image row and fail the lane)."""
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from test_images import data_url, image_bytes, make_vision_checkpoint
-from test_tp_serve import Proc, lane_port
+from test_tp_serve import Proc, two_rank_server
 
 TOKENS = 5
 
@@ -20,18 +19,13 @@ def servers(tmp_path_factory):
     ckpt = make_vision_checkpoint(tmp_path_factory.mktemp("vision_tp"))
     common = ["--model", str(ckpt), "--context", "512", "--state-budget-gib", "1", "--prefill-chunk", "16",
               "--shutdown-grace-s", "5", "--name", "tiny"]
-    master = f"127.0.0.1:{lane_port()}"
-    procs = [Proc("--port", "0", *common), Proc("--tp", "2", "--rank", "1", "--master", master, *common)]
+    one = Proc("--port", "0", *common)
     try:
-        procs[1].wait_line(r"waiting for rank 0", 60)
-        time.sleep(1)
-        procs.append(Proc("--tp", "2", "--master", master, "--port", "0", *common))
-        procs[0].wait_ready()
-        procs[2].wait_ready()
-        yield procs[0], procs[2]
+        with two_rank_server(*common, settle_s=1.0) as (r0, _):
+            one.wait_ready()
+            yield one, r0
     finally:
-        for p in reversed(procs):
-            p.stop()
+        one.stop()
 
 
 def chat(url: str, k: int) -> list[int]:

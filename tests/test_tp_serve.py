@@ -8,6 +8,7 @@ One torch thread per process: the 2-core box runs up to three servers at once he
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -157,15 +158,16 @@ def one_rank():
         s.stop()
 
 
-@pytest.fixture(scope="module")
-def two_ranks():
-    """Rank 1 first (it waits), rank 0 two seconds later."""
+@contextlib.contextmanager
+def two_rank_server(*args: str, settle_s: float = 2.0):
+    """`--tp 2` on this host: rank 1 first (it waits), rank 0 `settle_s` later; yields (rank 0, rank 1) once rank 0
+    serves, and stops both on the way out."""
     master = f"127.0.0.1:{lane_port()}"
-    r1 = Proc("--tp", "2", "--rank", "1", "--master", master, *COMMON)
+    r1 = Proc("--tp", "2", "--rank", "1", "--master", master, *args)
     try:
         r1.wait_line(r"waiting for rank 0", 60)
-        time.sleep(2)
-        r0 = Proc("--tp", "2", "--master", master, "--port", "0", *COMMON)
+        time.sleep(settle_s)
+        r0 = Proc("--tp", "2", "--master", master, "--port", "0", *args)
         try:
             r0.wait_ready()
             yield r0, r1
@@ -173,6 +175,12 @@ def two_ranks():
             r0.stop()
     finally:
         r1.stop()
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    with two_rank_server(*COMMON) as ranks:
+        yield ranks
 
 
 def test_two_ranks_reply_as_one_alone_and_in_a_burst(one_rank, two_ranks):
