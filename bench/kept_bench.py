@@ -61,7 +61,7 @@ def tools() -> list[dict]:
 class Server:
     def __init__(self, *args: str):
         cmd = [sys.executable, "-m", "dsv41", "serve", "--host", "127.0.0.1", "--port", "0", *args]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         self.cmd = cmd
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)

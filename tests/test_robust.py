@@ -138,7 +138,7 @@ def test_bad_key_file_refuses_to_start(tmp_path, content, why):
     elif content is not None:
         kf.write_bytes(content)
     p = subprocess.run([sys.executable, "-m", "dsv41", "serve", "--port", "0", "--api-key-file", str(kf)],
-                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert p.returncode == 2 and "--api-key-file" in p.stderr and why in p.stderr, p.stderr
     assert "listening" not in p.stdout
     assert "secret" not in p.stderr                                 # the file's text is not echoed

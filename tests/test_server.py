@@ -28,7 +28,7 @@ CONTEXT = 512
 class LiveServer:
     def __init__(self, *args: str, env: dict | None = None):
         cmd = [sys.executable, "-m", "dsv41", "serve", "--host", "127.0.0.1", "--port", "0", *args]
-        e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+        e = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.lines: list[str] = []

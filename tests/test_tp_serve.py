@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["--context", "256", "--state-budget-gib", "1", "--prefill-chunk", "16",
           "--shutdown-grace-s", "5", "--name", "tiny"]
-ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 if os.environ.get("DSV41_MODEL"):
     COMMON += ["--model", os.environ["DSV41_MODEL"]]
 

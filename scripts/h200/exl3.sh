@@ -9,7 +9,7 @@ t0=$(date +%s)
 timeout -k 5 55 python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs -m gpu \
     tests/test_exl3_triton.py tests/test_exl3_load.py 2>&1 | tail -20
 echo "exl3.sh: cuda tests done at $(( $(date +%s) - t0 ))s"
-if python3 -c "import openai, httpx" 2>/dev/null; then
+if python3 -c "import openai, httpx" 2>&1 | tail -1; python3 -c "import openai, httpx" 2>/dev/null; then
   DSV41_DEVICE=cuda timeout -k 5 60 python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs \
       tests/test_exl3_serve.py 2>&1 | tail -20
 else
