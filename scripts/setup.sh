@@ -11,7 +11,9 @@ for m in numpy safetensors tokenizers msgspec starlette uvicorn uvloop zmq:pyzmq
   $PY -c "import $mod" 2>/dev/null || need+=("$pkg")
 done
 if [ "${1:-}" = "--test" ]; then
-  for m in pytest hypothesis jsonschema openai anthropic httpx triton rfc3339_validator:rfc3339-validator; do
+  # schemathesis is pinned: tests/test_openapi.py is written against its 4.x API (skipped where it is missing)
+  for m in pytest hypothesis jsonschema openai anthropic httpx triton rfc3339_validator:rfc3339-validator \
+           schemathesis:schemathesis==4.32.5; do
     mod=${m%%:*}; pkg=${m##*:}
     $PY -c "import $mod" 2>/dev/null || need+=("$pkg")
   done
