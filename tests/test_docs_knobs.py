@@ -1,5 +1,6 @@
 """docs/server.md's knob table documents every server knob: each CLI flag of `python -m dsv41 serve` (one per
-ServeConfig field) and its DSV41_* variable has a row, and each flag a row names exists. No model, no server."""
+ServeConfig field) and its DSV41_* variable has a row, and each flag a row names exists; README.md links every
+docs page (and the headings it links to exist). No model, no server."""
 from __future__ import annotations
 
 import argparse
@@ -77,3 +78,22 @@ def test_the_check_sees_a_missing_row():
     assert missing_rows([r for r in rows if not r.startswith("| `--round-rows`")]) == ["--round-rows"]
     blanked = [r.replace("`DSV41_ROUND_ROWS`", "") for r in rows]
     assert missing_rows(blanked) == ["--round-rows: DSV41_ROUND_ROWS"]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_links_every_docs_page_and_its_anchors_exist():
+    root = DOC.parents[1]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\((docs/[\w.-]+\.md)(?:#([\w-]+))?\)", readme)
+    linked = {page for page, _ in links}
+    pages = {f"docs/{p.name}" for p in (root / "docs").glob("*.md")}
+    assert pages - linked == set(), f"README.md does not link: {sorted(pages - linked)}"
+    for page, anchor in links:
+        assert (root / page).is_file(), page
+        if anchor:
+            heads = re.findall(r"^#+ (.+)$", (root / page).read_text(encoding="utf-8"), re.MULTILINE)
+            assert anchor in {_slug(h) for h in heads}, f"README.md links {page}#{anchor}: no such heading"
