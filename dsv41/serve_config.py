@@ -157,8 +157,8 @@ FIELD_HELP: dict[str, str] = {
                     "skipped; read at start, added to --api-key's; a missing or unreadable file, or one with no "
                     "key, stops the server from starting",
     "metrics_open": "serve /metrics without a key even when keys are set",
-    "context": "positions one sequence may hold (prompt + reply); 0 = the model's max_position_embeddings, lowered "
-               "to what the state budget holds for one sequence",
+    "context": "the older name of --max-model-len (positions one request may hold, prompt + max_tokens); 0 = not "
+               "given",
     "max_streams": "sequences decoded together in one round",
     "max_waiting": "requests queued beyond the running ones; a request past this bound gets 503",
     "prefill_chunk": "prompt rows per round; several short prompts share one chunk, a long one spans rounds with "
@@ -167,7 +167,8 @@ FIELD_HELP: dict[str, str] = {
                       "(at the measured seconds per row, at least 16 rows), bounding how long a running reply waits "
                       "between tokens behind long prompts; 0 = always full chunks",
     "state_budget_gib": "memory for sequence states (KV, compressed KV, indexer keys, Engram history), reserved at "
-                        "admission for prompt + max_tokens; 0 = auto: half the free memory after the weights load",
+                        "admission for prompt + max_tokens; 0 = auto: the whole memory plan within 90%% of the free memory "
+                        "after the weights load",
     "max_model_len": "positions one request may hold (prompt + max_tokens); lowered to --window and the model's "
                      "max_position_embeddings; --context, when given, is the same limit under its older name",
     "window": "positions shared by all streams: admission reserves each request's prompt + max_tokens here and a "

@@ -1,8 +1,8 @@
 """Prometheus text (format 0.0.4) for /metrics: written by hand, families prefixed `dsv41:`.
 
 Gauges are read from the scheduler when scraped; counters and histograms are bumped by the API and the scheduler
-(all on the event loop, so no locks). Families the server cannot count yet (kept-state hits, draft acceptance) are
-omitted, not reported as 0.
+(all on the event loop, so no locks). Kept-state and draft families come from the scheduler's own counters
+(docs/server.md lists every family).
 """
 from __future__ import annotations
 
