@@ -12,7 +12,7 @@ from dsv41.comm.ring import choose_transport, rank_order_sum
 FULL_PLAN = StepPlan(
     round=7,
     ops=[NewSeq(4, b"\x93\x01\x02\x03"), RestoreState(4, b"k" * 32), FreeSeq(2), Rollback(3, 4), DropState(b"old")],
-    rows=[SeqRows(4, 2048, list(range(100, 2148)), [2047]),
+    rows=[SeqRows(4, 2048, list(range(100, 2148)), [2047], images=True),
           SeqRows(3, 17, [5, 6, 7, 8, 9, 10], [0, 1, 2, 3, 4, 5], draft=5),
           SeqRows(5, 0, [0], [])],
     after=[SaveState(4, b"k2")],

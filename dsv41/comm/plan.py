@@ -15,7 +15,7 @@ from typing import Annotated, Union
 
 import msgspec
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2          # 2: SeqRows.images
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Pos = Annotated[int, msgspec.Meta(ge=1)]
@@ -116,6 +116,8 @@ class SeqRows(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=T
     ids: list[NonNeg]        # token ids, len >= 1
     logits: list[NonNeg]     # offsets into ids whose logits rows are wanted, ascending (e.g. [len(ids) - 1])
     draft: NonNeg = 0        # after the forward, propose this many DSpark draft tokens from the last row (0: none)
+    images: bool = False     # some position of these rows is an image span position (rank 0 holds its rows and
+                             # sends them through the ring, dsv41/sched/images.py); no row flagged: no collective
 
 
 class Digest(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):

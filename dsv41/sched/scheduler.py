@@ -335,7 +335,8 @@ class Scheduler:
             last = r.filled + n == r.prompt_len
             ahead = self.block_size if last and self._proposing(r) and r.max_tokens >= 3 else 0
             rows.append(SeqRows(r.id, r.filled, r.prompt_ids[r.filled:r.filled + n], [n - 1] if last else [],
-                                draft=ahead))
+                                draft=ahead, images=any(p.start < r.filled + n and r.filled < p.end
+                                                        for p in r.images)))   # = sched.images.covers_images
             self._prompt_rows[r.id] = n
         ops = kept_ops + [FreeSeq(s) for s in close] + opened + takeback
         return StepPlan(self._round, ops=ops, rows=rows, after=after)
