@@ -72,19 +72,28 @@ def _fp4_mma(xt, wq, s_row, g0, acc, BM: tl.constexpr, BKB: tl.constexpr, SCALED
 
 
 @triton.jit
-def _moe_up_kernel(x_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, rw_ptr, h_ptr,
-                   H, I, TOPK, limit,
-                   BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, SCALED: tl.constexpr,
-                   INTERP: tl.constexpr):
+def _tile(tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, BM: tl.constexpr):
+    """The prologue both grouped kernels share: this program's work-list tile (axis 0) -> (pair count, expert,
+    first place in `order`, lane offsets, lane mask, the tile's flat (row * k + slot) pair indices). A tile past the
+    real work has count 0 (the caller returns); its other loads stay in bounds (the lists cover every tile)."""
     t = tl.program_id(0)
     cnt = tl.load(tile_cnt_ptr + t)
-    if cnt == 0:
-        return
     e = tl.load(tile_e_ptr + t).to(tl.int64)
     p0 = tl.load(tile_start_ptr + t)
     offs_p = tl.arange(0, BM)
     p_ok = offs_p < cnt
     pair = tl.load(order_ptr + p0 + offs_p, mask=p_ok, other=0)
+    return cnt, e, p0, offs_p, p_ok, pair
+
+
+@triton.jit
+def _moe_up_kernel(x_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, rw_ptr, h_ptr,
+                   H, I, TOPK, limit,
+                   BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, SCALED: tl.constexpr,
+                   INTERP: tl.constexpr):
+    cnt, e, p0, offs_p, p_ok, pair = _tile(tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, BM)
+    if cnt == 0:
+        return
     rows = (pair // TOPK).to(tl.int64)
     rw = tl.load(rw_ptr + pair, mask=p_ok, other=0.0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -112,15 +121,10 @@ def _moe_up_kernel(x_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_ptr
 def _moe_down_kernel(h_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, y_ptr, H, I,
                      BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, SCALED: tl.constexpr,
                      INTERP: tl.constexpr):
-    t = tl.program_id(0)
-    cnt = tl.load(tile_cnt_ptr + t)
+    cnt, e, p0, offs_p, p_ok, pair = _tile(tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, BM)
     if cnt == 0:
         return
-    e = tl.load(tile_e_ptr + t).to(tl.int64)
-    p0 = tl.load(tile_start_ptr + t)
-    offs_p = tl.arange(0, BM)
-    p_ok = offs_p < cnt
-    pair = tl.load(order_ptr + p0 + offs_p, mask=p_ok, other=0).to(tl.int64)
+    pair = pair.to(tl.int64)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     IB = I // 2
     w = w_ptr + (e * H + offs_n)[None, :] * IB
