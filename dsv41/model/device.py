@@ -16,6 +16,7 @@ configuration (tile sizes, K order, no split-K) for every row count. TF32 is off
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +142,12 @@ def _load_kernels() -> dict:
         found["index_scores"] = k
     except Exception:  # noqa: BLE001, S110
         pass
+    try:   # the per-layer row ops: mHC Sinkhorn / collapse / expand, RMSNorm with the tree sum (one launch each)
+        from kernels import rowops
+        for name in ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand"):
+            found[name] = getattr(rowops, name)
+    except Exception:  # noqa: BLE001, S110
+        pass
     return found
 
 
@@ -156,9 +163,36 @@ def set_kernels(enabled: bool) -> None:
     _enabled = bool(enabled)
 
 
+# Tests and bench/layer_ops.py only: take the CUDA path's functions (tree row sums; the kernels, which then run
+# under TRITON_INTERPRET=1) on CPU tensors, to compare kernels with their torch fallbacks and count the path's ops
+# without a GPU. The CPU reference never runs under it.
+_emulate_cuda = False
+
+
+@contextmanager
+def cuda_path(enabled: bool = True):
+    """Within the block, CPU tensors take the CUDA path's functions (on_cuda_path; kernels only when
+    TRITON_INTERPRET=1). Not thread-safe; for tests and benches."""
+    global _emulate_cuda
+    before = _emulate_cuda
+    _emulate_cuda = bool(enabled)
+    try:
+        yield
+    finally:
+        _emulate_cuda = before
+
+
+def on_cuda_path(x: torch.Tensor) -> bool:
+    """Whether x takes the CUDA path's functions (x on CUDA, or inside cuda_path())."""
+    return x.is_cuda or _emulate_cuda
+
+
 def kernel(name: str, x: torch.Tensor):
-    """The kernel `name` if it exists, is enabled and x is on CUDA; else None."""
-    if not (_enabled and x.is_cuda):
+    """The kernel `name` if it exists, is enabled and x is on CUDA (or inside cuda_path() under the Triton
+    interpreter); else None."""
+    if not _enabled:
+        return None
+    if not (x.is_cuda or (_emulate_cuda and os.environ.get("TRITON_INTERPRET") == "1")):
         return None
     return KERNELS.get(name)
 

@@ -14,6 +14,7 @@ Last-dim reductions (sum, mean, amax) and last-dim softmax run row by row and ar
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -79,17 +80,31 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
 def row_sum(x: torch.Tensor) -> torch.Tensor:
     """Σ over the last dim, keepdim. CPU: torch's sum (row by row, row-invariant). CUDA: a fixed pairwise tree
     (device.tree_row_sum), since a CUDA reduction's summation order depends on the tensor's row count."""
-    return _device.tree_row_sum(x) if x.is_cuda else x.sum(-1, keepdim=True)
+    return _device.tree_row_sum(x) if _device.on_cuda_path(x) else x.sum(-1, keepdim=True)
+
+
+@functools.lru_cache(maxsize=64)
+def inv_count(n: int) -> float:
+    """float32(1) / float32(n), the factor torch's CUDA division by a host scalar multiplies by (its
+    div_true_kernel_cuda computes a / s as a · (1/s) in float32); exactly representable as a Python float."""
+    one = torch.tensor(1.0, dtype=torch.float32, device="cpu")
+    return float(one / torch.tensor(float(n), dtype=torch.float32, device="cpu"))
 
 
 def row_mean(x: torch.Tensor) -> torch.Tensor:
-    """Mean over the last dim, keepdim (see row_sum)."""
-    return row_sum(x) / x.shape[-1] if x.is_cuda else x.mean(-1, keepdim=True)
+    """Mean over the last dim, keepdim (see row_sum). On the CUDA path Σ · float32(1/n), written out: the same
+    bits as torch's CUDA `Σ / n`, and the same on a CPU tensor under device.cuda_path() (kernels/rowops.py)."""
+    return row_sum(x) * inv_count(x.shape[-1]) if _device.on_cuda_path(x) else x.mean(-1, keepdim=True)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x · rsqrt(mean(x²) + eps) · weight over the last dim, in float32."""
+    """x · rsqrt(mean(x²) + eps) · weight over the last dim, in float32. On the CUDA path one kernel launch
+    (kernels/rowops.py: the same operations, the tree in the same order) where it applies."""
     x = x.float()
+    if _device.on_cuda_path(x):
+        k = _device.kernel("rms_norm", x)
+        if k is not None and (weight is None or (weight.dtype == torch.float32 and weight.dim() == 1)):
+            return k(x, weight, eps)
     y = x * rsqrt(row_mean(x.square()) + eps)
     return y if weight is None else y * weight
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv41.model import device as _device
 from dsv41.model.linear import linear, rms_norm, sigmoid
 
 
@@ -39,6 +40,10 @@ def hc_mixes(streams: torch.Tensor, site: HcSite, sinkhorn_iters: int, hc_eps: f
     post = 2 * sigmoid(m[:, hc:2 * hc] * s[1] + b[hc:2 * hc])
     logits = (m[:, 2 * hc:] * s[2] + b[2 * hc:]).view(n, hc, hc)
     comb = torch.softmax(logits, dim=-1) + hc_eps
+    k = _device.kernel("sinkhorn", comb) if _device.on_cuda_path(comb) else None
+    out = k(comb, sinkhorn_iters, hc_eps) if k is not None else None
+    if out is not None:   # the loop below in one launch (kernels/rowops.py, the same operations in the same order)
+        return pre, post, out
 
     def norm_cols(c):
         col = _sum(c.unbind(1))                                     # [n, hc]: Σ_j c[:, j, k]
@@ -55,15 +60,20 @@ def hc_mixes(streams: torch.Tensor, site: HcSite, sinkhorn_iters: int, hc_eps: f
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """u = Σ_j pre[j]·x_j: [n, hc, H] -> [n, H]."""
-    return _sum([pre[:, j:j + 1] * streams[:, j] for j in range(streams.shape[1])])
+    """u = Σ_j pre[j]·x_j: [n, hc, H] -> [n, H]. All products in one op, then the sum over j left to right (each
+    element: the same product and the same additions as a loop over j); on the CUDA path one launch."""
+    k = _device.kernel("hc_collapse", streams) if _device.on_cuda_path(streams) else None
+    out = k(streams, pre) if k is not None else None
+    return out if out is not None else _sum((pre[:, :, None] * streams).unbind(1))
 
 
 def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """out_k = post_k·y + Σ_j comb[j, k]·residual_j: -> [n, hc, H]."""
+    """out_k = post_k·y + Σ_j comb[j, k]·residual_j: -> [n, hc, H]. Vectorised over k (one product per stream j
+    for all k, summed over j left to right, then post·y added): each element's operations as in a loop over k."""
+    k = _device.kernel("hc_expand", residual) if _device.on_cuda_path(residual) else None
+    out = k(y, residual, post, comb) if k is not None else None
+    if out is not None:
+        return out
     hc = residual.shape[1]
-    outs = []
-    for k in range(hc):
-        mixed = _sum([comb[:, j, k:k + 1] * residual[:, j] for j in range(hc)])
-        outs.append(post[:, k:k + 1] * y + mixed)
-    return torch.stack(outs, dim=1)
+    mixed = _sum([comb[:, j, :, None] * residual[:, j, None, :] for j in range(hc)])
+    return post[:, :, None] * y[:, None, :] + mixed

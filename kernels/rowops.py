@@ -1,0 +1,220 @@
+"""The per-layer row ops of the CUDA path in one launch each: RMSNorm with the fixed pairwise-tree row sum, the
+mHC Sinkhorn normalisation of all rows' comb matrices, and the mHC stream collapse / expand.
+
+Reference (the torch fallbacks, which the kernels must equal BITWISE on the same device):
+- `rms_norm(x, w, eps)` = `dsv41.model.linear.rms_norm` on the CUDA path: y = x · (1 / sqrt(Σ_tree(x·x) · (1/n) +
+  eps)) · w, where Σ_tree is `dsv41.model.device.tree_row_sum` (level by level: s[i] = s[i] + s[i + L//2] for
+  i < L//2, an odd length's last element carried to position L//2) and 1/n is float32(1)/float32(n) (torch's CUDA
+  `t / n` multiplies by that; linear.row_mean writes it out);
+- `sinkhorn(comb, iters, eps)` = the Sinkhorn part of `dsv41.model.mhc.hc_mixes`: norm_cols, then (iters - 1) ×
+  (norm_rows, norm_cols), each sum over the 4 streams left to right ((c0 + c1) + c2) + c3, then c / (sum + eps);
+- `hc_collapse`, `hc_expand` = `dsv41.model.mhc.hc_collapse` / `hc_expand`: each product rounded, then the sum over
+  the streams left to right (and post·y added last).
+
+Why bitwise: the kernels run only IEEE float32 operations that round once (add, mul, div_rn, sqrt_rn) in the
+reference's order, with FMA contraction off (`enable_fp_fusion=False`: ptxas may not fuse x·x + y·y), and torch's
+CUDA kernels run the same correctly rounded operations (nvcc without fast math: div.rn, sqrt.rn; `1 / t` is
+reciprocal · 1). Under TRITON_INTERPRET=1 numpy runs them with the same IEEE rounding, so the CPU tests compare
+them with the fallback run on CPU tensors (device.cuda_path()). A row's result depends on its row only (one
+program per row for the norm; row-wise blocks for Sinkhorn), whatever the row count.
+
+The tree runs in a per-row scratch buffer (two halves, ping-pong: one level reads one half and writes the other;
+a block barrier between levels), so one program handles any row length (5120, 20480, odd lengths).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+NORM_BLOCK, NORM_WARPS = 1024, 4
+SINK_ROWS = 32
+LAUNCH = {} if INTERPRET else {"enable_fp_fusion": False}
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, buf_ptr, N, inv_n, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    xr = x_ptr + r * N
+    src = buf_ptr + r * (2 * N)
+    dst = src + N
+    offs = tl.arange(0, BLOCK)
+    for c in range(0, N, BLOCK):                       # the squares (x.square(): x · x)
+        i = c + offs
+        m = i < N
+        v = tl.load(xr + i, mask=m, other=0.0)
+        tl.store(src + i, v * v, mask=m)
+    tl.debug_barrier()
+    length = N
+    while length > 1:                                  # device.tree_row_sum, level by level
+        half = length // 2
+        for c in range(0, half, BLOCK):
+            i = c + offs
+            m = i < half
+            s = tl.load(src + i, mask=m, other=0.0) + tl.load(src + i + half, mask=m, other=0.0)
+            tl.store(dst + i, s, mask=m)
+        carry = offs < length % 2                        # an odd length's last element moves to position half
+        tl.store(dst + half + offs, tl.load(src + (length - 1) + offs, mask=carry, other=0.0), mask=carry)
+        length = half + length % 2
+        tl.debug_barrier()
+        tmp = src
+        src = dst
+        dst = tmp
+    total = tl.load(src)
+    rstd = tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(total * inv_n + eps))
+    orow = out_ptr + r * N
+    for c in range(0, N, BLOCK):
+        i = c + offs
+        m = i < N
+        y = tl.load(xr + i, mask=m, other=0.0) * rstd
+        if HAS_W:
+            y = y * tl.load(w_ptr + i, mask=m, other=0.0)
+        tl.store(orow + i, y, mask=m)
+
+
+@triton.jit
+def _stream_sum(c, axis: tl.constexpr, HC: tl.constexpr):
+    """Σ of c [BR, HC, HC] over `axis` (1: over j, 2: over k), left to right: ((c_0 + c_1) + c_2) + ... Each term
+    is picked by a masked sum whose other terms are +0.0 (exact: the entries are positive)."""
+    idx = tl.arange(0, HC)
+    if axis == 1:
+        sel = idx[None, :, None]
+    else:
+        sel = idx[None, None, :]
+    acc = tl.sum(tl.where(sel == 0, c, 0.0), axis=axis)
+    for t in tl.static_range(1, HC):
+        acc = acc + tl.sum(tl.where(sel == t, c, 0.0), axis=axis)
+    return acc
+
+
+@triton.jit
+def _sinkhorn_kernel(c_ptr, out_ptr, n, iters, eps, HC: tl.constexpr, BR: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    ok = (rows < n)[:, None, None]
+    j = tl.arange(0, HC)[None, :, None]
+    k = tl.arange(0, HC)[None, None, :]
+    at = rows.to(tl.int64)[:, None, None] * (HC * HC) + j * HC + k
+    c = tl.load(c_ptr + at, mask=ok, other=1.0)
+    c = tl.div_rn(c, _stream_sum(c, 1, HC)[:, None, :] + eps)          # norm_cols
+    for _ in range(iters - 1):
+        c = tl.div_rn(c, _stream_sum(c, 2, HC)[:, :, None] + eps)      # norm_rows
+        c = tl.div_rn(c, _stream_sum(c, 1, HC)[:, None, :] + eps)      # norm_cols
+    tl.store(out_ptr + at, c, mask=ok)
+
+
+@triton.jit
+def _hc_collapse_kernel(s_ptr, pre_ptr, out_ptr, H, HC: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r] = ((pre[r,0]·x_0 + pre[r,1]·x_1) + pre[r,2]·x_2) + … for x_j = streams[r, j] (mhc.hc_collapse)."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < H
+    acc = tl.load(pre_ptr + r * HC) * tl.load(s_ptr + r * HC * H + cols, mask=m, other=0.0)
+    for j in tl.static_range(1, HC):
+        acc = acc + tl.load(pre_ptr + r * HC + j) * tl.load(s_ptr + (r * HC + j) * H + cols, mask=m, other=0.0)
+    tl.store(out_ptr + r * H + cols, acc, mask=m)
+
+
+@triton.jit
+def _hc_expand_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, H, HC: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r, k] = post[r,k]·y[r] + ((comb[r,0,k]·x_0 + comb[r,1,k]·x_1) + …) for x_j = residual[r, j]
+    (mhc.hc_expand), all k of a column block at once."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < H
+    k = tl.arange(0, HC)
+    acc = tl.load(comb_ptr + r * HC * HC + k)[:, None] * tl.load(res_ptr + r * HC * H + cols, mask=m, other=0.0)[None, :]
+    for j in tl.static_range(1, HC):
+        x = tl.load(res_ptr + (r * HC + j) * H + cols, mask=m, other=0.0)
+        acc = acc + tl.load(comb_ptr + (r * HC + j) * HC + k)[:, None] * x[None, :]
+    y = tl.load(y_ptr + r * H + cols, mask=m, other=0.0)
+    out = tl.load(post_ptr + r * HC + k)[:, None] * y[None, :] + acc
+    tl.store(out_ptr + (r * HC + k)[:, None] * H + cols[None, :], out, mask=m[None, :])
+
+
+@functools.lru_cache(maxsize=64)
+def _f32(v: float) -> float:
+    """v rounded to float32 (as torch rounds a Python scalar for a float32 tensor op), as a Python float."""
+    return float(torch.tensor(v, dtype=torch.float32, device="cpu"))
+
+
+def _check_device(x: torch.Tensor, name: str) -> None:
+    if x.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError(f"{name} runs on CUDA (or on CPU under TRITON_INTERPRET=1)")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x · rsqrt(mean_tree(x²) + eps) · weight over the last dim (float32), one launch; bitwise the CUDA path of
+    dsv41.model.linear.rms_norm."""
+    from dsv41.model.linear import inv_count
+    _check_device(x, "rms_norm")
+    x = x.float()
+    shape = x.shape
+    n_cols = shape[-1]
+    x2 = x.reshape(-1, n_cols).contiguous()
+    rows = x2.shape[0]
+    out = torch.empty_like(x2)
+    if weight is not None and tuple(weight.shape) != (n_cols,):
+        raise ValueError(f"rms_norm: weight must be [{n_cols}], got {list(weight.shape)}")
+    if rows == 0 or n_cols == 0:
+        return out.reshape(shape)
+    w = weight.float().contiguous() if weight is not None else x2
+    buf = torch.empty((rows, 2 * n_cols), dtype=torch.float32, device=x.device)
+    _rms_norm_kernel[(rows,)](x2, w, out, buf, n_cols, inv_count(n_cols), _f32(eps), HAS_W=weight is not None,
+                              BLOCK=NORM_BLOCK, num_warps=NORM_WARPS, **LAUNCH)
+    return out.reshape(shape)
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor | None:
+    """comb [n, hc, hc] (softmax + eps) -> the doubly stochastic comb of mhc.hc_mixes, one launch; None when hc is
+    not a power of two (the caller runs the torch loop)."""
+    _check_device(comb, "sinkhorn")
+    n, hc, hc2 = comb.shape
+    if hc != hc2 or hc & (hc - 1) or comb.dtype != torch.float32:
+        return None
+    c = comb.contiguous()
+    out = torch.empty_like(c)
+    if n == 0:
+        return out
+    _sinkhorn_kernel[(triton.cdiv(n, SINK_ROWS),)](c, out, n, int(iters), _f32(eps), HC=hc, BR=SINK_ROWS,
+                                                   num_warps=1, **LAUNCH)
+    return out
+
+
+ELEM_BLOCK = 1024
+
+
+def _mix_ok(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 for t in ts)
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor | None:
+    """mhc.hc_collapse in one launch: [n, hc, H], [n, hc] -> [n, H]; None where it does not apply (dtype)."""
+    _check_device(streams, "hc_collapse")
+    n, hc, hidden = streams.shape
+    if not _mix_ok(streams, pre) or hc & (hc - 1) or tuple(pre.shape) != (n, hc):
+        return None
+    out = torch.empty((n, hidden), dtype=torch.float32, device=streams.device)
+    if n and hidden:
+        _hc_collapse_kernel[(n, triton.cdiv(hidden, ELEM_BLOCK))](
+            streams.contiguous(), pre.contiguous(), out, hidden, HC=hc, BLOCK=ELEM_BLOCK, num_warps=4, **LAUNCH)
+    return out
+
+
+def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor | None:
+    """mhc.hc_expand in one launch: y [n, H], residual [n, hc, H], post [n, hc], comb [n, hc, hc] -> [n, hc, H];
+    None where it does not apply."""
+    _check_device(residual, "hc_expand")
+    n, hc, hidden = residual.shape
+    if (not _mix_ok(y, residual, post, comb) or hc & (hc - 1) or tuple(y.shape) != (n, hidden)
+            or tuple(post.shape) != (n, hc) or tuple(comb.shape) != (n, hc, hc)):
+        return None
+    out = torch.empty((n, hc, hidden), dtype=torch.float32, device=residual.device)
+    if n and hidden:
+        _hc_expand_kernel[(n, triton.cdiv(hidden, ELEM_BLOCK))](
+            y.contiguous(), residual.contiguous(), post.contiguous(), comb.contiguous(), out, hidden, HC=hc,
+            BLOCK=ELEM_BLOCK, num_warps=4, **LAUNCH)
+    return out

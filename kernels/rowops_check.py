@@ -1,0 +1,72 @@
+"""Compile kernels/rowops.py for a CUDA target without a GPU and check its PTX: float32 division and square root
+only in their correctly rounded forms (div.rn, sqrt.rn; no div.full / div.approx / sqrt.approx / rcp.approx), no
+fused multiply-add (fma, nor a mul.f32 / add.f32 without a rounding mode, which ptxas may fuse: the torch
+fallbacks round the product and the sum apart), no exp/log approximations. The
+kernels must equal the torch fallbacks bitwise (kernels/rowops.py); this catches what the interpreter cannot.
+Run with TRITON_INTERPRET unset:
+
+  python -m kernels.rowops_check [--arch 90]        # one line per kernel; exit 1 on a failure
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+# fma / mad: a fused multiply-add; mul.f32 / add.f32 / sub.f32 without a rounding mode: ptxas may contract them into
+# an fma (with enable_fp_fusion=False LLVM writes mul.rn / add.rn, which ptxas keeps apart)
+BAD = re.compile(r"\b(fma\.\w+\.f32|mad\.\w*\.?f32|(?:mul|add|sub)\.f32|div\.(?:full|approx)\.\w*\.?f32|"
+                 r"sqrt\.approx\.\w*\.?f32|rcp\.approx\.\w*\.?f32|rsqrt\.approx|ex2\.approx|lg2\.approx)")
+
+
+def _cases():
+    from kernels import rowops
+    opts = {"enable_fp_fusion": False}
+    norm = {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32", "buf_ptr": "*fp32", "N": "i32", "inv_n": "fp32",
+            "eps": "fp32", "HAS_W": "constexpr", "BLOCK": "constexpr"}
+    for has_w in (True, False):
+        yield (f"rms_norm{' weighted' if has_w else ''}", rowops._rms_norm_kernel, norm,
+               {"HAS_W": has_w, "BLOCK": rowops.NORM_BLOCK}, {**opts, "num_warps": rowops.NORM_WARPS},
+               ("div.rn.f32", "sqrt.rn.f32", "mul.rn.f32", "add.rn.f32"))
+    yield ("sinkhorn", rowops._sinkhorn_kernel,
+           {"c_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "iters": "i32", "eps": "fp32", "HC": "constexpr",
+            "BR": "constexpr"}, {"HC": 4, "BR": rowops.SINK_ROWS}, {**opts, "num_warps": 1}, ("div.rn.f32",))
+    elem = {"H": "i32", "HC": "constexpr", "BLOCK": "constexpr"}
+    yield ("hc_collapse", rowops._hc_collapse_kernel, {"s_ptr": "*fp32", "pre_ptr": "*fp32", "out_ptr": "*fp32", **elem},
+           {"HC": 4, "BLOCK": rowops.ELEM_BLOCK}, {**opts, "num_warps": 4}, ("mul.rn.f32", "add.rn.f32"))
+    yield ("hc_expand", rowops._hc_expand_kernel,
+           {"y_ptr": "*fp32", "res_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32", "out_ptr": "*fp32", **elem},
+           {"HC": 4, "BLOCK": rowops.ELEM_BLOCK}, {**opts, "num_warps": 4}, ("mul.rn.f32", "add.rn.f32"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", type=int, default=90)
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: the interpreter's functions cannot be compiled", file=sys.stderr)
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    target = GPUTarget("cuda", args.arch, 32)
+    failed = 0
+    for name, fn, sig, consts, opts, need in _cases():
+        try:
+            ptx = triton.compile(ASTSource(fn, sig, consts, {}), target=target, options=opts).asm["ptx"]
+        except Exception as exc:  # noqa: BLE001 -- report every kernel, then fail
+            print(f"BAD {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            failed += 1
+            continue
+        bad = sorted(set(BAD.findall(ptx)))
+        missing = [op for op in need if op not in ptx]
+        ok = not bad and not missing
+        print(f"{'ok ' if ok else 'BAD'} {name}: {'uses ' + ', '.join(bad) if bad else 'no inexact ops'}"
+              f"{'; lacks ' + ', '.join(missing) if missing else ''}")
+        failed += not ok
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""kernels/rowops.py (RMSNorm with the fixed-tree row sum; the mHC Sinkhorn) against their torch fallbacks, bitwise,
+and the vectorised mHC stream mixes against the loops they replaced, bitwise.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py) against the CUDA path's torch functions run on
+CPU tensors (device.cuda_path()). One difference is the CPU's, not the kernel's: torch's CPU sqrt is not correctly
+rounded (torch's CUDA sqrt is: sqrt.rn), so on CPU the norm kernel is compared with the fallback's operations
+written out with a correctly rounded sqrt, and that write-out with torch.sqrt is checked to be the fallback itself.
+With a GPU (marker gpu) the kernels are compared with the fallbacks directly, at V4.1 shapes. A PTX check compiles
+the kernels for sm_90 (no GPU needed) and asserts they use only correctly rounded float32 division and square root
+and no fused multiply-add (which the torch fallbacks never use).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dsv41.model import device as dev
+from dsv41.model import linear, mhc
+from kernels import rowops
+
+ROOT = Path(__file__).resolve().parent.parent
+# the kernels on CPU tensors need the interpreter (tests/conftest.py sets it where there is no GPU)
+interp = pytest.mark.skipif(not rowops.INTERPRET, reason="kernels on CPU tensors need TRITON_INTERPRET=1")
+
+
+def _sum(terms):
+    acc = terms[0]
+    for t in terms[1:]:
+        acc = acc + t
+    return acc
+
+
+def _sinkhorn_loop(comb, iters, eps):
+    """mhc.hc_mixes' Sinkhorn as it stands (the fallback), on comb = softmax + eps."""
+    def norm_cols(c):
+        return c / (_sum(c.unbind(1))[:, None, :] + eps)
+
+    def norm_rows(c):
+        return c / (_sum(c.unbind(2))[:, :, None] + eps)
+    comb = norm_cols(comb)
+    for _ in range(iters - 1):
+        comb = norm_cols(norm_rows(comb))
+    return comb
+
+
+def _collapse_loop(streams, pre):
+    return _sum([pre[:, j:j + 1] * streams[:, j] for j in range(streams.shape[1])])
+
+
+def _expand_loop(y, residual, post, comb):
+    hc = residual.shape[1]
+    outs = []
+    for k in range(hc):
+        mixed = _sum([comb[:, j, k:k + 1] * residual[:, j] for j in range(hc)])
+        outs.append(post[:, k:k + 1] * y + mixed)
+    return torch.stack(outs, dim=1)
+
+
+def _sqrt_rn(x):
+    """float32 sqrt correctly rounded (via float64: exact for sqrt), as CUDA's sqrt.rn and the kernel's sqrt_rn."""
+    return torch.sqrt(x.double()).float()
+
+
+def _norm_written_out(x, w, eps, sqrt):
+    """linear.rms_norm's CUDA path, operation by operation (rsqrt(t) = reciprocal(t) * 1 as torch's 1.0 / t)."""
+    mean = dev.tree_row_sum(x * x) * linear.inv_count(x.shape[-1])
+    y = x * (torch.reciprocal(sqrt(mean + eps)) * 1.0)
+    return y if w is None else y * w
+
+
+def _combs(n, hc, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(n, hc, hc, generator=g) * 3, dim=-1) + 1e-6
+
+
+# ---- CPU (interpreter) ---------------------------------------------------------------------------------------------
+
+def test_written_out_norm_is_the_cuda_path_fallback():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 5120, generator=g) * 4, torch.rand(5120, generator=g)
+    dev.set_kernels(False)
+    try:
+        with dev.cuda_path():
+            for weight in (w, None):
+                assert torch.equal(linear.rms_norm(x, weight, 1e-6), _norm_written_out(x, weight, 1e-6, torch.sqrt))
+    finally:
+        dev.set_kernels(True)
+
+
+@interp
+@pytest.mark.parametrize("width", [1, 3, 5, 7, 64, 1280, 5120, 20480])
+def test_norm_kernel_equals_the_tree_norm_bitwise(width):
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(3, width, generator=g) * torch.tensor([1e-3, 1.0, 50.0])[:, None]
+    w = torch.rand(width, generator=g) + 0.5
+    for weight, eps in ((w, 1e-6), (None, 1e-20)):
+        got = rowops.rms_norm(x, weight, eps)
+        want = _norm_written_out(x, weight, eps, _sqrt_rn)
+        assert torch.equal(got, want), (width, (got - want).abs().max())
+
+
+@interp
+def test_norm_kernel_is_what_rms_norm_runs_and_row_invariant():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, 640, generator=g)        # leading dims flattened into rows
+    w = torch.rand(640, generator=g)
+    with dev.cuda_path():
+        got = linear.rms_norm(x, w, 1e-6)
+    assert torch.equal(got, rowops.rms_norm(x, w, 1e-6))
+    assert got.shape == x.shape
+    assert torch.equal(rowops.rms_norm(x[2, 1:2], w, 1e-6)[0], got[2, 1])     # a row alone == among 15
+    # the CPU reference does not take the kernel (or the tree)
+    ref = linear.rms_norm(x, w, 1e-6)
+    xf = x.float()
+    assert torch.equal(ref, xf * linear.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6) * w)
+
+
+@interp
+@pytest.mark.parametrize("n,iters", [(1, 20), (5, 20), (70, 20), (3, 1), (4, 2)])
+def test_sinkhorn_kernel_equals_the_loop_bitwise(n, iters):
+    comb = _combs(n, 4, n * 100 + iters)
+    got = rowops.sinkhorn(comb, iters, 1e-6)
+    assert torch.equal(got, _sinkhorn_loop(comb, iters, 1e-6))
+    assert torch.equal(rowops.sinkhorn(comb[n - 1:], iters, 1e-6)[0], got[n - 1])   # alone == among n
+
+
+@interp
+def test_hc_mixes_takes_the_sinkhorn_kernel_on_the_cuda_path():
+    g = torch.Generator().manual_seed(2)
+    hc, hidden = 4, 64
+    site = mhc.HcSite(fn=torch.randn((2 + hc) * hc, hc * hidden, generator=g) * 0.1,
+                      base=torch.randn((2 + hc) * hc, generator=g), scale=torch.rand(3, generator=g) + 0.5)
+    streams = torch.randn(6, hc, hidden, generator=g)
+    saved = dict(dev.KERNELS)
+    dev.KERNELS.pop("rms_norm", None)       # the same flat norm on both sides (torch's CPU sqrt, see above)
+    try:
+        with dev.cuda_path():
+            got = mhc.hc_mixes(streams, site, 20, 1e-6, 1e-6)
+            dev.set_kernels(False)
+            want = mhc.hc_mixes(streams, site, 20, 1e-6, 1e-6)
+    finally:
+        dev.set_kernels(True)
+        dev.KERNELS.clear()
+        dev.KERNELS.update(saved)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_vectorised_collapse_and_expand_equal_the_loops_bitwise():
+    g = torch.Generator().manual_seed(3)
+    n, hc, hidden = 7, 4, 96
+    streams = torch.randn(n, hc, hidden, generator=g)
+    pre = torch.rand(n, hc, generator=g)
+    post = torch.rand(n, hc, generator=g) * 2
+    comb = _sinkhorn_loop(_combs(n, hc, 4), 20, 1e-6)
+    y = torch.randn(n, hidden, generator=g)
+    assert torch.equal(mhc.hc_collapse(streams, pre), _collapse_loop(streams, pre))
+    got = mhc.hc_expand(y, streams, post, comb)
+    assert got.is_contiguous()
+    assert torch.equal(got, _expand_loop(y, streams, post, comb))
+
+
+@interp
+@pytest.mark.parametrize("hidden", [96, 1000, 2500])
+def test_collapse_and_expand_kernels_equal_the_loops_bitwise(hidden):
+    g = torch.Generator().manual_seed(hidden)
+    n, hc = 5, 4
+    streams = torch.randn(n, hc, hidden, generator=g)
+    streams[0, 1, :7] = -0.0                        # signed zeros and zero weights keep their signs as in torch
+    pre = torch.rand(n, hc, generator=g)
+    pre[1, 2] = 0.0
+    post = torch.rand(n, hc, generator=g) * 2
+    comb = _sinkhorn_loop(_combs(n, hc, 6), 20, 1e-6)
+    y = torch.randn(n, hidden, generator=g)
+    with dev.cuda_path():
+        got_c = mhc.hc_collapse(streams, pre)
+        got_e = mhc.hc_expand(y, streams, post, comb)
+    assert torch.equal(rowops.hc_collapse(streams, pre), got_c)        # the kernels ran
+    assert torch.equal(rowops.hc_expand(y, streams, post, comb), got_e)
+    want_c, want_e = _collapse_loop(streams, pre), _expand_loop(y, streams, post, comb)
+    assert torch.equal(got_c, want_c) and torch.equal(got_c.signbit(), want_c.signbit())
+    assert torch.equal(got_e, want_e) and torch.equal(got_e.signbit(), want_e.signbit())
+    assert torch.equal(rowops.hc_expand(y[3:4], streams[3:4], post[3:4], comb[3:4])[0], got_e[3])   # alone
+
+
+def test_kernel_ptx_uses_only_correctly_rounded_ops():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-m", "kernels.rowops_check"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert r.stdout.count("ok ") == 5, r.stdout
+
+
+# ---- CUDA --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [5120, 20480, 1280, 7])
+def test_norm_kernel_equals_the_fallback_on_cuda(width):
+    g = torch.Generator().manual_seed(width)
+    x = (torch.randn(64, width, generator=g) * 3).cuda()
+    w = (torch.rand(width, generator=g) + 0.5).cuda()
+    for weight, eps in ((w, 1e-20), (None, 1e-20), (w, 1e-6)):
+        dev.set_kernels(False)
+        try:
+            want = linear.rms_norm(x, weight, eps)
+        finally:
+            dev.set_kernels(True)
+        assert torch.equal(want, _norm_written_out(x, weight, eps, torch.sqrt))
+        got = linear.rms_norm(x, weight, eps)
+        assert torch.equal(got, want), (width, (got - want).abs().max().item())
+        for rows in (1, 8, 33):
+            assert torch.equal(linear.rms_norm(x[:rows], weight, eps), got[:rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 8, 64, 2048])
+def test_sinkhorn_kernel_equals_the_loop_on_cuda(n):
+    comb = _combs(n, 4, n).cuda()
+    got = rowops.sinkhorn(comb, 20, 1e-6)
+    assert torch.equal(got, _sinkhorn_loop(comb, 20, 1e-6))
+    assert torch.equal(rowops.sinkhorn(comb[:1], 20, 1e-6)[0], got[0])
+
+
+@pytest.mark.gpu
+def test_hc_mixes_kernels_equal_fallbacks_on_cuda():
+    g = torch.Generator().manual_seed(5)
+    hc, hidden = 4, 5120
+    site = mhc.HcSite(fn=(torch.randn((2 + hc) * hc, hc * hidden, generator=g) * 0.01).cuda(),
+                      base=torch.randn((2 + hc) * hc, generator=g).cuda(),
+                      scale=(torch.rand(3, generator=g) + 0.5).cuda())
+    streams = torch.randn(64, hc, hidden, generator=g).cuda()
+    got = mhc.hc_mixes(streams, site, 20, 1e-6, 1e-20)
+    dev.set_kernels(False)
+    try:
+        want = mhc.hc_mixes(streams, site, 20, 1e-6, 1e-20)
+    finally:
+        dev.set_kernels(True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    y = torch.randn(64, hidden, generator=g).cuda()
+    assert torch.equal(mhc.hc_expand(y, streams, got[1], got[2]), _expand_loop(y, streams, got[1], got[2]))
+    assert torch.equal(mhc.hc_collapse(streams, got[0]), _collapse_loop(streams, got[0]))
