@@ -18,8 +18,9 @@ reciprocal · 1). Under TRITON_INTERPRET=1 numpy runs them with the same IEEE ro
 them with the fallback run on CPU tensors (device.cuda_path()). A row's result depends on its row only (one
 program per row for the norm; row-wise blocks for Sinkhorn), whatever the row count.
 
-The tree runs in a per-row scratch buffer (two halves, ping-pong: one level reads one half and writes the other;
-a block barrier between levels), so one program handles any row length (5120, 20480, odd lengths).
+The tree runs in a per-row scratch buffer (two halves of ceil(n/2), ping-pong: the first level reads x and writes
+one half, each next level reads one half and writes the other; a block barrier between levels), so one program
+handles any row length (5120, 20480, odd lengths) with about one row of scratch.
 """
 from __future__ import annotations
 
@@ -40,16 +41,22 @@ LAUNCH = {} if INTERPRET else {"enable_fp_fusion": False}
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, buf_ptr, N, inv_n, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     xr = x_ptr + r * N
-    src = buf_ptr + r * (2 * N)
-    dst = src + N
+    half_n = (N + 1) // 2                              # the scratch row: two halves of ceil(N/2) (ping-pong)
+    src = buf_ptr + r * (2 * half_n)
+    dst = src + half_n
     offs = tl.arange(0, BLOCK)
-    for c in range(0, N, BLOCK):                       # the squares (x.square(): x · x)
+    half = N // 2
+    for c in range(0, half, BLOCK):                    # the first level, on the squares (x.square(): x · x)
         i = c + offs
-        m = i < N
-        v = tl.load(xr + i, mask=m, other=0.0)
-        tl.store(src + i, v * v, mask=m)
+        m = i < half
+        a = tl.load(xr + i, mask=m, other=0.0)
+        b = tl.load(xr + i + half, mask=m, other=0.0)
+        tl.store(src + i, a * a + b * b, mask=m)
+    carry = offs < N % 2                               # an odd length's last element moves to position half
+    last = tl.load(xr + (N - 1) + offs, mask=carry, other=0.0)
+    tl.store(src + half + offs, last * last, mask=carry)
     tl.debug_barrier()
-    length = N
+    length = half + N % 2
     while length > 1:                                  # device.tree_row_sum, level by level
         half = length // 2
         for c in range(0, half, BLOCK):
@@ -162,7 +169,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if rows == 0 or n_cols == 0:
         return out.reshape(shape)
     w = weight.float().contiguous() if weight is not None else x2
-    buf = torch.empty((rows, 2 * n_cols), dtype=torch.float32, device=x.device)
+    buf = torch.empty((rows, 2 * ((n_cols + 1) // 2)), dtype=torch.float32, device=x.device)
     _rms_norm_kernel[(rows,)](x2, w, out, buf, n_cols, inv_count(n_cols), _f32(eps), HAS_W=weight is not None,
                               BLOCK=NORM_BLOCK, num_warps=NORM_WARPS, **LAUNCH)
     return out.reshape(shape)
