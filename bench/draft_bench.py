@@ -7,9 +7,11 @@ rates 0.3 / 0.5 / 0.7 against serial decoding (issue 10, docs/drafts.md).
 For B streams (each holding a --context-token prompt) and draft length n = 0..5, one round is the verify forward of
 B x (1 + n) rows (`[pending, d1..dn]` per stream, every row's logits, exactly what the server's runner runs); each
 timing marks the states and rolls them back after (SeqState.mark / rollback), so every repeat starts from the same
-states. The DSpark draft pass (B blocks of block_size positions through the 3 stages + head) is timed too; a
-checkpoint without DSpark stages (dsv41.tools.make_real) gets it estimated as 3 / n_layers of a backbone forward of
-B x block_size rows (marked "est.").
+states. The DSpark draft pass (B blocks of block_size positions through the 3 stages + head) is timed too when
+the checkpoint has the stages (`dsv41.tools.make_real --dspark` writes them at release shape); only a checkpoint
+without them gets it estimated, as 3 / n_layers of a backbone forward of B x block_size rows (marked "est." wherever
+it is used). With the stages, every backbone forward also writes the stages' rings (main_proj of the taps + each
+stage's wkv, per row): timed on its own ("ring fill") and kept out of the per-layer scaling of `--project-layers`.
 
 Tokens per second at acceptance rate a (each draft token accepted with probability a given the ones before it):
 a round of n drafts yields E(n) = 1 + a + ... + a^n tokens and takes T(B, n) + draft(B) seconds; the best n per
@@ -60,12 +62,13 @@ def ratios(model) -> dict[int, int]:
 def verify_time(model, states, n: int, reps: int, device: str) -> float:
     """Best seconds of one verify forward of len(states) x (1 + n) rows (states rolled back after each)."""
     W, rs = model.t.sliding_window, ratios(model)
+    span = min(model.t.vocab_size, 30100) - 100   # ids 100 .. (a shrunk vocabulary in tests)
     best = float("inf")
     for k in range(reps + 1):
         inputs = []
         for i, st in enumerate(states):
             st.mark(1 + n, W)
-            inputs.append(SeqInput(st, torch.tensor([(101 + 7 * i + j) % 30000 + 100 for j in range(1 + n)]),
+            inputs.append(SeqInput(st, torch.tensor([(101 + 7 * i + j) % span + 100 for j in range(1 + n)]),
                                    logits="all"))
         sync(device)
         t0 = time.perf_counter()
@@ -96,11 +99,34 @@ def draft_time(model, states, reps: int, device: str) -> tuple[float, bool]:
     return verify_time(model, states, block - 1, reps, device) * stages / len(model.layout.layers), True
 
 
+def ring_fill_time(model, rows: int, reps: int, device: str) -> float:
+    """Best seconds of the DSpark ring fill a forward of `rows` rows does (main_x of the taps, then each stage's
+    window KV: the pure part of DSpark.fill_rings, without the ring writes); 0 without DSpark stages."""
+    ds = model.dspark
+    if ds is None:
+        return 0.0
+    taps = len(model.t.dspark_target_layer_ids)
+    h = torch.randn(rows, taps * model.t.hidden_size, generator=torch.Generator().manual_seed(1)).to(device)
+    with model.on_device():
+        pos = torch.arange(64, 64 + rows)
+        best = float("inf")
+        for k in range(reps + 1):
+            sync(device)
+            t0 = time.perf_counter()
+            x = ds.main_x(h)
+            for blk in ds.stages:
+                ds._stage_kv(blk, x, pos)
+            sync(device)
+            if k:
+                best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def check_exact(model, device: str) -> str:
     """Verify rows == serial one-row decoding (torch.equal), and rollback leaves a state that decodes alike."""
     st = fill(model, 1, 40)[0]
     serial = st.snapshot()
-    toks = [321, 4321, 99, 1234, 777, 4242]
+    toks = [x % model.t.vocab_size for x in (321, 4321, 99, 1234, 777, 4242)]
     spec = serial.snapshot()
     spec.mark(len(toks), model.t.sliding_window)
     rows = model.forward([SeqInput(spec, torch.tensor(toks), logits="all")])[0]
@@ -127,8 +153,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--check", action="store_true", help="also check verify == serial on the device (torch.equal)")
     ap.add_argument("--project-layers", type=int, default=0,
-                    help="also project the tokens/s table to a model of this many backbone layers (round time x "
-                         "L / n_layers, the draft pass as measured or estimated: e.g. 43 for the release)")
+                    help="also project the tokens/s table to a model of this many backbone layers ((round time - "
+                         "ring fill) x L / n_layers + ring fill, the draft pass as measured or estimated: e.g. 40 "
+                         "for the release)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     if a.model:
@@ -144,49 +171,66 @@ def main(argv=None) -> int:
     with torch.no_grad():
         T: dict[tuple[int, int], float] = {}
         D: dict[int, tuple[float, bool]] = {}
+        F: dict[tuple[int, int], float] = {}
         for B in streams:
             for n in range(a.max_draft + 1):
                 T[B, n] = verify_time(model, states[:B], n, a.reps, a.device)
-                print(f"B={B:3d} n={n} rows={B * (1 + n):4d} round {T[B, n] * 1e3:9.2f} ms", flush=True)
+                F[B, n] = min(ring_fill_time(model, B * (1 + n), a.reps, a.device), T[B, n])
+                print(f"B={B:3d} n={n} rows={B * (1 + n):4d} round {T[B, n] * 1e3:9.2f} ms"
+                      + (f" (ring fill {F[B, n] * 1e3:.2f})" if model.dspark is not None else ""), flush=True)
             D[B] = draft_time(model, states[:B], a.reps, a.device)
             print(f"B={B:3d} draft pass {D[B][0] * 1e3:9.2f} ms{' (est.)' if D[B][1] else ''}", flush=True)
         check = check_exact(model, a.device) if a.check else ""
+    t = model.t
+    if model.dspark is not None:
+        dspark = (f"DSpark: {len(model.dspark.stages)} stages, draft pass measured ({t.dspark_n_routed_experts} "
+                  f"routed experts, top {t.dspark_num_experts_per_tok}; taps {list(t.dspark_target_layer_ids)}, "
+                  f"main_proj {len(t.dspark_target_layer_ids) * t.hidden_size} -> {t.hidden_size})")
+    else:
+        dspark = "DSpark: none in the checkpoint, draft pass ESTIMATED (est.)"
     lines = ["# Speculative decoding: round time by rows, tokens/s per stream at acceptance 0.3 / 0.5 / 0.7", "",
              f"Command: `python bench/{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}`",
              "", f"Machine: {platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, torch "
              f"{torch.__version__}, device {a.device}"
              + (f" ({torch.cuda.get_device_name()})" if a.device.startswith("cuda") else "")
              + f", OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}",
-             (f"Checkpoint: {ckpt} ({model.t.num_hidden_layers} layers, hidden {model.t.hidden_size}, vocab "
-              f"{model.t.vocab_size}, DSpark {'yes' if model.dspark is not None else 'no (draft pass estimated)'}); "
-              f"{a.context}-token prompt per stream; best of {a.reps}"), ""]
+             (f"Checkpoint: {ckpt} ({t.num_hidden_layers} layers, hidden {t.hidden_size}, vocab "
+              f"{t.vocab_size}, {t.n_routed_experts} routed experts); {a.context}-token prompt per stream; best of "
+              f"{a.reps}"), "", dspark, ""]
     if check:
         lines += [f"Exactness on {a.device}: {check}", ""]
-    lines += ["## Round time by rows (verify forward of B x (1 + n) rows)", "",
-              "| B | " + " | ".join(f"n={n}: ms (rows)" for n in range(a.max_draft + 1)) + " | draft pass ms |",
+    lines += ["## Round time by rows (verify forward of B x (1 + n) rows)", ""]
+    if model.dspark is not None:
+        lines += ["(after the rows: the DSpark ring fill included in the round, ms)", ""]
+    lines += ["| B | " + " | ".join(f"n={n}: ms (rows)" for n in range(a.max_draft + 1)) + " | draft pass ms |",
               "|---|" + "---|" * (a.max_draft + 2)]
     for B in streams:
-        cells = [f"{T[B, n] * 1e3:.2f} ({B * (1 + n)})" for n in range(a.max_draft + 1)]
+        cells = [f"{T[B, n] * 1e3:.2f} ({B * (1 + n)}"
+                 + (f"; {F[B, n] * 1e3:.2f})" if model.dspark is not None else ")") for n in range(a.max_draft + 1)]
         lines.append(f"| {B} | " + " | ".join(cells) + f" | {D[B][0] * 1e3:.2f}{' est.' if D[B][1] else ''} |")
+
     def table(title: str, scale: float) -> None:
         nonlocal lines
         lines += ["", title, "", "| B | serial tok/s | " + " | ".join(f"a={r}: n, tok/s, x" for r in RATES) + " |",
                   "|---|---|" + "---|" * len(RATES)]
+        def round_s(B, n):           # the layers scale, the ring fill does not
+            return (T[B, n] - F[B, n]) * scale + F[B, n]
         for B in streams:
-            serial = 1.0 / (T[B, 0] * scale)
+            serial = 1.0 / round_s(B, 0)
             cells = []
             for r in RATES:
                 def rate(n, r=r, B=B):
-                    return sum(r ** i for i in range(n + 1)) / (T[B, n] * scale + D[B][0])
+                    return sum(r ** i for i in range(n + 1)) / (round_s(B, n) + D[B][0])
                 best = max(range(1, a.max_draft + 1), key=rate)
-                cells.append(f"{best}, {rate(best):.3g}, {rate(best) / serial:.2f}x")
+                cells.append(f"{best}, {rate(best):.3g}, {rate(best) / serial:.2f}x"
+                             + (" (est.)" if D[B][1] else ""))
             lines.append(f"| {B} | {serial:.3g} | " + " | ".join(cells) + " |")
 
     table("## Tokens per second per stream (best draft length n for each rate)", 1.0)
     if a.project_layers:
         K = len(model.layout.layers)
-        table(f"## Projected to {a.project_layers} backbone layers (round time x {a.project_layers}/{K}, the draft "
-              f"pass unchanged)", a.project_layers / K)
+        table(f"## Projected to {a.project_layers} backbone layers ((round time - ring fill) x {a.project_layers}/{K}"
+              f" + ring fill, the draft pass unchanged)", a.project_layers / K)
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
