@@ -153,6 +153,59 @@ def _slot_sum_kernel(y_ptr, ids_ptr, out_ptr, N, H, TOPK, BR: tl.constexpr, BH: 
     tl.store(out_ptr + r[:, None] * H + c[None, :], acc, mask=ok)
 
 
+@triton.jit
+def _work_list_kernel(ids_ptr, n_pairs, n_exp, n_tiles, cursor_ptr, order_ptr, tile_e_ptr, tile_start_ptr,
+                      tile_cnt_ptr, EP: tl.constexpr, BP: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr):
+    """`work_list` in one program (one launch instead of ~36 torch ops): integer work only. Keys: the expert id,
+    n_exp for a slot of another rank (id < 0; sorted last, in no tile), EP - 1 for the padding of a block (dropped).
+    Counts per key, then a stable counting sort (a pair's place: its key's start + the pairs of that key before it),
+    then each tile's expert, start and count as the torch version computes them."""
+    e_idx = tl.arange(0, EP)
+    counts = tl.zeros([EP], tl.int32)
+    for p0 in range(0, n_pairs, BP):
+        p = p0 + tl.arange(0, BP)
+        key = tl.load(ids_ptr + p, mask=p < n_pairs, other=-2)
+        key = tl.where(key >= 0, key, tl.where(key == -2, EP - 1, n_exp))
+        counts += tl.sum((key[:, None] == e_idx[None, :]).to(tl.int32), axis=0)
+    counts = tl.where(e_idx < EP - 1, counts, 0)
+    pair_start = tl.cumsum(counts, axis=0) - counts
+    tl.store(cursor_ptr + e_idx, pair_start)
+    tl.debug_barrier()
+    ii = tl.arange(0, BP)
+    for p0 in range(0, n_pairs, BP):
+        p = p0 + ii
+        ok = p < n_pairs
+        key = tl.load(ids_ptr + p, mask=ok, other=-2)
+        key = tl.where(key >= 0, key, tl.where(key == -2, EP - 1, n_exp))
+        same_before = (key[:, None] == key[None, :]) & (ii[None, :] < ii[:, None])
+        rank = tl.sum(same_before.to(tl.int32), axis=1)
+        base = tl.load(cursor_ptr + key, mask=ok, other=0)
+        tl.store(order_ptr + base + rank, p, mask=ok)
+        tl.debug_barrier()
+        tl.store(cursor_ptr + e_idx, tl.load(cursor_ptr + e_idx)
+                 + tl.sum((key[:, None] == e_idx[None, :]).to(tl.int32), axis=0), mask=e_idx < EP - 1)
+        tl.debug_barrier()
+    real = e_idx < n_exp
+    tiles = tl.where(real, (counts + BM - 1) // BM, 0)
+    tile_end = tl.cumsum(tiles, axis=0)
+    for t0 in range(0, n_tiles, BT):
+        t = t0 + tl.arange(0, BT)
+        e = tl.sum(((tile_end[None, :] <= t[:, None]) & real[None, :]).to(tl.int32), axis=1)   # searchsorted right
+        live = e < n_exp
+        e = tl.minimum(e, n_exp - 1)
+        hit = e[:, None] == e_idx[None, :]
+        t_e = tl.sum(tl.where(hit, tiles[None, :], 0), axis=1)
+        end_e = tl.sum(tl.where(hit, tile_end[None, :], 0), axis=1)
+        cnt_e = tl.sum(tl.where(hit, counts[None, :], 0), axis=1)
+        start_e = tl.sum(tl.where(hit, pair_start[None, :], 0), axis=1)
+        off = (t - (end_e - t_e)) * BM
+        cnt = tl.where(live, tl.minimum(tl.maximum(cnt_e - off, 0), BM), 0)
+        t_ok = t < n_tiles
+        tl.store(tile_e_ptr + t, e, mask=t_ok)
+        tl.store(tile_start_ptr + t, start_e + off, mask=t_ok)
+        tl.store(tile_cnt_ptr + t, cnt, mask=t_ok)
+
+
 def max_tiles(n_pairs: int, n_experts: int) -> int:
     """Upper bound on the work list's tiles: Σ_e ceil(c_e / BLOCK_M) <= n_pairs // BLOCK_M + #experts touched."""
     return n_pairs // BLOCK_M + min(n_experts, n_pairs)
@@ -180,6 +233,24 @@ def work_list(expert_ids: torch.Tensor, n_experts: int):
     off = (t - (tile_end[e] - tiles[e])) * BLOCK_M
     cnt = torch.where(live, (counts[e] - off).clamp(0, BLOCK_M), 0)
     return e.to(torch.int32), (pair_start[e] + off).to(torch.int32), cnt.to(torch.int32), order
+
+
+WL_PAIRS, WL_TILES = 64, 64
+
+
+def work_list_launch(expert_ids: torch.Tensor, n_experts: int):
+    """`work_list` in one kernel launch (the same four tensors, bit for bit: tests/test_kernels_fp4_moe.py)."""
+    flat = expert_ids.reshape(-1).to(torch.int32).contiguous()
+    n_pairs = flat.numel()
+    n_tiles = max_tiles(n_pairs, n_experts)
+    dev = flat.device
+    ep = triton.next_power_of_2(n_experts + 2)
+    cursor = torch.empty(ep, dtype=torch.int32, device=dev)
+    order = torch.empty(n_pairs, dtype=torch.int32, device=dev)
+    tile_e, tile_start, tile_cnt = (torch.empty(n_tiles, dtype=torch.int32, device=dev) for _ in range(3))
+    _work_list_kernel[(1,)](flat, n_pairs, n_experts, n_tiles, cursor, order, tile_e, tile_start, tile_cnt,
+                            EP=ep, BP=WL_PAIRS, BT=WL_TILES, BM=BLOCK_M, num_warps=4)
+    return tile_e, tile_start, tile_cnt, order
 
 
 def stack_experts(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -244,7 +315,7 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
     if n == 0 or top_k == 0:
         return out.zero_()
     ids = expert_ids.to(torch.int32).contiguous()
-    tile_e, tile_start, tile_cnt, order = work_list(ids, n_exp)
+    tile_e, tile_start, tile_cnt, order = work_list_launch(ids, n_exp)
     rw = weights.to(torch.float32).contiguous()
     n_pairs = n * top_k
     h = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)

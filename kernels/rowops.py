@@ -9,7 +9,9 @@ Reference (the torch fallbacks, which the kernels must equal BITWISE on the same
 - `sinkhorn(comb, iters, eps)` = the Sinkhorn part of `dsv41.model.mhc.hc_mixes`: norm_cols, then (iters - 1) ×
   (norm_rows, norm_cols), each sum over the 4 streams left to right ((c0 + c1) + c2) + c3, then c / (sum + eps);
 - `hc_collapse`, `hc_expand` = `dsv41.model.mhc.hc_collapse` / `hc_expand`: each product rounded, then the sum over
-  the streams left to right (and post·y added last).
+  the streams left to right (and post·y added last);
+- `route_weights` = the end of `dsv41.model.moe.MoE.route`: the scores at the picks, divided by their slot-order sum
+  + 1e-20, times the routed scaling factor.
 
 Why bitwise: the kernels run only IEEE float32 operations that round once (add, mul, div_rn, sqrt_rn) in the
 reference's order, with FMA contraction off (`enable_fp_fusion=False`: ptxas may not fuse x·x + y·y), and torch's
@@ -142,6 +144,24 @@ def _hc_expand_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, H, HC: tl.con
     tl.store(out_ptr + (r * HC + k)[:, None] * H + cols[None, :], out, mask=m[None, :])
 
 
+@triton.jit
+def _route_weights_kernel(s_ptr, ids_ptr, out_ptr, n, E, eps, scaling, K: tl.constexpr, KP: tl.constexpr,
+                          BR: tl.constexpr):
+    """w = s[r, ids[r]]; out = w / (((w_0 + w_1) + …) + eps) · scaling (moe.MoE.route after the top-k)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    ok = rows < n
+    j = tl.arange(0, KP)
+    m = ok[:, None] & (j < K)[None, :]
+    rows = rows.to(tl.int64)
+    ids = tl.load(ids_ptr + rows[:, None] * K + j[None, :], mask=m, other=0)
+    w = tl.load(s_ptr + rows[:, None] * E + ids, mask=m, other=0.0)
+    total = tl.sum(tl.where(j[None, :] == 0, w, 0.0), axis=1)       # each term picked alone (+0.0 others)
+    for t in tl.static_range(1, K):
+        total = total + tl.sum(tl.where(j[None, :] == t, w, 0.0), axis=1)
+    out = tl.div_rn(w, total[:, None] + eps) * scaling
+    tl.store(out_ptr + rows[:, None] * K + j[None, :], out, mask=m)
+
+
 @functools.lru_cache(maxsize=64)
 def _f32(v: float) -> float:
     """v rounded to float32 (as torch rounds a Python scalar for a float32 tensor op), as a Python float."""
@@ -224,4 +244,24 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
         _hc_expand_kernel[(n, triton.cdiv(hidden, ELEM_BLOCK))](
             y.contiguous(), residual.contiguous(), post.contiguous(), comb.contiguous(), out, hidden, HC=hc,
             BLOCK=ELEM_BLOCK, num_warps=4, **LAUNCH)
+    return out
+
+
+ROUTE_ROWS = 32
+
+
+def route_weights(s: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor | None:
+    """The routing weights of moe.MoE.route from the scores s [n, E] and the picked ids [n, k] (k > 1): the scores
+    at the picks divided by their sum (slot order) + 1e-20, times scaling; one launch. None where it does not
+    apply."""
+    _check_device(s, "route_weights")
+    n, n_exp = s.shape
+    k = ids.shape[1]
+    if s.dtype != torch.float32 or k < 2 or tuple(ids.shape) != (n, k):
+        return None
+    out = torch.empty((n, k), dtype=torch.float32, device=s.device)
+    if n:
+        _route_weights_kernel[(triton.cdiv(n, ROUTE_ROWS),)](
+            s.contiguous(), ids.contiguous(), out, n, n_exp, _f32(1e-20), _f32(scaling), K=k,
+            KP=triton.next_power_of_2(k), BR=ROUTE_ROWS, num_warps=1, **LAUNCH)
     return out

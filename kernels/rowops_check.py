@@ -3,6 +3,7 @@ only in their correctly rounded forms (div.rn, sqrt.rn; no div.full / div.approx
 fused multiply-add (fma, nor a mul.f32 / add.f32 without a rounding mode, which ptxas may fuse: the torch
 fallbacks round the product and the sum apart), no exp/log approximations. The
 kernels must equal the torch fallbacks bitwise (kernels/rowops.py); this catches what the interpreter cannot.
+Also compiles kernels/fp4_moe.py's work-list kernel (integers only).
 Run with TRITON_INTERPRET unset:
 
   python -m kernels.rowops_check [--arch 90]        # one line per kernel; exit 1 on a failure
@@ -21,7 +22,7 @@ BAD = re.compile(r"\b(fma\.\w+\.f32|mad\.\w*\.?f32|(?:mul|add|sub)\.f32|div\.(?:
 
 
 def _cases():
-    from kernels import rowops
+    from kernels import fp4_moe, rowops
     opts = {"enable_fp_fusion": False}
     norm = {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32", "buf_ptr": "*fp32", "N": "i32", "inv_n": "fp32",
             "eps": "fp32", "HAS_W": "constexpr", "BLOCK": "constexpr"}
@@ -38,6 +39,17 @@ def _cases():
     yield ("hc_expand", rowops._hc_expand_kernel,
            {"y_ptr": "*fp32", "res_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32", "out_ptr": "*fp32", **elem},
            {"HC": 4, "BLOCK": rowops.ELEM_BLOCK}, {**opts, "num_warps": 4}, ("mul.rn.f32", "add.rn.f32"))
+    yield ("route_weights", rowops._route_weights_kernel,
+           {"s_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*fp32", "n": "i32", "E": "i32", "eps": "fp32",
+            "scaling": "fp32", "K": "constexpr", "KP": "constexpr", "BR": "constexpr"},
+           {"K": 6, "KP": 8, "BR": rowops.ROUTE_ROWS}, {**opts, "num_warps": 1}, ("div.rn.f32", "mul.rn.f32"))
+    # the MoE work list (integers only): that it compiles
+    yield ("fp4_moe work list", fp4_moe._work_list_kernel,
+           {"ids_ptr": "*i32", "n_pairs": "i32", "n_exp": "i32", "n_tiles": "i32", "cursor_ptr": "*i32",
+            "order_ptr": "*i32", "tile_e_ptr": "*i32", "tile_start_ptr": "*i32", "tile_cnt_ptr": "*i32",
+            "EP": "constexpr", "BP": "constexpr", "BT": "constexpr", "BM": "constexpr"},
+           {"EP": 512, "BP": fp4_moe.WL_PAIRS, "BT": fp4_moe.WL_TILES, "BM": fp4_moe.BLOCK_M},
+           {**opts, "num_warps": 4}, ())
 
 
 def main() -> int:

@@ -190,13 +190,43 @@ def test_collapse_and_expand_kernels_equal_the_loops_bitwise(hidden):
     assert torch.equal(rowops.hc_expand(y[3:4], streams[3:4], post[3:4], comb[3:4])[0], got_e[3])   # alone
 
 
+def _moe(g, n_exp, hidden, top_k):
+    from dsv41.model.moe import Expert, MoE
+    shared = Expert(torch.randn(8, hidden, generator=g), torch.randn(hidden, 8, generator=g),
+                    torch.randn(8, hidden, generator=g))
+    return MoE(gate=torch.randn(n_exp, hidden, generator=g), bias=torch.randn(n_exp, generator=g) * 0.1,
+               bias_vl=torch.zeros(n_exp), experts={}, shared=shared, top_k=top_k, gate_temp=1.0, scaling=1.5,
+               limit=10.0)
+
+
+@interp
+@pytest.mark.parametrize("top_k", [6, 2, 3])
+def test_route_weights_kernel_equals_the_route_bitwise(top_k):
+    g = torch.Generator().manual_seed(top_k)
+    moe = _moe(g, 384, 32, top_k)
+    x = torch.randn(37, 32, generator=g) * 2
+    x[3] = -40.0                                     # scores near 0 (softplus of very negative logits)
+    with dev.cuda_path():
+        got_w, got_ids = moe.route(x)
+        dev.set_kernels(False)
+        try:
+            want_w, want_ids = moe.route(x)
+        finally:
+            dev.set_kernels(True)
+    assert torch.equal(got_ids, want_ids)
+    assert torch.equal(got_w, want_w)
+    s = torch.randn(5, 384, generator=g).abs()
+    ids = torch.stack([torch.randperm(384, generator=g)[:top_k] for _ in range(5)])
+    assert torch.equal(rowops.route_weights(s, ids, 1.5)[2], rowops.route_weights(s[2:3], ids[2:3], 1.5)[0])
+
+
 def test_kernel_ptx_uses_only_correctly_rounded_ops():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-m", "kernels.rowops_check"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert r.stdout.count("ok ") == 5, r.stdout
+    assert r.stdout.count("ok ") == 7, r.stdout
 
 
 # ---- CUDA --------------------------------------------------------------------------------------------------------
@@ -248,3 +278,21 @@ def test_hc_mixes_kernels_equal_fallbacks_on_cuda():
     y = torch.randn(64, hidden, generator=g).cuda()
     assert torch.equal(mhc.hc_expand(y, streams, got[1], got[2]), _expand_loop(y, streams, got[1], got[2]))
     assert torch.equal(mhc.hc_collapse(streams, got[0]), _collapse_loop(streams, got[0]))
+
+
+@pytest.mark.gpu
+def test_route_weights_kernel_equals_the_route_on_cuda():
+    g = torch.Generator().manual_seed(7)
+    moe = _moe(g, 384, 5120, 6)
+    for name in ("gate", "bias", "bias_vl"):
+        setattr(moe, name, getattr(moe, name).cuda())
+    x = torch.randn(64, 5120, generator=g).cuda()
+    got_w, got_ids = moe.route(x)
+    dev.set_kernels(False)
+    try:
+        want_w, want_ids = moe.route(x)
+    finally:
+        dev.set_kernels(True)
+    assert torch.equal(got_ids, want_ids)
+    assert torch.equal(got_w, want_w)
+    assert torch.equal(moe.route(x[5:6])[0][0], got_w[5])

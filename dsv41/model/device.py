@@ -142,9 +142,9 @@ def _load_kernels() -> dict:
         found["index_scores"] = k
     except Exception:  # noqa: BLE001, S110
         pass
-    try:   # the per-layer row ops: mHC Sinkhorn / collapse / expand, RMSNorm with the tree sum (one launch each)
+    try:   # the per-layer row ops: mHC Sinkhorn / collapse / expand, RMSNorm, MoE weights (one launch each)
         from kernels import rowops
-        for name in ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand"):
+        for name in ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "route_weights"):
             found[name] = getattr(rowops, name)
     except Exception:  # noqa: BLE001, S110
         pass

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv41.model import device as _device
 from dsv41.model.device import ExpertStack
 from dsv41.model.linear import linear, silu, softplus, stable_topk
 
@@ -52,6 +53,10 @@ class MoE:
         s = torch.sqrt(softplus(linear(x, self.gate) / self.gate_temp))
         bias = self.bias if image is None else torch.where(image[:, None], self.bias_vl, self.bias)
         _, ids = stable_topk(s + bias, self.top_k)
+        k = _device.kernel("route_weights", s) if _device.on_cuda_path(s) else None
+        w = k(s, ids, self.scaling) if k is not None else None
+        if w is not None:   # the lines below in one launch (kernels/rowops.py: the same operations, same order)
+            return w, ids
         w = s.gather(1, ids)
         if self.top_k > 1:
             total = w[:, 0]
