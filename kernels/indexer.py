@@ -58,3 +58,46 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: fl
     _index_scores_kernel[grid](q, w, keys, out, n, T, float(scale), H, D=D, BM=BLOCK_M, BN=BLOCK_N,
                                INTERP=INTERPRET, num_warps=NUM_WARPS)
     return out
+
+
+# A round of B sequences with n rows each against their own keys (padded to a common count): the same program
+# shape and arithmetic as _index_scores_kernel, so a (row, key) value is the bits the per-sequence launch gives.
+@triton.jit(do_not_specialize=["n", "T", "RB", "H"])
+def _index_scores_round_kernel(q_ptr, w_ptr, k_ptr, out_ptr, n, T, RB, scale, H, D: tl.constexpr,
+                               BM: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
+    b = tl.program_id(0) // RB
+    local = (tl.program_id(0) % RB) * BM + tl.arange(0, BM)
+    rows = b * n + local
+    keys = tl.program_id(1) * BN + tl.arange(0, BN)
+    d = tl.arange(0, D)
+    rmask, kmask = local < n, keys < T
+    kt = tl.load(k_ptr + b.to(tl.int64) * T * D + keys[None, :] * D + d[:, None], mask=kmask[None, :], other=0.0)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for h in range(H):
+        q = tl.load(q_ptr + rows[:, None] * (H * D) + h * D + d[None, :], mask=rmask[:, None], other=0.0)
+        if INTERP:
+            s = tl.sum(q[:, :, None] * kt[None, :, :], axis=1)
+        else:
+            s = tl.dot(q, kt, input_precision="ieee")
+        w = tl.load(w_ptr + rows * H + h, mask=rmask, other=0.0)
+        acc = acc + (tl.maximum(s, 0.0) * scale) * w[:, None]
+    tl.store(out_ptr + rows[:, None] * T + keys[None, :], acc, mask=rmask[:, None] & kmask[None, :])
+
+
+def index_scores_round(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B*n, H, D], w [B*n, H], keys [B, T, D] (sequence b's rows are q[b*n:(b+1)*n]) -> scores [B*n, T]: each
+    sequence's rows against its own keys, one launch; equal (torch.equal) to index_scores per sequence."""
+    N, H, D = q.shape
+    B, T = keys.shape[0], keys.shape[1]
+    if D & (D - 1) or keys.shape[2] != D or w.shape != (N, H) or (B and N % B):
+        raise ValueError(f"index_scores_round: q {list(q.shape)}, w {list(w.shape)}, keys {list(keys.shape)}")
+    out = torch.empty((N, T), dtype=torch.float32, device=q.device)
+    if N == 0 or T == 0:
+        return out
+    n = N // B
+    q, w, keys = (t.float().contiguous() for t in (q, w, keys))
+    rb = triton.cdiv(n, BLOCK_M)
+    grid = (B * rb, triton.cdiv(T, BLOCK_N))
+    _index_scores_round_kernel[grid](q, w, keys, out, n, T, rb, float(scale), H, D=D, BM=BLOCK_M, BN=BLOCK_N,
+                                     INTERP=INTERPRET, num_warps=NUM_WARPS)
+    return out

@@ -21,7 +21,6 @@ import torch
 from safetensors.torch import load_file
 
 from dsv41.model import quant
-from dsv41.model.compressor import Compressor
 from dsv41.model.model import Model, SeqInput
 from dsv41.tools.logits import run
 
@@ -122,7 +121,7 @@ class TieForcer:
     def install(self, mp):
         f = self
         self.orig = {"fp8": quant.fp8_fake_quant, "fp4": quant.fp4_fake_quant_e4m3,
-                     "attn": Model._attention, "close": Compressor.close_groups}
+                     "attn": Model._attention, "entries": Model._entries}
 
         def attention(model, blk, x, pos, *a, **k):
             f.layer, f.pos = blk.role.index, pos
@@ -131,13 +130,12 @@ class TieForcer:
             finally:
                 f.layer = None
 
-        def close_groups(comp, st, kv, gate):
-            latent, first = f.orig["close"](comp, st, kv, gate)
-            f.gpos = first + comp.ratio * torch.arange(latent.shape[0])
-            return latent, first
+        def entries(model, latent, gpos):   # the compressed entries of closing groups (prompt pass and round)
+            f.gpos = gpos
+            return f.orig["entries"](model, latent, gpos)
 
         mp.setattr(Model, "_attention", attention)
-        mp.setattr(Compressor, "close_groups", close_groups)
+        mp.setattr(Model, "_entries", entries)
         mp.setattr(quant, "fp8_fake_quant", lambda x, block=32: self._force(x, block, "window_kv"))
         mp.setattr(quant, "fp4_fake_quant_e4m3", lambda x, block=16: self._force(x, block, "compressed_kv"))
 

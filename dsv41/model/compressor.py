@@ -47,6 +47,11 @@ class Compressor:
         g = usable // self.ratio
         kv = kv[:usable].view(g, self.ratio, kv.shape[1])
         gate = gate[:usable].view(g, self.ratio, gate.shape[1])
+        return self.pool(kv, gate), first
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Closed groups kv, gate [g, ratio, D] -> latents [g, D] pre-RoPE (elementwise per group: a group's bits
+        do not depend on the others)."""
         # Softmax over the r tokens of a group, channel by channel, written out so the order is fixed.
         top = gate[:, 0]
         for t in range(1, self.ratio):
@@ -58,4 +63,4 @@ class Compressor:
         latent = kv[:, 0] * (e[0] / total)
         for t in range(1, self.ratio):
             latent = latent + kv[:, t] * (e[t] / total)
-        return rms_norm(latent, self.norm, self.eps), first
+        return rms_norm(latent, self.norm, self.eps)

@@ -59,12 +59,18 @@ class Indexer:
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                ratio: int) -> torch.Tensor:
         """Index scores [n, T] of one sequence's rows against its T keys, -inf where not yet visible."""
+        T = keys.shape[0]
+        out = self.raw_scores(q, w, keys)
+        visible = (positions[:, None] + 1) // ratio
+        return out.masked_fill(torch.arange(T, device=out.device)[None, :] >= visible, NEG_INF)
+
+    def raw_scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Scores [n, T] of one sequence's rows against its T keys, before the visibility mask."""
         n, T = q.shape[0], keys.shape[0]
         scale = self.head_dim ** -0.5
         out = dev.index_scores(q, w, keys, scale)   # one Triton launch on CUDA when kernels/ has it
         if out is not None:
-            visible = (positions[:, None] + 1) // ratio
-            return out.masked_fill(torch.arange(T, device=out.device)[None, :] >= visible, NEG_INF)
+            return out
         cols = []
         for k0 in range(0, T, KEY_TILE):
             ktile = keys[k0:k0 + KEY_TILE]
@@ -82,19 +88,72 @@ class Indexer:
                 return acc
 
             cols.append(tiled(tile_scores, q, w))
-        out = torch.cat(cols, dim=1)[:, :T] if cols else q.new_zeros((n, 0))
-        visible = (positions[:, None] + 1) // ratio
-        return out.masked_fill(torch.arange(T)[None, :] >= visible, NEG_INF)
+        return torch.cat(cols, dim=1)[:, :T] if cols else q.new_zeros((n, 0))
+
+    def round_scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+        """Scores of a round of B sequences with n rows each: q [B*n, heads, head_dim], w [B*n, heads], keys
+        [B, Tpad, head_dim] (sequence b's keys, zero rows after its own count; Tpad a multiple of KEY_TILE),
+        limit [B*n]: a row sees entries s < limit (its visible count capped by its sequence's key count).
+        Returns [B*n, Tpad], -inf where not seen. Each value is the bits `scores` gives the sequence alone: on CUDA
+        one launch of the batched kernel (the per-sequence kernel's arithmetic), else one batched product whose
+        per-element result equals the 64-key tiles' (tests/test_model_round.py checks the primitive)."""
+        B, Tpad, _ = keys.shape
+        n = q.shape[0] // B
+        out = None
+        if dev.on_cuda_path(q):
+            if dev.kernel("index_scores", q) is not None and not self.head_dim & (self.head_dim - 1):
+                from kernels.indexer import index_scores_round
+                out = index_scores_round(q, w, keys, self.head_dim ** -0.5)
+            else:   # the torch fallback on CUDA: per sequence, exactly the per-sequence path's products
+                out = torch.cat([self.raw_scores(q[b * n:(b + 1) * n], w[b * n:(b + 1) * n], keys[b])
+                                 for b in range(B)])
+        else:
+            out = self._bmm_scores(q, w, keys)
+        return out.masked_fill(torch.arange(Tpad, device=out.device)[None, :] >= limit[:, None], NEG_INF)
+
+    def _bmm_scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """CPU: every sequence's row tiles (ROW_TILE rows, zero-padded as `tiled` pads) against all its keys in one
+        bmm; the head sum term by term as `raw_scores` writes it."""
+        B, Tpad, Di = keys.shape
+        H = self.n_heads
+        n = q.shape[0] // B
+        R = dev.row_tile(q)
+        RT = -(-n // R)
+        scale = self.head_dim ** -0.5
+        qp = q.reshape(B, n, H * Di)
+        wp = w.reshape(B, n, H)
+        if RT * R > n:
+            qp = torch.cat([qp, qp.new_zeros((B, RT * R - n, H * Di))], dim=1)
+            wp = torch.cat([wp, wp.new_zeros((B, RT * R - n, H))], dim=1)
+        qp = qp.reshape(B * RT, R * H, Di)
+        wp = wp.reshape(B * RT, R, H, 1)
+        kt = keys.transpose(1, 2)                                     # [B, Di, Tpad], each a transposed view
+        if RT > 1:
+            kt = kt[:, None].expand(B, RT, Di, Tpad).reshape(B * RT, Di, Tpad)
+        step = max(KEY_TILE, (1 << 22) // max(1, B * RT * R * H) // KEY_TILE * KEY_TILE)
+        cols = []
+        for c0 in range(0, Tpad, step):
+            s = torch.bmm(qp, kt[:, :, c0:c0 + step])                 # [B*RT, R*H, c]
+            s = torch.relu(s.view(B * RT, R, H, -1)) * scale
+            acc = s[:, :, 0] * wp[:, :, 0]
+            for h in range(1, H):
+                acc = acc + s[:, :, h] * wp[:, :, h]
+            cols.append(acc)                                          # [B*RT, R, c]
+        out = torch.cat(cols, dim=2) if len(cols) > 1 else cols[0]
+        return out.reshape(B, RT * R, Tpad)[:, :n].reshape(B * n, Tpad)
 
 
 def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, ratio: int, n_blocks: int,
-                     block_size: int) -> torch.Tensor:
-    """Level-1 candidate mask [n, T] (True = entry in a kept block) from index scores [n, T]."""
+                     block_size: int, newest: torch.Tensor | None = None) -> torch.Tensor:
+    """Level-1 candidate mask [n, T] (True = entry in a kept block) from index scores [n, T]. newest: the block
+    forced in per row (default: the one holding the newest visible entry; a round of padded rows passes -1 where
+    that block lies past the row's own keys)."""
     n, T = scores.shape
     nb = -(-T // block_size)
     padded = torch.cat([scores, scores.new_full((n, nb * block_size - T), NEG_INF)], dim=1)
     block = padded.view(n, nb, block_size).amax(-1)
-    newest = ((positions + 1) // ratio - 1) // block_size   # the block holding the newest visible entry
+    if newest is None:
+        newest = ((positions + 1) // ratio - 1) // block_size   # the block holding the newest visible entry
     block = block.masked_fill(torch.arange(nb)[None, :] == newest[:, None], float("inf"))
     vals, idx = stable_topk(block, min(n_blocks, nb))
     keep = torch.zeros((n, nb), dtype=torch.bool)

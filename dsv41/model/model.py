@@ -2,7 +2,10 @@
 
 Rows of all sequences in a call are packed into one [N, ...] batch for the row-wise work (GEMMs in fixed tiles,
 norms, mHC, MoE); the work that reads a sequence's history (window ring, compressor groups, indexer, compressed
-KV) runs per sequence against its SeqState. Each layer in order:
+KV) runs per sequence against its SeqState when the sequences bring different row counts (prompt passes), and
+once for the whole call when each brings the same n <= window rows (decode and drafted-verify rounds: `_Round`,
+its integers computed on the host before the layers from the states' metadata and sent in one copy; no host sync
+inside a layer). Both give a row the same bits (tests/test_model_round.py). Each layer in order:
   Engram (its layers) -> mHC mixes -> collapse with the incoming pre -> attn_norm -> attention -> expand
   -> mHC mixes -> collapse with the attention site's pre -> ffn_norm -> MoE -> expand; the FFN site's pre goes on.
 Within one forward a KV source publishes its compressed KV, an index-key owner its keys, an index source its
@@ -13,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ from dsv41.model.compressor import Compressor
 from dsv41.model.engram import Engram
 from dsv41.model.engram_hash import EngramHasher, build_token_map, load_token_map
 from dsv41.model.engram_store import EngramStore
-from dsv41.model.indexer import Indexer, candidate_blocks, select_topk
+from dsv41.model.indexer import KEY_TILE, Indexer, candidate_blocks, select_topk
 from dsv41.model.layout import LayerRole, Layout
 from dsv41.model.linear import linear, rms_norm
 from dsv41.model.mhc import HcSite, hc_collapse, hc_expand, hc_mixes
@@ -74,6 +77,46 @@ class Comm:
     world: int = 1
     all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
     all_gather_cols: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+
+
+@dataclass
+class _RoundSource:
+    """A KV source's compressor work in a round (per sequence: first pending position, open rows, groups closed)."""
+    ratio: int
+    first: list[int]
+    pend: list[int]
+    groups: list[int]
+    block: list[int] = field(default_factory=list)   # where each sequence's rows start in the round's row order
+    gpos: torch.Tensor | None = None                  # [G] first position of each closing group (device)
+    order: torch.Tensor | None = None                 # open rows of all sequences, then the new rows -> per sequence
+    group_rows: torch.Tensor | None = None            # [G * ratio] rows of the closing groups in that order
+
+
+@dataclass
+class _RoundIndex:
+    """An index layer's keys in a round: per sequence the publishing owner and key count, the padded count."""
+    owner: list[int | None]
+    count: list[int]
+    tpad: int
+    limit: torch.Tensor | None = None     # [N] a row sees entries < limit (visible, capped by its key count)
+    newest: torch.Tensor | None = None    # [N] candidate source: the block forced in, -1 for none
+
+
+@dataclass
+class _Round:
+    """What Model._prepare_round precomputed for a round of sequences with n rows each, and what its layers
+    publish (the round's compressed KV per sequence, top-k, candidate mask)."""
+    n: int
+    starts: list[int]
+    states: list[SeqState]
+    win_src: torch.Tensor                  # [N, W] rows of the round's [ring | new rows] blocks
+    win_valid: torch.Tensor                # [N, W] position >= 0
+    ring_segs: list[list[tuple[int, int, int]]]   # per sequence: (ring slot, row, count) runs to write
+    srcs: dict[int, _RoundSource]
+    idx: dict[int, _RoundIndex]
+    kv: list[torch.Tensor] | None = None
+    topk: torch.Tensor | None = None
+    cand: torch.Tensor | None = None
 
 
 def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, n_experts: int, top_k: int,
@@ -279,6 +322,7 @@ class Model:
         pre[:, 0] = 1.0
         taps = [None] * len(t.dspark_target_layer_ids)
         shared = [{} for _ in segs]
+        rd = self._prepare_round(segs)   # None: rows differ per sequence (prompt passes): the per-sequence loop
         for blk in self.blocks:
             r = blk.role
             if blk.engram is not None:
@@ -289,7 +333,8 @@ class Model:
                 taps[r.dspark_tap] = _stream_mean(streams)
             pre_a, post_a, comb_a = hc_mixes(streams, blk.hc_attn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
             x = rms_norm(hc_collapse(streams, pre), blk.attn_norm, t.rms_norm_eps)
-            y = self.comm.all_reduce(self._attention(blk, x, pos, cs[r.rope], cs["compress"], segs, shared, trace))
+            y = self.comm.all_reduce(self._attention(blk, x, pos, cs[r.rope], cs["compress"], segs, shared, trace,
+                                                    rd))
             streams = hc_expand(y, streams, post_a, comb_a)
             pre_f, post_f, comb_f = hc_mixes(streams, blk.hc_ffn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
             x = rms_norm(hc_collapse(streams, pre_a), blk.ffn_norm, t.rms_norm_eps)
@@ -335,15 +380,20 @@ class Model:
             out.append(self.hasher.hash_compressed(st.engram_history, start))
         return torch.cat(out)
 
-    def _attention(self, blk: Block, x, pos, cos_sin, cs_compress, segs, shared, trace) -> torch.Tensor:
+    def _attention(self, blk: Block, x, pos, cos_sin, cs_compress, segs, shared, trace,
+                   rd: _Round | None = None) -> torch.Tensor:
         t, r, attn = self.t, blk.role, blk.attn
         W = t.sliding_window
         cos, sin = cos_sin
         q_res, q, kv = attn.project(x, cos, sin, self.qat)
+        ckv = cgate = iq = iw = None
         if blk.compressor is not None:
             ckv, cgate = blk.compressor.project(x)
         if blk.indexer is not None:
             iq, iw = blk.indexer.queries(q_res, x, cs_compress[0], cs_compress[1], self.qat)
+        if rd is not None:
+            o = self._attend_round(blk, rd, q, kv, ckv, cgate, iq, iw, trace)
+            return attn.output(o, cos, sin)
         keys, valid = [], []
         for (a, n, start, st), sh in zip(segs, shared):
             wkeys, wvalid = st.window_keys(r.index, kv[a:a + n], start, W)
@@ -380,16 +430,19 @@ class Model:
             if r.owns_index_keys:
                 k = blk.indexer.keys(latent, gpos, self.rope, self.qat)
                 st.index_keys[r.index] = _append_rows(st.index_keys[r.index], k)
-            cos, sin = self.rope.cos_sin("compress", gpos)
-            entry = apply_rope(latent, cos, sin)
-            if self.qat:
-                entry = quant.fp4_fake_quant_e4m3(entry, 16)
-            st.compressed[r.index] = _append_rows(st.compressed[r.index], entry)
+            st.compressed[r.index] = _append_rows(st.compressed[r.index], self._entries(latent, gpos))
         sh["kv"] = st.compressed[r.index]
         # "intended": an owner publishes its running keys on every call. "quirk" (the release): a ratio-2 owner
         # publishes only on calls that close a group; otherwise later index layers score the last published keys.
         if r.owns_index_keys and (self.index_keys == "intended" or g > 0):
             st.published_keys = (r.index, st.index_keys[r.index].shape[0])
+
+    def _entries(self, latent: torch.Tensor, gpos: torch.Tensor) -> torch.Tensor:
+        """Compressed KV entries of pooled latents [g, D] whose groups start at positions gpos [g]: compress RoPE at
+        the group's first position, FP4 fake-quant (E4M3 scale per 16)."""
+        cos, sin = self.rope.cos_sin("compress", gpos)
+        entry = apply_rope(latent, cos, sin)
+        return quant.fp4_fake_quant_e4m3(entry, 16) if self.qat else entry
 
     def _index(self, blk: Block, st: SeqState, sh: dict, q, w, p, trace) -> torch.Tensor:
         t, r, ix = self.t, blk.role, blk.indexer
@@ -415,22 +468,267 @@ class Model:
         return topk
 
 
+    # ---- a round of sequences with the same row count (decode, drafted verify): the history work batched --------
+
+    def _prepare_round(self, segs) -> _Round | None:
+        """The round's per-sequence integers, computed on the host once before the layers (from the states' host
+        metadata: lengths, row counts of the compressed KV / index keys / open groups; never from tensor values)
+        and sent to the device in one copy: the window gather index, each KV source's group rows, each index
+        layer's key counts. None when the sequences bring different row counts (or more rows than the window):
+        the per-sequence loop runs then."""
+        t = self.t
+        W = t.sliding_window
+        n = segs[0][1]
+        if any(sg[1] != n for sg in segs) or n > W:
+            return None
+        starts = [sg[2] for sg in segs]
+        states = [sg[3] for sg in segs]
+        cpu = torch.device("cpu")
+        parts: dict[str, torch.Tensor] = {}
+        # window: row i of sequence b (position s+i) reads positions s+i-W+1 .. s+i from [ring slots | new rows]
+        S = torch.tensor(starts, dtype=torch.long, device=cpu)[:, None, None]           # [B, 1, 1]
+        B = len(starts)
+        p = S + torch.arange(n, device=cpu)[:, None] - W + 1 + torch.arange(W, device=cpu)   # [B, n, W]
+        base = (torch.arange(B, device=cpu) * (W + n))[:, None, None]
+        parts["win_src"] = (base + torch.where(p >= S, W + p - S, p % W)).view(B * n, W)
+        parts["win_pos"] = p.view(B * n, W)
+        ring_segs = []
+        for s in starts:
+            a = s % W
+            m = min(n, W - a)
+            ring_segs.append([(a, 0, m)] + ([(0, m, n - m)] if m < n else []))
+        rowpos = (S[:, :, 0] + torch.arange(n, device=cpu)).view(B * n)                 # [N] positions
+        # replay the layers' publication on the host: groups closed per source, the keys each index layer sees
+        pub = [st.published_keys for st in states]
+        counts: dict[int, list[int]] = {}        # index-key owner -> per-sequence key count after this round
+        srcs, idx = {}, {}
+        cand_counts = None
+        for blk in self.blocks:
+            r = blk.role
+            if r.owns_compressor:
+                L, q = r.index, r.ratio
+                comp = [st.compressed[L].shape[0] if L in st.compressed else 0 for st in states]
+                pend = [st.partial_kv[L].shape[0] if q > 1 and L in st.partial_kv else 0 for st in states]
+                if any(c * q + pe != s for c, pe, s in zip(comp, pend, starts)):
+                    return None
+                groups = [(pe + n) // q for pe in pend]
+                sp = _RoundSource(ratio=q, first=[c * q for c in comp], pend=pend, groups=groups)
+                gpos = [c * q + q * g for c, gb in zip(comp, groups) for g in range(gb)]
+                parts[f"gpos{L}"] = torch.tensor(gpos, dtype=torch.long, device=cpu)
+                if q > 1:
+                    ptot = sum(pend)
+                    order, grows, o, po = [], [], 0, 0
+                    for b, (pe, gb) in enumerate(zip(pend, groups)):
+                        order += list(range(po, po + pe)) + list(range(ptot + b * n, ptot + (b + 1) * n))
+                        grows += list(range(o, o + gb * q))
+                        sp.block.append(o)
+                        o += pe + n
+                        po += pe
+                    parts[f"order{L}"] = torch.tensor(order, dtype=torch.long, device=cpu)
+                    parts[f"grows{L}"] = torch.tensor(grows, dtype=torch.long, device=cpu)
+                srcs[L] = sp
+                if r.owns_index_keys:
+                    have = [st.index_keys[L].shape[0] if L in st.index_keys else 0 for st in states]
+                    counts[L] = [h + g for h, g in zip(have, groups)]
+                    for b, g in enumerate(groups):
+                        if self.index_keys == "intended" or g > 0:
+                            pub[b] = (L, counts[L][b])
+            if r.index_source:
+                L = r.index
+                owner = [None if pk is None else pk[0] for pk in pub]
+                cnt = [0 if pk is None else pk[1] for pk in pub]
+                tpad = -(-max(cnt) // KEY_TILE) * KEY_TILE
+                vis = (rowpos + 1) // r.ratio
+                crow = torch.tensor(cnt, dtype=torch.long, device=cpu).repeat_interleave(n)
+                parts[f"limit{L}"] = torch.minimum(vis, crow)
+                if r.candidate_source:
+                    bs = t.candidate_block_size
+                    nw = (vis - 1) // bs
+                    parts[f"newest{L}"] = torch.where(nw < (crow + bs - 1) // bs, nw, -1)
+                    cand_counts = cnt
+                elif r.uses_candidates and cand_counts is not None and cand_counts != cnt and any(cand_counts):
+                    return None   # keys changed between the candidate source and here: the per-sequence rules
+                idx[L] = _RoundIndex(owner=owner, count=cnt, tpad=tpad)
+        # one host -> device copy of every integer the layers need
+        names = list(parts)
+        flat = torch.cat([parts[k].reshape(-1).to(torch.long) for k in names])
+        if self.device.type != "cpu":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        dev_parts, o = {}, 0
+        for k in names:
+            m = parts[k].numel()
+            dev_parts[k] = flat[o:o + m].view(parts[k].shape)
+            o += m
+        for L, sp in srcs.items():
+            sp.gpos = dev_parts[f"gpos{L}"]
+            sp.order = dev_parts.get(f"order{L}")
+            sp.group_rows = dev_parts.get(f"grows{L}")
+        for L, ip in idx.items():
+            ip.limit = dev_parts[f"limit{L}"]
+            ip.newest = dev_parts.get(f"newest{L}")
+        return _Round(n=n, starts=starts, states=states, win_src=dev_parts["win_src"],
+                      win_valid=dev_parts["win_pos"] >= 0, ring_segs=ring_segs, srcs=srcs, idx=idx)
+
+    def _attend_round(self, blk: Block, rd: _Round, q, kv, ckv, cgate, iq, iw, trace) -> torch.Tensor:
+        """The per-sequence loop of _attention for a round, each step once for all its sequences: the window keys
+        in one gather, the ring writes in one _foreach_copy_, the compressor's groups pooled together, one scoring
+        of all rows against their own (padded) keys, one top-k; every row gets the bits the loop gives it."""
+        t, r = self.t, blk.role
+        W, n, D = t.sliding_window, rd.n, kv.shape[1]
+        rings = []
+        for st in rd.states:
+            ring = st.windows.get(r.index)
+            if ring is None:
+                ring = st.windows[r.index] = kv.new_zeros((W, D))
+            rings.append(ring)
+        pieces = []
+        for b, ring in enumerate(rings):
+            pieces += [ring, kv[b * n:(b + 1) * n]]
+        wkeys = torch.cat(pieces)[rd.win_src]                    # [N, W, D]; masked slots hold finite ring rows
+        dst, src = [], []
+        for b, ring in enumerate(rings):
+            for slot, i0, m in rd.ring_segs[b]:
+                dst.append(ring[slot:slot + m])
+                src.append(kv[b * n + i0:b * n + i0 + m])
+        torch._foreach_copy_(dst, src)
+        if r.ratio == 0:
+            return blk.attn.attend(q, wkeys, rd.win_valid)
+        if blk.compressor is not None:
+            self._compress_round(blk, rd, ckv, cgate)
+        if blk.indexer is not None:
+            rd.topk = self._index_round(blk, rd, iq, iw, trace)
+        topk = rd.topk
+        ckeys = _gather_round(rd.kv, topk, n, dev.kernel("index_scores", kv) is not None)
+        keys = torch.cat([wkeys, ckeys], dim=1)
+        valid = torch.cat([rd.win_valid, topk >= 0], dim=1)
+        return blk.attn.attend(q, keys, valid)
+
+    def _compress_round(self, blk: Block, rd: _Round, kv, gate) -> None:
+        """_compress for every sequence of the round: the closing groups of all sequences pooled at once."""
+        comp, r = blk.compressor, blk.role
+        L = r.index
+        sp = rd.srcs[L]
+        n = rd.n
+        D, Di = self.t.head_dim, self.t.index_head_dim
+        if sp.ratio == 1:
+            latent = rms_norm(kv, comp.norm, comp.eps)
+        else:
+            q = sp.ratio
+            pk = [st.partial_kv[L] for st, pe in zip(rd.states, sp.pend) if pe]
+            pg = [st.partial_gate[L] for st, pe in zip(rd.states, sp.pend) if pe]
+            rows_kv = torch.cat(pk + [kv])[sp.order]           # per sequence: its open group, then its new rows
+            rows_gate = torch.cat(pg + [gate])[sp.order]
+            G = sum(sp.groups)
+            latent = (comp.pool(rows_kv[sp.group_rows].view(G, q, D), rows_gate[sp.group_rows].view(G, q, D))
+                      if G else kv.new_zeros((0, D)))
+            for b, st in enumerate(rd.states):
+                o, m, used = sp.block[b], sp.pend[b] + n, sp.groups[b] * q
+                st.note_group_rows(L, sp.first[b], rows_kv[o:o + m], rows_gate[o:o + m])
+                st.partial_kv[L] = rows_kv[o + used:o + m]
+                st.partial_gate[L] = rows_gate[o + used:o + m]
+        for st in rd.states:
+            if L not in st.compressed:
+                st.compressed[L] = kv.new_zeros((0, D))
+                st.index_keys[L] = kv.new_zeros((0, Di))
+        if latent.shape[0]:
+            k = blk.indexer.keys(latent, sp.gpos, self.rope, self.qat) if r.owns_index_keys else None
+            entry = self._entries(latent, sp.gpos)
+            dst, src, o = [], [], 0
+            for st, g in zip(rd.states, sp.groups):
+                if g:
+                    st.compressed[L], d = _grow_rows(st.compressed[L], g)
+                    dst.append(d)
+                    src.append(entry[o:o + g])
+                    if k is not None:
+                        st.index_keys[L], d = _grow_rows(st.index_keys[L], g)
+                        dst.append(d)
+                        src.append(k[o:o + g])
+                o += g
+            torch._foreach_copy_(dst, src)
+        rd.kv = [st.compressed[L] for st in rd.states]
+        if r.owns_index_keys:
+            for st, g in zip(rd.states, sp.groups):
+                if self.index_keys == "intended" or g > 0:
+                    st.published_keys = (L, st.index_keys[L].shape[0])
+
+    def _index_round(self, blk: Block, rd: _Round, q, w, trace) -> torch.Tensor:
+        """_index for every sequence of the round: keys padded to a common count, one scoring, one top-k."""
+        t, r, ix = self.t, blk.role, blk.indexer
+        ip = rd.idx[r.index]
+        n, B = rd.n, len(rd.states)
+        if ip.tpad == 0:
+            topk = torch.full((B * n, t.index_topk), -1, dtype=torch.long)
+        else:
+            keys = q.new_zeros((B, ip.tpad, t.index_head_dim))
+            dst, src = [], []
+            for b, (st, owner, c) in enumerate(zip(rd.states, ip.owner, ip.count)):
+                if c:
+                    dst.append(keys[b, :c])
+                    src.append(st.index_keys[owner][:c])
+            torch._foreach_copy_(dst, src)
+            scores = ix.round_scores(q, w, keys, ip.limit)
+            if r.candidate_source:
+                rd.cand = candidate_blocks(scores, None, r.ratio, t.candidate_topk_blocks, t.candidate_block_size,
+                                           newest=ip.newest)
+                if trace is not None:
+                    for b, c in enumerate(ip.count):
+                        if c:
+                            trace.setdefault(f"candidates.layer{r.index}", []).append(
+                                rd.cand[b * n:(b + 1) * n, :c])
+            elif r.uses_candidates and rd.cand is not None:
+                scores = scores.masked_fill(~rd.cand, float("-inf"))
+            topk = select_topk(scores, t.index_topk)
+        if trace is not None:
+            for b in range(B):
+                trace.setdefault(f"topk.layer{r.index}", []).append(topk[b * n:(b + 1) * n])
+        return topk
+
+
+def _gather_round(srcs: list[torch.Tensor], idx: torch.Tensor, n: int, kernel: bool) -> torch.Tensor:
+    """Rows idx [B*n, K] of each sequence's own tensor srcs[b] [*, D] -> [B*n, K, D]; -1 picks a row whose weight
+    is an exact zero (the attention masks it). kernel: one launch through a table of the tensors' addresses
+    (kernels/round_gather.py, CUDA with kernels on); else one index_select per sequence."""
+    B, K, D = len(srcs), idx.shape[1], srcs[0].shape[1]
+    if kernel and not D & (D - 1):
+        from kernels.round_gather import gather_rows
+        table = torch.tensor([c.data_ptr() if c.shape[0] else 0 for c in srcs], dtype=torch.int64, device="cpu")
+        if idx.is_cuda:
+            table = table.pin_memory().to(idx.device, non_blocking=True)
+        return gather_rows(table, idx, D)
+    out = srcs[0].new_empty((B * n, K, D))
+    pick = idx.clamp_min(0)
+    for b, c in enumerate(srcs):
+        o = out[b * n:(b + 1) * n].view(n * K, D)
+        if c.shape[0]:
+            torch.index_select(c, 0, pick[b * n:(b + 1) * n].reshape(-1), out=o)
+        else:
+            o.zero_()
+    return out
+
+
 def _append_rows(rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """rows then new (dim 0), without copying rows when the buffer they are the start of has room. A long prompt's
     compressed KV and index keys would otherwise be copied whole once per chunk (O(T^2) bytes over a 1M prompt). The
     buffer grows by a quarter (the memory plan's margin) and is reached only through views of its first rows, so a
     rollback's shorter view, a snapshot's clone and this forward's published view all stay correct."""
-    n, g, d = rows.shape[0], new.shape[0], rows.shape[1]
+    out, dst = _grow_rows(rows, new.shape[0])
+    dst.copy_(new)
+    return out
+
+
+def _grow_rows(rows: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows followed by g rows to fill, those g rows) as views of rows' buffer (or a larger one, see _append_rows);
+    the caller writes the g rows (a round writes all its sequences' new rows in one _foreach_copy_)."""
+    n, d = rows.shape[0], rows.shape[1]
     cap = 0
-    if rows.is_contiguous() and rows.storage_offset() == 0 and rows.dtype == new.dtype:
+    if rows.is_contiguous() and rows.storage_offset() == 0:
         cap = rows.untyped_storage().nbytes() // (rows.element_size() * d)
     if n + g <= cap:
         buf = rows.as_strided((cap, d), (d, 1), 0)
     else:
         buf = rows.new_empty(((n + g) * 5 // 4 + 16, d))
         buf[:n] = rows
-    buf[n:n + g] = new
-    return buf[:n + g]
+    return buf[:n + g], buf[n:n + g]
 
 
 def _stream_mean(streams: torch.Tensor) -> torch.Tensor:

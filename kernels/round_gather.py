@@ -1,0 +1,43 @@
+"""Gather rows from each sequence's own tensor in one launch: a decode round's top-k compressed KV (issue 8).
+
+Reference: for each sequence b (rows b*n .. b*n+n-1 of the round), `torch.index_select(src_b, 0, idx[rows])`, with
+-1 giving a zero row: one launch per sequence on the torch path. Here the sequences' tensors are reached through a
+table of their addresses (int64 data pointers, float32 rows of D contiguous values), so the round's gather is one
+launch whatever the number of sequences, and the table is data (a CUDA graph can replay it with new addresses).
+A copy: the values are the source's bits.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_K = 16
+
+
+@triton.jit(do_not_specialize=["n", "K"])
+def _gather_rows_kernel(tab_ptr, idx_ptr, out_ptr, n, K, D: tl.constexpr, BK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    kb = tl.program_id(1) * BK + tl.arange(0, BK)
+    base = tl.load(tab_ptr + row // n).to(tl.pointer_type(tl.float32))
+    kmask = kb < K
+    ix = tl.load(idx_ptr + row * K + kb, mask=kmask, other=-1).to(tl.int64)
+    d = tl.arange(0, D)
+    ok = ix >= 0
+    v = tl.load(base + ix[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    tl.store(out_ptr + (row * K + kb[:, None]) * D + d[None, :], v, mask=kmask[:, None])
+
+
+def gather_rows(table: torch.Tensor, idx: torch.Tensor, d: int) -> torch.Tensor:
+    """table [B] int64 (data pointers of B float32 [*, d] contiguous tensors), idx [B*n, K] int64 (a row of that
+    row's sequence's tensor, -1: zeros) -> [B*n, K, d] float32. d must be a power of two."""
+    N, K = idx.shape
+    B = table.shape[0]
+    if d & (d - 1) or table.dtype != torch.int64 or (B and N % B):
+        raise ValueError(f"gather_rows: table {list(table.shape)} {table.dtype}, idx {list(idx.shape)}, d {d}")
+    out = torch.empty((N, K, d), dtype=torch.float32, device=idx.device)
+    if N == 0 or K == 0:
+        return out
+    grid = (N, triton.cdiv(K, BLOCK_K))
+    _gather_rows_kernel[grid](table, idx.contiguous(), out, N // B, K, D=d, BK=BLOCK_K)
+    return out

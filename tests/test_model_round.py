@@ -1,0 +1,186 @@
+"""The batched round (Model._prepare_round / _attend_round): sequences that bring the same number of rows (decode,
+drafted verify) run the history work (window rings, compressor groups, indexer, top-k, key gather) once for the whole
+round. A row's bits must be what its sequence gives alone, whatever the other sequences' lengths (padding)."""
+import pytest
+import torch
+
+from dsv41.model import model as model_mod
+from dsv41.model.indexer import KEY_TILE, Indexer
+from dsv41.model.model import Model, SeqInput
+from kernels.indexer import index_scores, index_scores_round
+
+
+@pytest.fixture(scope="module")
+def model(shared):
+    return Model.load(shared / "vectors/model/tiny-a/checkpoint")
+
+
+def _tokens(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 500, (n,), generator=g)
+
+
+def _count_rounds(monkeypatch):
+    calls = []
+    orig = Model._attend_round
+
+    def spy(self, *a, **k):
+        calls.append(1)
+        return orig(self, *a, **k)
+    monkeypatch.setattr(Model, "_attend_round", spy)
+    return calls
+
+
+def test_round_scores_equal_the_per_sequence_tiles():
+    """The CPU round's one batched product gives each (row, key) the bits of the 64-key tiles x 16-row tiles of
+    Indexer.scores, for 1, 3 and 17 rows per sequence and key counts inside, at and across tile edges."""
+    g = torch.Generator().manual_seed(3)
+    H, D = 4, 32
+    ix = Indexer(layer=0, n_heads=H, head_dim=D, topk=8, wq_b=None, weights_proj=None, wk=None, k_norm=None,
+                 eps=1e-6)
+    for n in (1, 3, 17):
+        counts = [1, KEY_TILE, 70, 200, 0]
+        B = len(counts)
+        tpad = -(-max(counts) // KEY_TILE) * KEY_TILE
+        q = torch.randn(B * n, H, D, generator=g)
+        w = torch.randn(B * n, H, generator=g)
+        keys = torch.zeros(B, tpad, D)
+        limit = []
+        for b, c in enumerate(counts):
+            keys[b, :c] = torch.randn(c, D, generator=g)
+            limit += [min(c, 5 + 40 * i) for i in range(n)]
+        got = ix.round_scores(q, w, keys, torch.tensor(limit))
+        for b, c in enumerate(counts):
+            rows = slice(b * n, (b + 1) * n)
+            pos = torch.tensor(limit[rows]) - 1            # ratio 1: row sees entries < pos + 1
+            ref = ix.scores(q[rows], w[rows], keys[b, :c], pos, 1)
+            assert torch.equal(got[rows, :c], ref), (n, c)
+            assert torch.isneginf(got[rows, c:]).all()
+
+
+def test_round_of_different_lengths_equals_each_alone(model, monkeypatch):
+    """Sequences at lengths 1..40 (inside the window, across ratio-2 groups, candidate blocks and the top-k) decode
+    together for 6 steps, then verify 3 rows each: every row bitwise equals its sequence's one pass."""
+    lens = [1, 6, 9, 17, 26, 40]
+    total = max(lens) + 6 + 3
+    seqs = [_tokens(total, 10 + i) for i in range(len(lens))]
+    ref = [model.forward([SeqInput(model.new_state(), s)])[0] for s in seqs]
+    states = [model.new_state() for _ in lens]
+    model.forward([SeqInput(st, s[:n]) for st, s, n in zip(states, seqs, lens)])   # prompts: per sequence
+    calls = _count_rounds(monkeypatch)
+    for k in range(6):
+        outs = model.forward([SeqInput(st, s[n + k:n + k + 1]) for st, s, n in zip(states, seqs, lens)])
+        for o, r, n in zip(outs, ref, lens):
+            assert torch.equal(o[0], r[n + k]), (n, k)
+    outs = model.forward([SeqInput(st, s[n + 6:n + 9]) for st, s, n in zip(states, seqs, lens)])
+    for o, r, n in zip(outs, ref, lens):
+        assert torch.equal(o, r[n + 6:n + 9]), n
+    assert len(calls) == 7 * len(model.blocks)            # every layer of every round took the batched path
+    for st, s, n in zip(states, seqs, lens):               # and left each state as one pass leaves it
+        one = model.new_state()
+        model.forward([SeqInput(one, s[:n + 9])])
+        for L in one.compressed:
+            assert torch.equal(st.compressed[L], one.compressed[L]), L
+            assert torch.equal(st.index_keys[L], one.index_keys[L]), L
+        for L in one.windows:
+            assert torch.equal(st.windows[L], one.windows[L]), L
+        for L in one.partial_kv:
+            assert torch.equal(st.partial_kv[L], one.partial_kv[L]), L
+
+
+def test_round_row_does_not_depend_on_its_neighbours(model):
+    """A decode row alone == beside 5 much longer sequences (more padded keys, other rings)."""
+    s = _tokens(30, 1)
+    alone = model.new_state()
+    model.forward([SeqInput(alone, s[:20])])
+    others = [model.new_state() for _ in range(5)]
+    model.forward([SeqInput(o, _tokens(120, 50 + i)) for i, o in enumerate(others)])
+    mixed = model.new_state()
+    model.forward([SeqInput(mixed, s[:20])])
+    for k in range(20, 24):
+        a = model.forward([SeqInput(alone, s[k:k + 1])])[0]
+        m = model.forward([SeqInput(o, _tokens(1, 90 + k + i)) for i, o in enumerate(others)] +
+                          [SeqInput(mixed, s[k:k + 1])])[-1]
+        assert torch.equal(a, m), k
+
+
+def test_round_falls_back_when_rows_differ(model, monkeypatch):
+    calls = _count_rounds(monkeypatch)
+    a, b = model.new_state(), model.new_state()
+    model.forward([SeqInput(a, _tokens(3, 1)), SeqInput(b, _tokens(4, 2))])
+    assert not calls
+    assert model._prepare_round([(0, 9, 0, a)]) is None    # more rows than the window (8): the per-sequence loop
+
+
+def test_round_sends_its_integers_once(model):
+    """The round's integers are built on the host from the states' metadata: one tensor (one copy on a GPU)."""
+    st = model.new_state()
+    model.forward([SeqInput(st, _tokens(13, 4))])
+    rd = model._prepare_round([(0, 1, st.length, st)])
+    bases = {t.untyped_storage().data_ptr() for t in [rd.win_src] +
+             [sp.gpos for sp in rd.srcs.values()] + [ip.limit for ip in rd.idx.values()]}
+    assert len(bases) == 1
+
+
+def test_index_scores_round_kernel_equals_per_sequence_launches():
+    """kernels/indexer.py's round launch gives each row the bits of index_scores on its own sequence's keys (TRITON
+    interpreter on CPU; the GPU path of Indexer.round_scores)."""
+    g = torch.Generator().manual_seed(5)
+    H, D, n = 4, 32, 3
+    counts = [5, 64, 90]
+    tpad = 128
+    q = torch.randn(len(counts) * n, H, D, generator=g)
+    w = torch.randn(len(counts) * n, H, generator=g)
+    keys = torch.zeros(len(counts), tpad, D)
+    for b, c in enumerate(counts):
+        keys[b, :c] = torch.randn(c, D, generator=g)
+    got = index_scores_round(q, w, keys, 0.125)
+    assert got.shape == (len(counts) * n, tpad)
+    for b, c in enumerate(counts):
+        ref = index_scores(q[b * n:(b + 1) * n], w[b * n:(b + 1) * n], keys[b, :c], 0.125)
+        assert torch.equal(got[b * n:(b + 1) * n, :c], ref), c
+
+
+def test_grow_rows_reuses_room():
+    rows = torch.zeros((0, 4))
+    out = model_mod._append_rows(rows, torch.ones(3, 4))
+    out2, dst = model_mod._grow_rows(out, 2)
+    assert out2.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    dst.copy_(torch.full((2, 4), 2.0))
+    assert torch.equal(out2, torch.cat([torch.ones(3, 4), torch.full((2, 4), 2.0)]))
+
+
+def test_round_gather_kernel_equals_index_select():
+    """kernels/round_gather.py (one launch through a table of the sequences' addresses; TRITON interpreter on CPU)
+    gives the rows index_select gives per sequence, zeros for -1 (a sequence without entries included)."""
+    g = torch.Generator().manual_seed(6)
+    D, n, K = 32, 2, 5
+    srcs = [torch.randn(c, D, generator=g) for c in (7, 1, 0, 12)]
+    idx = torch.full((len(srcs) * n, K), -1)
+    for b, s in enumerate(srcs):
+        if s.shape[0]:
+            idx[b * n:(b + 1) * n, :3] = torch.randint(0, s.shape[0], (n, 3), generator=g)
+    ref = model_mod._gather_round(srcs, idx, n, kernel=False)
+    got = model_mod._gather_round(srcs, idx, n, kernel=True)
+    ok = (idx >= 0)[..., None]
+    assert torch.equal(got * ok, ref * ok)
+    assert not got[~(idx >= 0)].any()
+
+
+def test_round_with_the_gather_kernel_equals_each_alone(model, monkeypatch):
+    """The round's one-launch gather (the CUDA path with kernels on) in the model: rows bitwise as alone."""
+    lens = [3, 14, 30]
+    seqs = [_tokens(34, 70 + i) for i in range(len(lens))]
+    ref = [model.forward([SeqInput(model.new_state(), s)])[0] for s in seqs]
+    states = [model.new_state() for _ in lens]
+    model.forward([SeqInput(st, s[:n]) for st, s, n in zip(states, seqs, lens)])
+    used = []
+    orig_kernel, orig_gather = model_mod.dev.kernel, model_mod._gather_round
+    monkeypatch.setattr(model_mod.dev, "kernel", lambda name, x: object() if name == "index_scores"
+                        else orig_kernel(name, x))
+    monkeypatch.setattr(model_mod, "_gather_round", lambda *a: used.append(a[3]) or orig_gather(*a))
+    for k in range(3):
+        outs = model.forward([SeqInput(st, s[n + k:n + k + 1]) for st, s, n in zip(states, seqs, lens)])
+        for o, r, n in zip(outs, ref, lens):
+            assert torch.equal(o[0], r[n + k]), (n, k)
+    assert used and all(used)
