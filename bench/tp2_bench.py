@@ -277,20 +277,33 @@ def _http():
 
 
 def stream_completion(url: str, prompt: list[int], max_tokens: int, *, seed: int | None = None,
-                      timeout: float = 900.0, on_token=None) -> dict:
-    """A streamed /v1/completions request: token ids, logprobs, chunk times; an error event ends it."""
+                      timeout: float = 900.0, on_token=None, deadline: float | None = None) -> dict:
+    """A streamed /v1/completions request: token ids, logprobs, chunk times; an error event ends it. `deadline`
+    (perf_counter): give up then, closing the stream (the server's keep-alives, every --keepalive-s, let a long
+    prompt pass be abandoned in time; the server drops a request whose client went away)."""
     httpx = _http()
     body = {"model": "dsv41", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "logprobs": 0, "return_token_ids": True, "stream_options": {"include_usage": True}}
     body.update({"temperature": 0.0} if seed is None else {"temperature": 0.9, "top_p": 0.95, "seed": seed})
     res = {"ids": None, "lps": [], "times": [], "t0": time.perf_counter(), "error": None, "status": None}
+    try:
+        _stream_into(res, httpx, url, body, timeout, on_token, deadline)
+    except httpx.HTTPError as e:             # a timeout or a dropped connection: the result says so
+        res["error"] = f"{type(e).__name__}: {e}"
+    return res
+
+
+def _stream_into(res: dict, httpx, url: str, body: dict, timeout: float, on_token, deadline) -> None:
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
         res["status"] = r.status_code
         if r.status_code != 200:
             r.read()
             res["error"] = f"HTTP {r.status_code}: {r.text[:300]}"
-            return res
+            return
         for line in r.iter_lines():
+            if deadline is not None and time.perf_counter() > deadline:
+                res["error"] = "abandoned: past the bench's deadline"
+                return
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             ev = json.loads(line[6:])
@@ -307,7 +320,6 @@ def stream_completion(url: str, prompt: list[int], max_tokens: int, *, seed: int
                         on_token(len(res["lps"]))
                 if ch.get("token_ids") is not None:
                     res["ids"] = list(ch["token_ids"])
-    return res
 
 
 def burst(url: str, prompts: list[list[int]], max_tokens: int, seeds=None) -> tuple[list[dict], float]:
@@ -493,14 +505,16 @@ def cmd_serve(a) -> int:
         ids = random_prompts(1, L, vocab, a.seed + L)[0]
         before = snap()
         t0 = time.perf_counter()
-        r = stream_completion(a.url, ids, 1, timeout=max(60.0, left()))
+        r = stream_completion(a.url, ids, 1, deadline=time.perf_counter() + max(30.0, left() - a.reserve_s))
         sec = time.perf_counter() - t0
         delta = diff_stats(snap(), before)
-        measured.append((L, sec))
         part["prompt"].append({"tokens": L, "s": sec, "tok_s": L / sec, "error": r["error"],
                                "ring": ring_rows(delta, f"prompt {L}")})
         print(f"prompt {L}: {sec:.1f} s, {L / sec:.0f} tok/s, error {r['error']}", flush=True)
         save()
+        if r["error"]:                        # a timed-out pass says nothing about the next, longer one
+            break
+        measured.append((L, sec))
     save()
     return 0
 
@@ -736,7 +750,9 @@ def cmd_preflight(a) -> int:
 
 def rank_bytes(ckpt: str, rows: int, rank: int = 0, world: int = 2) -> dict:
     """Bytes rank `rank` must read in a decode round of `rows` one-token rows: its share of every layer's
-    non-expert weights, the routed experts it holds that the round touches (uniform top-k expected), its head half."""
+    non-expert weights, the routed experts it holds that the round touches (uniform top-k expected), its head half.
+    Not counted: the embedding and Engram tables (a round reads a few rows of them), the KV reads (short contexts
+    here), DSpark stages."""
     sys.path.insert(0, str(ROOT))
     from dsv41.config import ModelConfig
     from dsv41.model.weights import RankShare, expected_tensors
@@ -748,7 +764,7 @@ def rank_bytes(ckpt: str, rows: int, rank: int = 0, world: int = 2) -> dict:
     expert: dict[int, float] = {}
     held: set[int] = set()
     for name, spec in expected_tensors(cfg).items():
-        if name.startswith(("mtp.", "embed", "image_")):
+        if name.startswith(("mtp.", "embed", "image_")) or ".engram.embed." in name:
             continue
         n_exp = t.n_routed_experts
         if not share.wants(name, n_exp):
@@ -766,10 +782,11 @@ def rank_bytes(ckpt: str, rows: int, rank: int = 0, world: int = 2) -> dict:
             head += b
         else:
             other += b
-    per_expert_layer = (sum(expert.values()) / len(expert) / t.num_hidden_layers) if expert else 0.0
+    K = t.num_hidden_layers
+    per_expert_layer = sum(expert.values()) / len(expert) / K if expert else 0.0    # one expert of one layer
     n, k = t.n_routed_experts, t.num_experts_per_tok
-    touched = len(held) / t.num_hidden_layers * (1 - (1 - k / n) ** rows) if held else 0.0   # per layer
-    experts_b = touched * per_expert_layer * t.num_hidden_layers
+    touched = len(held) * (1 - (1 - k / n) ** rows)     # per layer: the rank's experts that some row picks
+    experts_b = touched * per_expert_layer * K
     return {"other": other, "experts": experts_b, "head": head, "total": other + experts_b + head,
             "touched_per_layer": touched}
 

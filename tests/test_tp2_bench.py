@@ -4,6 +4,7 @@ bytes a rank must read (RankShare of the checkpoint), the budget predictions, an
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -106,8 +107,19 @@ def test_rank_bytes_follow_the_rank_share(shared):
     one, many = tb.rank_bytes(ck, 1), tb.rank_bytes(ck, 64)
     assert one["head"] == t["vocab_size"] * t["hidden_size"] * 2 / 2   # BF16 head, half the vocabulary
     assert one["other"] == many["other"] and many["experts"] > one["experts"] > 0
-    # with every expert touched, a rank reads its half of the experts: never more than one rank alone would
-    assert tb.rank_bytes(ck, 10**6)["experts"] == pytest.approx(tb.rank_bytes(ck, 10**6, world=1)["experts"] / 2)
+    # every expert touched: the rank reads all the experts it holds (rank 0: the first half of each layer's)
+    from dsv41.config import ModelConfig
+    from dsv41.model.weights import expected_tensors
+    n_exp = t["n_routed_experts"]
+    held = sum(math.prod(s.shape) for n, s in expected_tensors(ModelConfig.from_checkpoint(Path(ck))).items()
+               if ".ffn.experts." in n and not n.startswith("mtp.")
+               and int(n.split(".ffn.experts.")[1].split(".")[0]) < n_exp // 2)
+    assert tb.rank_bytes(ck, 10**6)["experts"] == pytest.approx(held)
+    assert tb.rank_bytes(ck, 10**6, world=1)["experts"] == pytest.approx(2 * held)
+    # one row: its top-k of n experts, about k/2 of them on each rank, in every layer
+    per_expert = held / (n_exp // 2) / t["num_hidden_layers"]
+    assert one["experts"] == pytest.approx((n_exp // 2) * (1 - (1 - t["num_experts_per_tok"] / n_exp))
+                                           * per_expert * t["num_hidden_layers"])
 
 
 def test_report_from_parts(tmp_path, shared):

@@ -42,6 +42,14 @@ stop_all() { [ ${#pids[@]} -gt 0 ] || return 0                # serve.sh stops i
              for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done; sleep 2
              for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done; pids=(); }
 trap stop_all EXIT
+stop_pids() {  # seconds pid...: TERM, up to `seconds` to go, then KILL; reaps them (never waits unbounded)
+  local t=$(( $(date +%s) + $1 )); shift
+  kill -TERM "$@" 2>/dev/null
+  while [ "$(date +%s)" -lt "$t" ]; do
+    local alive=0; for p in "$@"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break; sleep 0.5
+  done
+  kill -KILL "$@" 2>/dev/null; wait "$@" 2>/dev/null; true; }
 health() {  # url seconds pid: wait for /health 200 while pid lives
   local t=$(( $(date +%s) + $2 ))
   while [ "$(date +%s)" -lt "$t" ]; do
@@ -81,7 +89,7 @@ if [ "$DEV" = cuda ]; then
   pre=$?; say "preflight rc=$pre"
 fi
 if [ "$pre" -ne 0 ] && [ "${TP2_FORCE:-0}" != 1 ]; then
-  say "preflight failed: the server's --tp 2 --device cuda path cannot work as is (docs/tp2.md 'Preflight'); serving parts skipped"
+  say "preflight failed: the server's --tp 2 --device cuda path cannot work as is (scripts/h200x2/README.md, 'Blockers'); serving parts skipped"
   serving=0
 else
   serving=1
@@ -100,16 +108,19 @@ if [ "$serving" = 1 ] && [ -f "$VEC/vectors.safetensors" ]; then
   else
     say "vectors: a server did not come up (logs/vectors-tp*.log)"
   fi
-  kill -TERM "$t1" "$t2" 2>/dev/null; wait "$t1" "$t2" 2>/dev/null
+  stop_pids 30 "$t1" "$t2"
 else
   say "vectors: skipped (serving=$serving, vectors at $VEC)"
 fi
 
 # --- the real-shaped checkpoint served on both GPUs ---------------------------------------------------------------
 while [ "$mk" != 0 ] && kill -0 "$mk" 2>/dev/null && [ "$(el)" -lt 300 ]; do sleep 2; done
-if [ "$mk" = 0 ]; then made="existing"; else made="make_real rc=$(cat "$P/make_real.rc" 2>/dev/null || echo 'still running')"; fi
+ckok=1
+if [ "$mk" = 0 ]; then made="existing"
+else made="make_real rc=$(cat "$P/make_real.rc" 2>/dev/null || echo 'still running')"
+     [ "$(cat "$P/make_real.rc" 2>/dev/null)" = 0 ] || ckok=0; fi      # a half-written checkpoint is not served
 say "checkpoint $CK: $made, $(du -sh "$CK" 2>/dev/null | cut -f1)"
-if [ "$serving" = 1 ] && [ -f "$CK/config.json" ]; then
+if [ "$serving" = 1 ] && [ "$ckok" = 1 ] && [ -f "$CK/config.json" ]; then
   rm -rf "$P/stats"
   PYTHON="$B hook" DSV41_TP2_STATS="$P/stats" scripts/serve.sh --tp 2 --master 127.0.0.1:29610 --device "$DEV" \
       --model "$CK" --port 18003 --max-streams 32 --shutdown-grace-s 5 > "$LOG/serve.log" 2>&1 &
@@ -126,7 +137,11 @@ if [ "$serving" = 1 ] && [ -f "$CK/config.json" ]; then
       timeout -k 5 90 $B kill --url http://127.0.0.1:18003 --pid "$r1" --rank 1 --server-pid "$sp" \
           --log "$LOG/serve.log" --checkpoint "$CK" --wait-s 60 --out "$P/kill.json" > "$LOG/kill.log" 2>&1
       say "kill rc=$?"
-      wait "$sp"; echo $? > "$P/server_rc.txt"; say "serve.sh exited $(cat "$P/server_rc.txt")"
+      if kill -0 "$sp" 2>/dev/null; then                   # it should have exited by itself: say so, stop it
+        say "serve.sh still running after the kill"; echo "still running" > "$P/server_rc.txt"; stop_pids 20 "$sp"
+      else
+        wait "$sp"; echo $? > "$P/server_rc.txt"; say "serve.sh exited $(cat "$P/server_rc.txt")"
+      fi
     else
       say "kill: rank 1 not found"
     fi
@@ -134,7 +149,7 @@ if [ "$serving" = 1 ] && [ -f "$CK/config.json" ]; then
     say "serve: not ready (logs/serve.log)"
   fi
 else
-  say "serve: skipped (serving=$serving, checkpoint $CK)"
+  say "serve: skipped (serving=$serving, checkpoint ok=$ckok at $CK)"
 fi
 stop_all
 
