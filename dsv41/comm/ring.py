@@ -68,11 +68,14 @@ def open_ring(rank: int, world: int, device: str | torch.device, *, master: str,
               timeout: float = 300.0, capacity: int = DEFAULT_CAPACITY) -> "Ring":
     """The ring for this lane: `master` and `session`/`same_host` come from the channel (Leader/Follower)."""
     from dsv41.comm.channel import parse_master
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:      # peers and NCCL need the index, not "the current one"
+        device = torch.device("cuda", torch.cuda.current_device())
     kind = choose_transport(device, same_host)
     if kind == "shm":
         return ShmRing(rank, world, session, capacity=capacity, timeout=timeout)
     if kind == "cuda-ipc":
-        return CudaIpcRing(rank, world, session, torch.device(device), capacity=capacity, timeout=timeout)
+        return CudaIpcRing(rank, world, session, device, capacity=capacity, timeout=timeout)
     host, port = parse_master(master)
     return DistRing(rank, world, kind, host, port + 2, timeout=timeout, device=device)
 

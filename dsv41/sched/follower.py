@@ -22,12 +22,13 @@ from dsv41.serve_config import ServeConfig
 
 
 def follower_device(want: str, rank: int, same_host: bool) -> str:
-    """cpu, or this rank's GPU: on one host rank r uses cuda:r (the cuda-ipc ring needs every rank's GPU visible)."""
+    """cpu, or this rank's GPU: on one host rank r uses cuda:(r mod the visible GPUs) (the cuda-ipc ring needs every
+    rank's GPU visible; on a one-GPU host both ranks share cuda:0, which CUDA IPC allows and NCCL would not)."""
     if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
         return "cpu"
     if not torch.cuda.is_available():
         raise CommError(f"rank {rank}: --device cuda: no CUDA device is visible")
-    return f"cuda:{rank if same_host else 0}"
+    return f"cuda:{rank % torch.cuda.device_count() if same_host else 0}"
 
 
 def run_follower(cfg: ServeConfig) -> int:
@@ -48,6 +49,8 @@ def run_follower(cfg: ServeConfig) -> int:
         with Follower(cfg.master, rank, world, heartbeat_interval=cfg.heartbeat_interval_s,
                       heartbeat_timeout=cfg.heartbeat_timeout_s, start_timeout=cfg.tp_start_timeout_s) as chan:
             device = follower_device(cfg.device, rank, chan.same_host)
+            if device.startswith("cuda"):
+                torch.cuda.set_device(device)    # Triton launches and bare "cuda" tensors go to the current device
             ring = open_ring(rank, world, device, master=cfg.master, session=chan.session,
                              same_host=chan.same_host, timeout=cfg.heartbeat_timeout_s)
             try:
