@@ -1,21 +1,28 @@
 """Ops dispatched and host syncs per decode round (issue 8): the launch count, not the bytes, bounds a GPU round.
 
-Counts every aten op a decode round dispatches (TorchDispatchMode), split into the attention side (`Model._attention`
-and what the forward prepares for it) and the rest, for rounds of R sequences x 1 new token at context C, on a small
-checkpoint on the CPU. Ops are split into view ops (no kernel on a GPU) and the rest (~one launch each on a GPU), and
-the ops that make a GPU wait for the host or the host for the GPU are counted apart: .item() / int() / bool() of a
-tensor (_local_scalar_dense), nonzero, masked_select, unique, a tensor-repeat repeat_interleave, copies to the CPU.
+Counts every aten op a decode round dispatches (TorchDispatchMode), split into the attention side (`Model._attention`;
+the batched round's once-per-round host work apart) and the rest, for rounds of R sequences x 1 new token at context
+C, on a small checkpoint on the CPU. Ops are split into view ops and bare allocations (no kernel on a GPU) and the
+rest (~one launch each on a GPU), and the ops that make a GPU wait for the host or the host for the GPU are counted
+apart: .item() / int() / bool() of a tensor (_local_scalar_dense), nonzero, masked_select, unique, a tensor-repeat
+repeat_interleave, copies to the CPU.
 Also the CPU time of the round (median of --repeat successive rounds, after one uncounted round).
 
     OMP_NUM_THREADS=1 python bench/round_ops.py [--checkpoint DIR] [--rows 1,8,32] [--contexts 256,4096]
                                                 [--tag before|after] [--out bench/results/round-ops-cpu.md]
+                                                [--cuda-path]
 
 Default checkpoint: the built-in tiny one (10 layers, every layer role). The results file gets one section per tag
 (a re-run with the same tag replaces its section).
+--cuda-path: count the round on the CUDA path's functions instead (device.cuda_path(): FP8/FP4 weights kept, the
+Triton kernels run by the interpreter on CPU tensors, each launch counted as one op; the prompts are fed on the CPU
+path); no times then.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import platform
 import re
 import statistics
@@ -27,6 +34,9 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+if "--cuda-path" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported: the kernels run on CPU tensors
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -36,22 +46,35 @@ SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_uniqu
             "unique_consecutive", "equal", "is_nonzero"}
 
 
+NO_LAUNCH = {"detach", "alias", "empty", "empty_strided", "new_empty", "new_empty_strided"}   # no kernel on a GPU
+
+
 class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.phase = "other"
         self.counts: dict[tuple[str, str], int] = {}
         self.names: dict[str, int] = {}
+        self.in_launch = False
+
+    def launch(self, name: str) -> None:
+        """A Triton kernel launch (one op on a GPU)."""
+        key = (self.phase, "op")
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if self.phase == "attn":
+            self.names["triton:" + name] = self.names.get("triton:" + name, 0) + 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.in_launch:     # the interpreter's own copies of a launch's arguments
+            return func(*args, **kwargs)
         name = func.overloadpacket.__name__
         tensor_repeats = (name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], torch.Tensor)
                           and kwargs.get("output_size") is None)
         if (name in SYNC_OPS or tensor_repeats
                 or (name in ("_to_copy", "copy_") and _to_host(func, args, kwargs))):
             kind = "sync"
-        elif func.is_view or name in ("detach", "alias"):
+        elif func.is_view or name in NO_LAUNCH:
             kind = "view"
         else:
             kind = "op"
@@ -84,15 +107,32 @@ def main() -> None:
     ap.add_argument("--tag", default="run")
     ap.add_argument("--code", default=None, help="what code ran (default: HEAD + working tree)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/round-ops-cpu.md"))
+    ap.add_argument("--cuda-path", action="store_true")
     a = ap.parse_args()
     if a.checkpoint is None:
         from dsv41.api.engine import builtin_checkpoint
         a.checkpoint = str(builtin_checkpoint())
-    model = Model.load(a.checkpoint)
+    model = Model.load(a.checkpoint, keep_quant=a.cuda_path)
     n_layers = len(model.blocks)
     rows_list = [int(x) for x in a.rows.split(",")]
     table = []
     counter = OpCounter()
+    path = contextlib.nullcontext
+    if a.cuda_path:
+        from triton.runtime import interpreter
+
+        from dsv41.model import device as dev
+        path = dev.cuda_path
+        run = interpreter.InterpretedFunction.run
+
+        def counted(self, *args, **kw):
+            counter.launch(getattr(self.fn, "__name__", "?"))
+            counter.in_launch = True
+            try:
+                return run(self, *args, **kw)
+            finally:
+                counter.in_launch = False
+        interpreter.InterpretedFunction.run = counted
     orig_attention = model._attention
 
     def attention(*args, **kw):
@@ -133,18 +173,18 @@ def main() -> None:
             model.forward([SeqInput(st, _ids(1, 2000 + j), logits="last") for j, st in enumerate(states)])
             counter.counts.clear()
             counter.names.clear()
-            with counter:
+            with path(), counter:
                 model.forward([SeqInput(st, _ids(1, 3000 + j), logits="last") for j, st in enumerate(states)])
             c = dict(counter.counts)
             if R == max(rows_list) and ctx == max(int(x) for x in a.contexts.split(",")):
                 top_names = dict(counter.names)
             times = []
-            for k in range(a.repeat):
+            for k in range(0 if a.cuda_path else a.repeat):
                 step = [SeqInput(st, _ids(1, 4000 + 100 * k + j), logits="last") for j, st in enumerate(states)]
                 t0 = time.perf_counter()
                 model.forward(step)
                 times.append(time.perf_counter() - t0)
-            ms = statistics.median(times) * 1e3
+            ms = statistics.median(times) * 1e3 if times else float("nan")
 
             def g(phase, kind, c=c):
                 return c.get((phase, kind), 0)
@@ -166,7 +206,8 @@ def _write(a, n_layers, table, top_names) -> None:
     except OSError:
         commit = "?"
     lines = [f"## {a.tag}", "",
-             (f"`OMP_NUM_THREADS=1 python bench/round_ops.py --rows {a.rows} --contexts {a.contexts} --tag {a.tag}` "
+             (f"`OMP_NUM_THREADS=1 python bench/round_ops.py --rows {a.rows} --contexts {a.contexts} --tag {a.tag}"
+              f"{' --cuda-path' if a.cuda_path else ''}` "
              f"({a.code or f'HEAD {commit} + working tree'}), {platform.processor() or platform.machine()}, "
              f"{torch.get_num_threads()} thread(s), torch {torch.__version__}; checkpoint {Path(a.checkpoint).name} "
              f"({n_layers} layers). One decode round = R sequences x 1 token. Per layer = the round's count / "
@@ -177,9 +218,9 @@ def _write(a, n_layers, table, top_names) -> None:
              f"'round prep host ops': the batched round's once-per-round integer work on host tensors (no launch; "
              f"one host-to-device copy on a GPU). The CPU indexer scores 64-key tiles with a head loop on the "
              f"per-sequence path (on CUDA: one kernel launch per sequence and layer)."), "",
-             ("| context | rows | attention-side ops / layer | attention-side syncs / layer | attention-side view ops "
-              "/ layer | other ops / layer | other syncs / round | round prep host ops | ops / round (excl. prep) | "
-              "syncs / round | CPU ms / round |"),
+             ("| context | rows | attention-side ops / layer | attention-side syncs / layer | attention-side view / "
+             "allocation ops / layer | other ops / layer | other syncs / round | round prep host ops | "
+             "ops / round (excl. prep) | syncs / round | CPU ms / round |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for ctx, R, ao, asy, av, oo, osy, pre, tot, tsy, ms in table:
         lines.append(f"| {ctx} | {R} | {ao:.0f} | {asy:.1f} | {av:.0f} | {oo:.0f} | {osy} | {pre} | {tot} | {tsy} | "

@@ -184,3 +184,25 @@ def test_round_with_the_gather_kernel_equals_each_alone(model, monkeypatch):
         for o, r, n in zip(outs, ref, lens):
             assert torch.equal(o[0], r[n + k]), (n, k)
     assert used and all(used)
+
+
+@pytest.mark.parametrize("mode", ["intended", "quirk"])
+def test_round_equals_the_per_sequence_loop_from_fresh_states(model, monkeypatch, mode):
+    """From empty states, rounds of 1 and 3 rows per sequence == the per-sequence loop (forced) == a sequence fed
+    alone the same way, in both index-key modes (quirk mode is not chunk-invariant by design: arch.md §2.8)."""
+    monkeypatch.setattr(model, "index_keys", mode)
+    prep = Model._prepare_round
+    seqs = [_tokens(12, 30 + i) for i in range(3)]
+
+    def feed(group, n, batched):
+        monkeypatch.setattr(Model, "_prepare_round", prep if batched else (lambda self, segs: None))
+        sts = [model.new_state() for _ in group]
+        outs = [model.forward([SeqInput(st, s[a:a + n]) for st, s in zip(sts, group)]) for a in range(0, 12, n)]
+        monkeypatch.setattr(Model, "_prepare_round", prep)
+        return [torch.cat([o[b] for o in outs]) for b in range(len(group))]
+
+    for n in (1, 3):
+        batched, loop = feed(seqs, n, True), feed(seqs, n, False)
+        for b in range(len(seqs)):
+            assert torch.equal(batched[b], loop[b]), (n, b)
+        assert torch.equal(batched[1], feed(seqs[1:2], n, True)[0]), n
