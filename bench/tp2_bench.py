@@ -493,7 +493,7 @@ def cmd_serve(a) -> int:
     save()
     # prompt passes: one request each, 1 token out; tok/s = L / time to the reply
     measured: list[tuple[int, float]] = []
-    for L in [int(x) for x in a.prompts.split(",")]:
+    for L in [int(x) for x in a.prompts.split(",") if x]:
         pred = predict_prompt_s(measured, L)
         if measured and left() < pred + a.reserve_s:
             part["skipped"].append(f"prompt {L}: predicted {pred:.0f} s from the {max(measured)[0]}-token pass, "
