@@ -4,10 +4,11 @@ round. A row's bits must be what its sequence gives alone, whatever the other se
 import pytest
 import torch
 
+from dsv41.model import device as dev
 from dsv41.model import model as model_mod
 from dsv41.model.indexer import KEY_TILE, Indexer
 from dsv41.model.model import Model, SeqInput
-from kernels.indexer import index_scores, index_scores_round
+from kernels.indexer import index_scores, index_scores_round, index_scores_table
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_round_scores_equal_the_per_sequence_tiles():
         for b, c in enumerate(counts):
             keys[b, :c] = torch.randn(c, D, generator=g)
             limit += [min(c, 5 + 40 * i) for i in range(n)]
-        got = ix.round_scores(q, w, keys, torch.tensor(limit))
+        got = ix.round_scores(q, w, [keys[b, :c] for b, c in enumerate(counts)], tpad, torch.tensor(limit))
         for b, c in enumerate(counts):
             rows = slice(b * n, (b + 1) * n)
             pos = torch.tensor(limit[rows]) - 1            # ratio 1: row sees entries < pos + 1
@@ -139,6 +140,47 @@ def test_index_scores_round_kernel_equals_per_sequence_launches():
     for b, c in enumerate(counts):
         ref = index_scores(q[b * n:(b + 1) * n], w[b * n:(b + 1) * n], keys[b, :c], 0.125)
         assert torch.equal(got[b * n:(b + 1) * n, :c], ref), c
+
+
+def test_index_scores_table_kernel_equals_per_sequence_launches():
+    """The round kernel reading each sequence's keys through a table of addresses (no padded copy) == index_scores
+    per sequence, a sequence without keys included."""
+    g = torch.Generator().manual_seed(8)
+    H, D, n = 4, 32, 2
+    srcs = [torch.randn(c, D, generator=g) for c in (5, 0, 64, 90)]
+    q = torch.randn(len(srcs) * n, H, D, generator=g)
+    w = torch.randn(len(srcs) * n, H, generator=g)
+    table = torch.tensor([k.data_ptr() if k.shape[0] else 0 for k in srcs], dtype=torch.int64)
+    got = index_scores_table(q, w, table, torch.tensor([k.shape[0] for k in srcs]), 128, 0.125)
+    for b, k in enumerate(srcs):
+        if k.shape[0]:
+            ref = index_scores(q[b * n:(b + 1) * n], w[b * n:(b + 1) * n], k, 0.125)
+            assert torch.equal(got[b * n:(b + 1) * n, :k.shape[0]], ref), b
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_round_scores_on_the_cuda_path_equal_the_per_sequence_path(kernels):
+    """Indexer.round_scores on the CUDA path (device.cuda_path on CPU tensors; kernels under the interpreter, or the
+    torch fallback) gives each row the bits Indexer.scores gives its sequence alone on that path."""
+    g = torch.Generator().manual_seed(9)
+    H, D, n = 4, 32, 1
+    ix = Indexer(layer=0, n_heads=H, head_dim=D, topk=8, wq_b=None, weights_proj=None, wk=None, k_norm=None,
+                 eps=1e-6)
+    srcs = [torch.randn(c, D, generator=g) for c in (3, 70, 0)]
+    q = torch.randn(len(srcs) * n, H, D, generator=g)
+    w = torch.randn(len(srcs) * n, H, generator=g)
+    counts = torch.tensor([k.shape[0] for k in srcs])
+    dev.set_kernels(kernels)
+    try:
+        with dev.cuda_path():
+            got = ix.round_scores(q, w, srcs, 128, counts, counts)
+            for b, k in enumerate(srcs):
+                if k.shape[0]:
+                    ref = ix.scores(q[b:b + 1], w[b:b + 1], k, torch.tensor([k.shape[0] - 1]), 1)
+                    assert torch.equal(got[b:b + 1, :k.shape[0]], ref), b
+                assert torch.isneginf(got[b, k.shape[0]:]).all()
+    finally:
+        dev.set_kernels(True)
 
 
 def test_grow_rows_reuses_room():

@@ -90,26 +90,37 @@ class Indexer:
             cols.append(tiled(tile_scores, q, w))
         return torch.cat(cols, dim=1)[:, :T] if cols else q.new_zeros((n, 0))
 
-    def round_scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
-        """Scores of a round of B sequences with n rows each: q [B*n, heads, head_dim], w [B*n, heads], keys
-        [B, Tpad, head_dim] (sequence b's keys, zero rows after its own count; Tpad a multiple of KEY_TILE),
-        limit [B*n]: a row sees entries s < limit (its visible count capped by its sequence's key count).
-        Returns [B*n, Tpad], -inf where not seen. Each value is the bits `scores` gives the sequence alone: on CUDA
-        one launch of the batched kernel (the per-sequence kernel's arithmetic), else one batched product whose
-        per-element result equals the 64-key tiles' (tests/test_model_round.py checks the primitive)."""
-        B, Tpad, _ = keys.shape
+    def round_scores(self, q: torch.Tensor, w: torch.Tensor, keys: list[torch.Tensor], tpad: int,
+                     limit: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """Scores of a round of B sequences with n rows each: q [B*n, heads, head_dim], w [B*n, heads], keys: per
+        sequence its [T_b, head_dim] keys (T_b <= tpad, a multiple of KEY_TILE), limit [B*n]: a row sees entries
+        s < limit (its visible count capped by its sequence's key count); counts: the T_b as a [B] device tensor.
+        Returns [B*n, tpad], -inf where not seen. Each value is the bits `scores` gives the sequence alone: on the
+        CUDA path one launch of the round kernel reading each sequence's keys through a table of addresses (the
+        per-sequence kernel's arithmetic, no padded copy), else one batched product over the keys padded with zero
+        rows, whose per-element result equals the 64-key tiles' (tests/test_model_round.py checks the primitive)."""
+        B = len(keys)
         n = q.shape[0] // B
-        out = None
+        Di = self.head_dim
         if dev.on_cuda_path(q):
-            if dev.kernel("index_scores", q) is not None and not self.head_dim & (self.head_dim - 1):
-                from kernels.indexer import index_scores_round
-                out = index_scores_round(q, w, keys, self.head_dim ** -0.5)
+            if (dev.kernel("index_scores", q) is not None and not Di & (Di - 1) and counts is not None
+                    and all(k.dtype == torch.float32 and k.is_contiguous() for k in keys)):
+                from kernels.indexer import index_scores_table
+                table = torch.tensor([k.data_ptr() if k.shape[0] else 0 for k in keys], dtype=torch.int64,
+                                     device="cpu")
+                if q.is_cuda:
+                    table = table.pin_memory().to(q.device, non_blocking=True)
+                out = index_scores_table(q, w, table, counts, tpad, Di ** -0.5)
             else:   # the torch fallback on CUDA: per sequence, exactly the per-sequence path's products
-                out = torch.cat([self.raw_scores(q[b * n:(b + 1) * n], w[b * n:(b + 1) * n], keys[b])
-                                 for b in range(B)])
+                out = torch.cat([torch.cat([self.raw_scores(q[b * n:(b + 1) * n], w[b * n:(b + 1) * n], k),
+                                            q.new_zeros((n, tpad - k.shape[0]))], dim=1)
+                                 for b, k in enumerate(keys)])
         else:
-            out = self._bmm_scores(q, w, keys)
-        return out.masked_fill(torch.arange(Tpad, device=out.device)[None, :] >= limit[:, None], NEG_INF)
+            padded = q.new_zeros((B, tpad, Di))
+            dst = [padded[b, :k.shape[0]] for b, k in enumerate(keys) if k.shape[0]]
+            torch._foreach_copy_(dst, [k for k in keys if k.shape[0]])
+            out = self._bmm_scores(q, w, padded)
+        return out.masked_fill(torch.arange(tpad, device=out.device)[None, :] >= limit[:, None], NEG_INF)
 
     def _bmm_scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """CPU: every sequence's row tiles (ROW_TILE rows, zero-padded as `tiled` pads) against all its keys in one

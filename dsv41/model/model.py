@@ -100,6 +100,7 @@ class _RoundIndex:
     tpad: int
     limit: torch.Tensor | None = None     # [N] a row sees entries < limit (visible, capped by its key count)
     newest: torch.Tensor | None = None    # [N] candidate source: the block forced in, -1 for none
+    counts: torch.Tensor | None = None    # [B] the key counts (device)
 
 
 @dataclass
@@ -541,6 +542,7 @@ class Model:
                 vis = (rowpos + 1) // r.ratio
                 crow = torch.tensor(cnt, dtype=torch.long, device=cpu).repeat_interleave(n)
                 parts[f"limit{L}"] = torch.minimum(vis, crow)
+                parts[f"kcount{L}"] = torch.tensor(cnt, dtype=torch.long, device=cpu)
                 if r.candidate_source:
                     bs = t.candidate_block_size
                     nw = (vis - 1) // bs
@@ -566,6 +568,7 @@ class Model:
         for L, ip in idx.items():
             ip.limit = dev_parts[f"limit{L}"]
             ip.newest = dev_parts.get(f"newest{L}")
+            ip.counts = dev_parts[f"kcount{L}"]
         return _Round(n=n, starts=starts, states=states, win_src=dev_parts["win_src"],
                       win_valid=dev_parts["win_pos"] >= 0, ring_segs=ring_segs, srcs=srcs, idx=idx)
 
@@ -659,14 +662,9 @@ class Model:
         if ip.tpad == 0:
             topk = torch.full((B * n, t.index_topk), -1, dtype=torch.long)
         else:
-            keys = q.new_zeros((B, ip.tpad, t.index_head_dim))
-            dst, src = [], []
-            for b, (st, owner, c) in enumerate(zip(rd.states, ip.owner, ip.count)):
-                if c:
-                    dst.append(keys[b, :c])
-                    src.append(st.index_keys[owner][:c])
-            torch._foreach_copy_(dst, src)
-            scores = ix.round_scores(q, w, keys, ip.limit)
+            none = q.new_zeros((0, t.index_head_dim))
+            keys = [st.index_keys[owner][:c] if c else none for st, owner, c in zip(rd.states, ip.owner, ip.count)]
+            scores = ix.round_scores(q, w, keys, ip.tpad, ip.limit, ip.counts)
             if r.candidate_source:
                 rd.cand = candidate_blocks(scores, None, r.ratio, t.candidate_topk_blocks, t.candidate_block_size,
                                            newest=ip.newest)
