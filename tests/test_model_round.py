@@ -1,6 +1,8 @@
 """The batched round (Model._prepare_round / _attend_round): sequences that bring the same number of rows (decode,
 drafted verify) run the history work (window rings, compressor groups, indexer, top-k, key gather) once for the whole
 round. A row's bits must be what its sequence gives alone, whatever the other sequences' lengths (padding)."""
+import contextlib
+
 import pytest
 import torch
 
@@ -9,6 +11,8 @@ from dsv41.model import model as model_mod
 from dsv41.model.indexer import KEY_TILE, Indexer
 from dsv41.model.model import Model, SeqInput
 from kernels.indexer import index_scores, index_scores_round, index_scores_table
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # the kernel tests: the interpreter on CPU (conftest)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +139,7 @@ def test_index_scores_round_kernel_equals_per_sequence_launches():
     keys = torch.zeros(len(counts), tpad, D)
     for b, c in enumerate(counts):
         keys[b, :c] = torch.randn(c, D, generator=g)
+    q, w, keys = q.to(DEVICE), w.to(DEVICE), keys.to(DEVICE)
     got = index_scores_round(q, w, keys, 0.125)
     assert got.shape == (len(counts) * n, tpad)
     for b, c in enumerate(counts):
@@ -147,11 +152,11 @@ def test_index_scores_table_kernel_equals_per_sequence_launches():
     per sequence, a sequence without keys included."""
     g = torch.Generator().manual_seed(8)
     H, D, n = 4, 32, 2
-    srcs = [torch.randn(c, D, generator=g) for c in (5, 0, 64, 90)]
-    q = torch.randn(len(srcs) * n, H, D, generator=g)
-    w = torch.randn(len(srcs) * n, H, generator=g)
-    table = torch.tensor([k.data_ptr() if k.shape[0] else 0 for k in srcs], dtype=torch.int64)
-    got = index_scores_table(q, w, table, torch.tensor([k.shape[0] for k in srcs]), 128, 0.125)
+    srcs = [torch.randn(c, D, generator=g).to(DEVICE) for c in (5, 0, 64, 90)]
+    q = torch.randn(len(srcs) * n, H, D, generator=g).to(DEVICE)
+    w = torch.randn(len(srcs) * n, H, generator=g).to(DEVICE)
+    table = torch.tensor([k.data_ptr() if k.shape[0] else 0 for k in srcs], dtype=torch.int64, device=DEVICE)
+    got = index_scores_table(q, w, table, torch.tensor([k.shape[0] for k in srcs], device=DEVICE), 128, 0.125)
     for b, k in enumerate(srcs):
         if k.shape[0]:
             ref = index_scores(q[b * n:(b + 1) * n], w[b * n:(b + 1) * n], k, 0.125)
@@ -160,23 +165,23 @@ def test_index_scores_table_kernel_equals_per_sequence_launches():
 
 @pytest.mark.parametrize("kernels", [True, False])
 def test_round_scores_on_the_cuda_path_equal_the_per_sequence_path(kernels):
-    """Indexer.round_scores on the CUDA path (device.cuda_path on CPU tensors; kernels under the interpreter, or the
-    torch fallback) gives each row the bits Indexer.scores gives its sequence alone on that path."""
+    """Indexer.round_scores on the CUDA path (on CUDA; on a CPU machine device.cuda_path with the kernels under the
+    interpreter, or the torch fallback) gives each row the bits Indexer.scores gives its sequence alone on that path."""
     g = torch.Generator().manual_seed(9)
     H, D, n = 4, 32, 1
     ix = Indexer(layer=0, n_heads=H, head_dim=D, topk=8, wq_b=None, weights_proj=None, wk=None, k_norm=None,
                  eps=1e-6)
-    srcs = [torch.randn(c, D, generator=g) for c in (3, 70, 0)]
-    q = torch.randn(len(srcs) * n, H, D, generator=g)
-    w = torch.randn(len(srcs) * n, H, generator=g)
-    counts = torch.tensor([k.shape[0] for k in srcs])
+    srcs = [torch.randn(c, D, generator=g).to(DEVICE) for c in (3, 70, 0)]
+    q = torch.randn(len(srcs) * n, H, D, generator=g).to(DEVICE)
+    w = torch.randn(len(srcs) * n, H, generator=g).to(DEVICE)
+    counts = torch.tensor([k.shape[0] for k in srcs], device=DEVICE)
     dev.set_kernels(kernels)
     try:
-        with dev.cuda_path():
+        with dev.cuda_path() if DEVICE == "cpu" else contextlib.nullcontext():
             got = ix.round_scores(q, w, srcs, 128, counts, counts)
             for b, k in enumerate(srcs):
                 if k.shape[0]:
-                    ref = ix.scores(q[b:b + 1], w[b:b + 1], k, torch.tensor([k.shape[0] - 1]), 1)
+                    ref = ix.scores(q[b:b + 1], w[b:b + 1], k, torch.tensor([k.shape[0] - 1], device=DEVICE), 1)
                     assert torch.equal(got[b:b + 1, :k.shape[0]], ref), b
                 assert torch.isneginf(got[b, k.shape[0]:]).all()
     finally:
@@ -202,6 +207,7 @@ def test_round_gather_kernel_equals_index_select():
     for b, s in enumerate(srcs):
         if s.shape[0]:
             idx[b * n:(b + 1) * n, :3] = torch.randint(0, s.shape[0], (n, 3), generator=g)
+    srcs, idx = [c.to(DEVICE) for c in srcs], idx.to(DEVICE)
     ref = model_mod._gather_round(srcs, idx, n, kernel=False)
     got = model_mod._gather_round(srcs, idx, n, kernel=True)
     ok = (idx >= 0)[..., None]
@@ -209,6 +215,8 @@ def test_round_gather_kernel_equals_index_select():
     assert not got[~(idx >= 0)].any()
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU model with the kernel under the interpreter; on a GPU "
+                    "tests/test_gpu_cuda.py runs the round on CUDA")
 def test_round_with_the_gather_kernel_equals_each_alone(model, monkeypatch):
     """The round's one-launch gather (the CUDA path with kernels on) in the model: rows bitwise as alone."""
     lens = [3, 14, 30]
