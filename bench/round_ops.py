@@ -25,6 +25,7 @@ import contextlib
 import os
 import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -206,8 +207,8 @@ def _write(a, n_layers, table, top_names) -> None:
     except OSError:
         commit = "?"
     lines = [f"## {a.tag}", "",
-             (f"`OMP_NUM_THREADS=1 python bench/round_ops.py --rows {a.rows} --contexts {a.contexts} --tag {a.tag}"
-              f"{' --cuda-path' if a.cuda_path else ''}` "
+             (f"`OMP_NUM_THREADS=1 python bench/round_ops.py --rows {a.rows} --contexts {a.contexts} "
+              f"--repeat {a.repeat} --tag {shlex.quote(a.tag)}{' --cuda-path' if a.cuda_path else ''}` "
              f"({a.code or f'HEAD {commit} + working tree'}), {platform.processor() or platform.machine()}, "
              f"{torch.get_num_threads()} thread(s), torch {torch.__version__}; checkpoint {Path(a.checkpoint).name} "
              f"({n_layers} layers). One decode round = R sequences x 1 token. Per layer = the round's count / "

@@ -106,7 +106,13 @@ class _RoundIndex:
 @dataclass
 class _Round:
     """What Model._prepare_round precomputed for a round of sequences with n rows each, and what its layers
-    publish (the round's compressed KV per sequence, top-k, candidate mask)."""
+    publish (the round's compressed KV per sequence, top-k, candidate mask).
+
+    Toward a CUDA graph of a round (not there yet): the round has no host sync and its integers arrive in one copy,
+    but its shapes and addresses still change from round to round: the padded key count (bucket it by context), the
+    number of closing ratio-2 groups and open rows (pool every sequence's group each round, mask the append), and
+    the per-sequence tensors the ring writes, appends and key reads name directly (address tables, as the key gather
+    and the indexer's keys already use, refreshed by the round's one copy, or one paged pool for all states)."""
     n: int
     starts: list[int]
     states: list[SeqState]
