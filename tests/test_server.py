@@ -245,11 +245,20 @@ def test_concurrent_equals_solo(server):
 
 
 # ------------------------------------------------------------------------------------------------ life of a stream
-def test_disconnect_frees_the_sequence(server):
+@pytest.fixture(scope="module")
+def long_server():
+    """A server whose replies may run to 8,000 tokens: the disconnect test's reply must still be decoding when the
+    client leaves, and 400 tokens of the tiny model (~1 s) could finish while a loaded CI machine reads 3 frames."""
+    with LiveServer("--context", "8192", "--prefill-chunk", "64", "--state-budget-gib", "2", "--name", "tiny") as s:
+        yield s
+
+
+def test_disconnect_frees_the_sequence(long_server):
+    server = long_server
     before = metric(server.url, "client_disconnections_total")
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", server.url + "/v1/completions",
-                         json={"prompt": ids_prompt(7), "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+                         json={"prompt": ids_prompt(7), "max_tokens": 8000, "ignore_eos": True, "stream": True}) as r:
             n = 0
             for line in r.iter_lines():
                 if line.startswith("data: "):
