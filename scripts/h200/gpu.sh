@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU path on the H200 (docs/gpu.md): its CUDA tests (the model on CUDA == the CPU reference, batch invariance,
 # the server with --device cuda), the kernel tests when kernels.sh does not run them, then a real-shaped partial
-# checkpoint (dsv41.tools.make_real) and bench/gpu_bench.py -> $OUT/bench/results/gpu.md. Under 4 minutes
-# (40 + 90 + ~25 + 80 s at most).
+# checkpoint (dsv41.tools.make_real) and bench/gpu_bench.py -> $OUT/bench/results/gpu.md. Under 7.5 minutes
+# (40 + 200 + 90 + ~25 + 80 s at most; PART_LIMIT_S=450 for all.sh).
 # Knobs (env): GPU_SERVER_TEST_S (200), GPU_TEST_S (90), GPU_LAYERS (2), GPU_BENCH_S (60). Vectors: DSV41_SHARED (tests skip without).
 set -u
 export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD} TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0
