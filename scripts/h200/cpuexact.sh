@@ -4,7 +4,10 @@
 # 1, 2 and 16 threads and every ATEN_CPU_CAPABILITY. This names the first differing tensor (scripts/h200/cpuexact.py:
 # prompt pass vs forced per-sequence loop vs batched round, per layer) under the host's defaults and under variants
 # that tell an MKL code path (MKL_CBWR) from ATen's own kernels (ATEN_CPU_CAPABILITY) and from threading
-# (OMP_NUM_THREADS=1), then runs the two CPU exactness test files. Under 4 minutes (each step time-limited; about 2 minutes on the 2-core dev machine); writes $OUT/cpuexact/*.md.
+# (OMP_NUM_THREADS=1), and with the candidate fix (attend's second product on a 64-byte-aligned copy of p: its A
+# operand, a view of the softmax, starts at byte 240 i of the tile for tile row i in the tiny model, so a row's
+# alignment depends on its place in the tile: round row 4 vs prompt row 10 for the failing (26, 0)), then runs the
+# two CPU exactness test files. Under 4 minutes (each step time-limited; about 2 minutes on the 2-core dev machine); writes $OUT/cpuexact/*.md.
 # Repo root, PYTHONPATH as all.sh (the test vectors where the tests find them: ../shared or DSV41_SHARED).
 # Usage: bash scripts/h200/all.sh cpuexact
 set -u
@@ -16,12 +19,14 @@ run() {   # name, time limit (s), env assignments...
       --out "$OUT/cpuexact/$name.md" > "$OUT/cpuexact/$name.log" 2>&1
   echo "cpuexact $name rc=$? at $(( $(date +%s) - t0 ))s: $(grep -c '| False\|DIFFER' "$OUT/cpuexact/$name.md" 2>/dev/null) differing rows"
 }
-run default 60
-run omp1 25 OMP_NUM_THREADS=1
-run cbwr_compatible 25 MKL_CBWR=COMPATIBLE
-run cbwr_strict 25 MKL_CBWR=AUTO,STRICT
-run aten_avx2 25 ATEN_CPU_CAPABILITY=avx2
+run default 50
+run aligned_attend 20 CPUEXACT_ALIGNED_ATTEND=1     # the candidate fix: attend's p @ keys on a 64-byte-aligned p
+run cbwr_compatible 20 MKL_CBWR=COMPATIBLE
+run omp1 20 OMP_NUM_THREADS=1
+run cbwr_strict 20 MKL_CBWR=AUTO,STRICT
+run aten_avx2 20 ATEN_CPU_CAPABILITY=avx2
 cat "$OUT/cpuexact/default.md"
-timeout -k 5 75 python3 -m pytest -q -p no:cacheprovider --tb=line -rfE tests/test_model_round.py \
+grep -h "^## Model\|^| [0-9v]\|run to run" "$OUT"/cpuexact/aligned_attend.md
+timeout -k 5 70 python3 -m pytest -q -p no:cacheprovider --tb=line -rfE tests/test_model_round.py \
     tests/test_model_exact.py -k "not kernel and not cuda_path" 2>&1 | tail -15
 echo "cpuexact.sh: done at $(( $(date +%s) - t0 ))s"
