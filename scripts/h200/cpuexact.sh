@@ -26,7 +26,7 @@ run omp1 20 OMP_NUM_THREADS=1
 run cbwr_strict 20 MKL_CBWR=AUTO,STRICT
 run aten_avx2 20 ATEN_CPU_CAPABILITY=avx2
 cat "$OUT/cpuexact/default.md"
-grep -h "^## Model\|^| [0-9v]\|run to run" "$OUT"/cpuexact/aligned_attend.md
+grep -h "^## Model\|^| [0-9va]\|run to run" "$OUT"/cpuexact/aligned_attend.md
 timeout -k 5 70 python3 -m pytest -q -p no:cacheprovider --tb=line -rfE tests/test_model_round.py \
     tests/test_model_exact.py -k "not kernel and not cuda_path" 2>&1 | tail -15
 echo "cpuexact.sh: done at $(( $(date +%s) - t0 ))s"
