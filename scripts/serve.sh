@@ -34,9 +34,18 @@ for ((r = 1; r < tp; r++)); do
 done
 $PY -m dsv41 serve "$@" --rank 0 &
 r0=$!
+followers_done() {   # wait up to $1 tenths of a second for the followers to end by themselves
+  for ((i = 0; i < $1; i++)); do
+    local alive=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && return 0
+    sleep 0.1
+  done
+}
 stop() {
   kill -TERM "$r0" 2>/dev/null || true
   wait "$r0" 2>/dev/null || true
+  followers_done 50                      # rank 0's Shutdown reaches them (a loaded host may take seconds)
   kill -TERM "${pids[@]}" 2>/dev/null || true
 }
 trap 'stop; exit 143' TERM
@@ -44,7 +53,7 @@ trap 'stop; exit 130' INT
 set +e
 wait "$r0"
 rc=$?
-sleep 1                                  # rank 0's Shutdown reaches the followers; then nothing may outlive us
+followers_done 50                        # rank 0's Shutdown reaches the followers; then nothing may outlive us
 kill -TERM "${pids[@]}" 2>/dev/null
 wait "${pids[@]}" 2>/dev/null
 exit "$rc"
