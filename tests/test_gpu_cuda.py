@@ -116,10 +116,11 @@ def test_server_cuda_gives_cpu_tokens_and_solo_equals_burst():
             texts[kernels] = (solo, burst)
         finally:
             s.stop()
+    cpu = texts.pop("cpu")     # 6 texts; the cuda entries are (solo, burst) pairs
     for kernels, (solo, burst) in texts.items():
-        if kernels != "cpu":
-            assert burst == solo, kernels
-    assert texts["0"][0][:6] == texts["cpu"]
+        assert burst == solo, (f"DSV41_KERNELS={kernels}: burst != solo for prompts "
+                               f"{[k for k, (a, b) in enumerate(zip(solo, burst)) if a != b]}")
+    assert texts["0"][0][:6] == cpu, "cuda fallbacks != the CPU server"
 
 
 @pytest.fixture
