@@ -61,26 +61,21 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: fl
 
 
 # A round of B sequences with n rows each against their own keys: the same program shape and arithmetic as
-# _index_scores_kernel, so a (row, key) value is the bits the per-sequence launch gives. The keys are either one
-# padded tensor [B, T, D] (TABLE=False) or reached through a table of each sequence's key tensor address with its
-# key count (TABLE=True: no padded copy of every sequence's keys per layer); keys past a sequence's count read 0.
+# _index_scores_kernel, so a (row, key) value is the bits the per-sequence launch gives. Each sequence's keys are
+# reached through a table of its key tensor's address with its key count (no padded copy of every sequence's keys
+# per layer); keys past a sequence's count read 0.
 @triton.jit(do_not_specialize=["n", "T", "RB", "H"])
-def _index_scores_round_kernel(q_ptr, w_ptr, k_ptr, cnt_ptr, out_ptr, n, T, RB, scale, H, D: tl.constexpr,
-                               BM: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr, TABLE: tl.constexpr):
+def _index_scores_round_kernel(tab_ptr, q_ptr, w_ptr, cnt_ptr, out_ptr, n, T, RB, scale, H, D: tl.constexpr,
+                               BM: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
     b = tl.program_id(0) // RB
     local = (tl.program_id(0) % RB) * BM + tl.arange(0, BM)
     rows = b * n + local
     keys = tl.program_id(1) * BN + tl.arange(0, BN)
     d = tl.arange(0, D)
     rmask = local < n
-    if TABLE:
-        base = tl.load(k_ptr + b).to(tl.pointer_type(tl.float32))
-        kmask = keys < tl.load(cnt_ptr + b)
-        kt = tl.load(base + keys[None, :] * D + d[:, None], mask=kmask[None, :], other=0.0)
-    else:
-        kmask = keys < T
-        kt = tl.load(k_ptr + b.to(tl.int64) * T * D + keys[None, :] * D + d[:, None], mask=kmask[None, :],
-                     other=0.0)
+    base = tl.load(tab_ptr + b).to(tl.pointer_type(tl.float32))
+    kmask = keys < tl.load(cnt_ptr + b)
+    kt = tl.load(base + keys[None, :] * D + d[:, None], mask=kmask[None, :], other=0.0)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for h in range(H):
         q = tl.load(q_ptr + rows[:, None] * (H * D) + h * D + d[None, :], mask=rmask[:, None], other=0.0)
@@ -93,30 +88,12 @@ def _index_scores_round_kernel(q_ptr, w_ptr, k_ptr, cnt_ptr, out_ptr, n, T, RB, 
     tl.store(out_ptr + rows[:, None] * T + keys[None, :], acc, mask=rmask[:, None] & (keys < T)[None, :])
 
 
-def index_scores_round(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B*n, H, D], w [B*n, H], keys [B, T, D] (sequence b's rows are q[b*n:(b+1)*n]) -> scores [B*n, T]: each
-    sequence's rows against its own keys, one launch; equal (torch.equal) to index_scores per sequence."""
-    N, H, D = q.shape
-    B, T = keys.shape[0], keys.shape[1]
-    if D & (D - 1) or keys.shape[2] != D or w.shape != (N, H) or (B and N % B):
-        raise ValueError(f"index_scores_round: q {list(q.shape)}, w {list(w.shape)}, keys {list(keys.shape)}")
-    out = torch.empty((N, T), dtype=torch.float32, device=q.device)
-    if N == 0 or T == 0:
-        return out
-    n = N // B
-    q, w, keys = (t.float().contiguous() for t in (q, w, keys))
-    rb = triton.cdiv(n, BLOCK_M)
-    grid = (B * rb, triton.cdiv(T, BLOCK_N))
-    _index_scores_round_kernel[grid](q, w, keys, keys, out, n, T, rb, float(scale), H, D=D, BM=BLOCK_M, BN=BLOCK_N,
-                                     INTERP=INTERPRET, TABLE=False, num_warps=NUM_WARPS)
-    return out
-
-
 def index_scores_table(q: torch.Tensor, w: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, T: int,
                        scale: float) -> torch.Tensor:
-    """index_scores_round with sequence b's keys reached through table[b] (int64 address of a contiguous float32
-    [counts[b], D] tensor): q [B*n, H, D], w [B*n, H], counts [B] int64 -> scores [B*n, T] (T >= every count;
-    columns past a sequence's count score zero keys, as the padded form). One launch, no copy of the keys."""
+    """Each sequence's rows against its own keys, sequence b's keys reached through table[b] (int64 address of a
+    contiguous float32 [counts[b], D] tensor; its rows are q[b*n:(b+1)*n]): q [B*n, H, D], w [B*n, H], counts [B]
+    int64 -> scores [B*n, T] (T >= every count; columns past a sequence's count score zero keys). One launch, no copy
+    of the keys; equal (torch.equal) to index_scores per sequence."""
     N, H, D = q.shape
     B = table.shape[0]
     if D & (D - 1) or w.shape != (N, H) or table.dtype != torch.int64 or counts.shape != (B,) or (B and N % B):
@@ -128,6 +105,6 @@ def index_scores_table(q: torch.Tensor, w: torch.Tensor, table: torch.Tensor, co
     q, w = (t.float().contiguous() for t in (q, w))
     rb = triton.cdiv(n, BLOCK_M)
     grid = (B * rb, triton.cdiv(T, BLOCK_N))
-    _index_scores_round_kernel[grid](q, w, table, counts, out, n, T, rb, float(scale), H, D=D, BM=BLOCK_M,
-                                     BN=BLOCK_N, INTERP=INTERPRET, TABLE=True, num_warps=NUM_WARPS)
+    _index_scores_round_kernel[grid](table, q, w, counts, out, n, T, rb, float(scale), H, D=D, BM=BLOCK_M,
+                                     BN=BLOCK_N, INTERP=INTERPRET, num_warps=NUM_WARPS)
     return out

@@ -10,7 +10,7 @@ from dsv41.model import device as dev
 from dsv41.model import model as model_mod
 from dsv41.model.indexer import KEY_TILE, Indexer
 from dsv41.model.model import Model, SeqInput
-from kernels.indexer import index_scores, index_scores_round, index_scores_table
+from kernels.indexer import index_scores, index_scores_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # the kernel tests: the interpreter on CPU (conftest)
 
@@ -125,26 +125,6 @@ def test_round_sends_its_integers_once(model):
     bases = {t.untyped_storage().data_ptr() for t in [rd.win_src] +
              [sp.gpos for sp in rd.srcs.values()] + [ip.limit for ip in rd.idx.values()]}
     assert len(bases) == 1
-
-
-def test_index_scores_round_kernel_equals_per_sequence_launches():
-    """kernels/indexer.py's round launch gives each row the bits of index_scores on its own sequence's keys (TRITON
-    interpreter on CPU; the GPU path of Indexer.round_scores)."""
-    g = torch.Generator().manual_seed(5)
-    H, D, n = 4, 32, 3
-    counts = [5, 64, 90]
-    tpad = 128
-    q = torch.randn(len(counts) * n, H, D, generator=g)
-    w = torch.randn(len(counts) * n, H, generator=g)
-    keys = torch.zeros(len(counts), tpad, D)
-    for b, c in enumerate(counts):
-        keys[b, :c] = torch.randn(c, D, generator=g)
-    q, w, keys = q.to(DEVICE), w.to(DEVICE), keys.to(DEVICE)
-    got = index_scores_round(q, w, keys, 0.125)
-    assert got.shape == (len(counts) * n, tpad)
-    for b, c in enumerate(counts):
-        ref = index_scores(q[b * n:(b + 1) * n], w[b * n:(b + 1) * n], keys[b, :c], 0.125)
-        assert torch.equal(got[b * n:(b + 1) * n, :c], ref), c
 
 
 def test_index_scores_table_kernel_equals_per_sequence_launches():
