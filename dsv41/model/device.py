@@ -187,6 +187,13 @@ def on_cuda_path(x: torch.Tensor) -> bool:
     return x.is_cuda or _emulate_cuda
 
 
+def address_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[B] int64 data pointers of the tensors (0 for an empty one) on `device`, for kernels that reach each
+    sequence's own tensor through a table (a pinned, non-blocking copy: no host sync)."""
+    table = torch.tensor([t.data_ptr() if t.shape[0] else 0 for t in tensors], dtype=torch.int64, device="cpu")
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+
+
 def kernel(name: str, x: torch.Tensor):
     """The kernel `name` if it exists, is enabled and x is on CUDA (or inside cuda_path() under the Triton
     interpreter); else None."""

@@ -106,11 +106,7 @@ class Indexer:
             if (dev.kernel("index_scores", q) is not None and not Di & (Di - 1) and counts is not None
                     and all(k.dtype == torch.float32 and k.is_contiguous() for k in keys)):
                 from kernels.indexer import index_scores_table
-                table = torch.tensor([k.data_ptr() if k.shape[0] else 0 for k in keys], dtype=torch.int64,
-                                     device="cpu")
-                if q.is_cuda:
-                    table = table.pin_memory().to(q.device, non_blocking=True)
-                out = index_scores_table(q, w, table, counts, tpad, Di ** -0.5)
+                out = index_scores_table(q, w, dev.address_table(keys, q.device), counts, tpad, Di ** -0.5)
             else:   # the torch fallback on CUDA: per sequence, exactly the per-sequence path's products
                 out = torch.cat([torch.cat([self.raw_scores(q[b * n:(b + 1) * n], w[b * n:(b + 1) * n], k),
                                             q.new_zeros((n, tpad - k.shape[0]))], dim=1)

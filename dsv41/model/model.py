@@ -695,10 +695,7 @@ def _gather_round(srcs: list[torch.Tensor], idx: torch.Tensor, n: int, kernel: b
     B, K, D = len(srcs), idx.shape[1], srcs[0].shape[1]
     if kernel and not D & (D - 1):
         from kernels.round_gather import gather_rows
-        table = torch.tensor([c.data_ptr() if c.shape[0] else 0 for c in srcs], dtype=torch.int64, device="cpu")
-        if idx.is_cuda:
-            table = table.pin_memory().to(idx.device, non_blocking=True)
-        return gather_rows(table, idx, D)
+        return gather_rows(dev.address_table(srcs, idx.device), idx, D)
     out = srcs[0].new_empty((B * n, K, D))
     pick = idx.clamp_min(0)
     for b, c in enumerate(srcs):
