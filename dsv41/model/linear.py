@@ -101,10 +101,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """x · rsqrt(mean(x²) + eps) · weight over the last dim, in float32. On the CUDA path one kernel launch
     (kernels/rowops.py: the same operations, the tree in the same order) where it applies."""
     x = x.float()
-    if _device.on_cuda_path(x):
-        k = _device.kernel("rms_norm", x)
-        if k is not None and (weight is None or (weight.dtype == torch.float32 and weight.dim() == 1)):
-            return k(x, weight, eps)
+    k = _device.kernel("rms_norm", x)       # None off the CUDA path
+    if k is not None and (weight is None or (weight.dtype == torch.float32 and weight.dim() == 1)):
+        return k(x, weight, eps)
     y = x * rsqrt(row_mean(x.square()) + eps)
     return y if weight is None else y * weight
 

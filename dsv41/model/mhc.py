@@ -40,7 +40,7 @@ def hc_mixes(streams: torch.Tensor, site: HcSite, sinkhorn_iters: int, hc_eps: f
     post = 2 * sigmoid(m[:, hc:2 * hc] * s[1] + b[hc:2 * hc])
     logits = (m[:, 2 * hc:] * s[2] + b[2 * hc:]).view(n, hc, hc)
     comb = torch.softmax(logits, dim=-1) + hc_eps
-    k = _device.kernel("sinkhorn", comb) if _device.on_cuda_path(comb) else None
+    k = _device.kernel("sinkhorn", comb)
     out = k(comb, sinkhorn_iters, hc_eps) if k is not None else None
     if out is not None:   # the loop below in one launch (kernels/rowops.py, the same operations in the same order)
         return pre, post, out
@@ -62,7 +62,7 @@ def hc_mixes(streams: torch.Tensor, site: HcSite, sinkhorn_iters: int, hc_eps: f
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """u = Σ_j pre[j]·x_j: [n, hc, H] -> [n, H]. All products in one op, then the sum over j left to right (each
     element: the same product and the same additions as a loop over j); on the CUDA path one launch."""
-    k = _device.kernel("hc_collapse", streams) if _device.on_cuda_path(streams) else None
+    k = _device.kernel("hc_collapse", streams)
     out = k(streams, pre) if k is not None else None
     return out if out is not None else _sum((pre[:, :, None] * streams).unbind(1))
 
@@ -70,7 +70,7 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """out_k = post_k·y + Σ_j comb[j, k]·residual_j: -> [n, hc, H]. Vectorised over k (one product per stream j
     for all k, summed over j left to right, then post·y added): each element's operations as in a loop over k."""
-    k = _device.kernel("hc_expand", residual) if _device.on_cuda_path(residual) else None
+    k = _device.kernel("hc_expand", residual)
     out = k(y, residual, post, comb) if k is not None else None
     if out is not None:
         return out

@@ -53,7 +53,7 @@ class MoE:
         s = torch.sqrt(softplus(linear(x, self.gate) / self.gate_temp))
         bias = self.bias if image is None else torch.where(image[:, None], self.bias_vl, self.bias)
         _, ids = stable_topk(s + bias, self.top_k)
-        k = _device.kernel("route_weights", s) if _device.on_cuda_path(s) else None
+        k = _device.kernel("route_weights", s)
         w = k(s, ids, self.scaling) if k is not None else None
         if w is not None:   # the lines below in one launch (kernels/rowops.py: the same operations, same order)
             return w, ids
