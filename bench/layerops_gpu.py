@@ -204,12 +204,12 @@ def main() -> None:
                 x = torch.randn(rows, H, device=DEV, generator=g)
                 call = partial(moe, x)
                 route_k = device.KERNELS.pop("route_weights", None)      # old: torch routing weights and work list
-                fp4_moe.WORK_LIST_KERNEL = False
+                launch, fp4_moe.work_list_launch = fp4_moe.work_list_launch, fp4_moe.work_list
                 try:
                     want = call()
                     t_old, n_old = timed(call, max(5, a.reps // 5)), ops(call, launches)
                 finally:
-                    fp4_moe.WORK_LIST_KERNEL = True
+                    fp4_moe.work_list_launch = launch
                     if route_k is not None:
                         device.KERNELS["route_weights"] = route_k
                 got = call()

@@ -236,7 +236,6 @@ def work_list(expert_ids: torch.Tensor, n_experts: int):
 
 
 WL_PAIRS, WL_TILES = 64, 64
-WORK_LIST_KERNEL = True   # False: fp4_moe builds its work list with the torch ops of work_list (bench comparisons)
 
 
 def work_list_launch(expert_ids: torch.Tensor, n_experts: int):
@@ -316,7 +315,7 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
     if n == 0 or top_k == 0:
         return out.zero_()
     ids = expert_ids.to(torch.int32).contiguous()
-    tile_e, tile_start, tile_cnt, order = (work_list_launch if WORK_LIST_KERNEL else work_list)(ids, n_exp)
+    tile_e, tile_start, tile_cnt, order = work_list_launch(ids, n_exp)
     rw = weights.to(torch.float32).contiguous()
     n_pairs = n * top_k
     h = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
