@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from dsv41.comm.plan import DropState, FreeSeq, NewSeq, RestoreState, Rollback, SaveState, SeqRows, StepPlan
 from dsv41.sched.drafting import DraftPolicy, DraftStats, RoundCosts
+from dsv41.sched.images import covers_images
 from dsv41.sched.kept import ImageSpan
 from dsv41.sched.memory import MemoryBudget
 from dsv41.sched.request import FinishEvent, Phase, Request, TokenEvent
@@ -335,8 +336,7 @@ class Scheduler:
             last = r.filled + n == r.prompt_len
             ahead = self.block_size if last and self._proposing(r) and r.max_tokens >= 3 else 0
             rows.append(SeqRows(r.id, r.filled, r.prompt_ids[r.filled:r.filled + n], [n - 1] if last else [],
-                                draft=ahead, images=any(p.start < r.filled + n and r.filled < p.end
-                                                        for p in r.images)))   # = sched.images.covers_images
+                                draft=ahead, images=covers_images(r.images, r.filled, n)))
             self._prompt_rows[r.id] = n
         ops = kept_ops + [FreeSeq(s) for s in close] + opened + takeback
         return StepPlan(self._round, ops=ops, rows=rows, after=after)
