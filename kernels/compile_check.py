@@ -78,10 +78,14 @@ def _spills(kernel, triton) -> bool:
     return " STL" in sass
 
 
-def main() -> int:
+def run(cases, check, argv: list[str] | None = None) -> int:
+    """The driver every compile check shares: `--arch` (90), refuse TRITON_INTERPRET, compile each case
+    (name, fn, signature, constexprs, attrs, options, *extra) for that CUDA target with Triton's own ptxas, then
+    `check(name, kernel, triton, *extra) -> (ok, what)`; a case that does not compile is a failure. Prints one line
+    per case; returns the exit code (0 all ok, 1 a failure, 2 under the interpreter)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter's functions cannot be compiled", file=sys.stderr)
         return 2
@@ -90,19 +94,27 @@ def main() -> int:
     from triton.compiler import ASTSource
     target = GPUTarget("cuda", args.arch, 32)
     failed = 0
-    for name, fn, sig, consts, attrs, opts in _cases():
+    for name, fn, sig, consts, attrs, opts, *extra in cases:
         try:
-            k = triton.compile(ASTSource(fn, sig, consts, attrs), target=target, options=opts)
-            smem = k.metadata.shared
-            spill = _spills(k, triton)
-            # the K-tail variant only serves small test shapes; precise attention is correct but not tuned (it spills)
-            ok = smem <= CUDA_SMEM_LIMIT and (not spill or "K tail" in name or "precise" in name)
-            print(f"{'ok ' if ok else 'BAD'} {name}: shared {smem} B{', spills to local memory' if spill else ''}")
-            failed += not ok
+            ok, what = check(name, triton.compile(ASTSource(fn, sig, consts, attrs), target=target, options=opts),
+                             triton, *extra)
         except Exception as exc:  # noqa: BLE001 -- report every kernel, then fail
-            print(f"BAD {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-            failed += 1
+            ok, what = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        print(f"{'ok ' if ok else 'BAD'} {name}: {what}")
+        failed += not ok
     return 1 if failed else 0
+
+
+def _check(name, k, triton):
+    smem = k.metadata.shared
+    spill = _spills(k, triton)
+    # the K-tail variant only serves small test shapes; precise attention is correct but not tuned (it spills)
+    ok = smem <= CUDA_SMEM_LIMIT and (not spill or "K tail" in name or "precise" in name)
+    return ok, f"shared {smem} B{', spills to local memory' if spill else ''}"
+
+
+def main() -> int:
+    return run(_cases(), _check)
 
 
 if __name__ == "__main__":

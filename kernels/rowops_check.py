@@ -10,10 +10,10 @@ Run with TRITON_INTERPRET unset:
 """
 from __future__ import annotations
 
-import argparse
-import os
 import re
 import sys
+
+from kernels import compile_check
 
 # fma / mad: a fused multiply-add; mul.f32 / add.f32 / sub.f32 without a rounding mode: ptxas may contract them into
 # an fma (with enable_fp_fusion=False LLVM writes mul.rn / add.rn, which ptxas keeps apart)
@@ -28,56 +28,40 @@ def _cases():
             "eps": "fp32", "HAS_W": "constexpr", "BLOCK": "constexpr"}
     for has_w in (True, False):
         yield (f"rms_norm{' weighted' if has_w else ''}", rowops._rms_norm_kernel, norm,
-               {"HAS_W": has_w, "BLOCK": rowops.NORM_BLOCK}, {**opts, "num_warps": rowops.NORM_WARPS},
+               {"HAS_W": has_w, "BLOCK": rowops.NORM_BLOCK}, {}, {**opts, "num_warps": rowops.NORM_WARPS},
                ("div.rn.f32", "sqrt.rn.f32", "mul.rn.f32", "add.rn.f32"))
     yield ("sinkhorn", rowops._sinkhorn_kernel,
            {"c_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "iters": "i32", "eps": "fp32", "HC": "constexpr",
-            "BR": "constexpr"}, {"HC": 4, "BR": rowops.SINK_ROWS}, {**opts, "num_warps": 1}, ("div.rn.f32",))
+            "BR": "constexpr"}, {"HC": 4, "BR": rowops.SINK_ROWS}, {}, {**opts, "num_warps": 1}, ("div.rn.f32",))
     elem = {"H": "i32", "HC": "constexpr", "BLOCK": "constexpr"}
     yield ("hc_collapse", rowops._hc_collapse_kernel, {"s_ptr": "*fp32", "pre_ptr": "*fp32", "out_ptr": "*fp32", **elem},
-           {"HC": 4, "BLOCK": rowops.ELEM_BLOCK}, {**opts, "num_warps": 4}, ("mul.rn.f32", "add.rn.f32"))
+           {"HC": 4, "BLOCK": rowops.ELEM_BLOCK}, {}, {**opts, "num_warps": 4}, ("mul.rn.f32", "add.rn.f32"))
     yield ("hc_expand", rowops._hc_expand_kernel,
            {"y_ptr": "*fp32", "res_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32", "out_ptr": "*fp32", **elem},
-           {"HC": 4, "BLOCK": rowops.ELEM_BLOCK}, {**opts, "num_warps": 4}, ("mul.rn.f32", "add.rn.f32"))
+           {"HC": 4, "BLOCK": rowops.ELEM_BLOCK}, {}, {**opts, "num_warps": 4}, ("mul.rn.f32", "add.rn.f32"))
     yield ("route_weights", rowops._route_weights_kernel,
            {"s_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*fp32", "n": "i32", "E": "i32", "eps": "fp32",
             "scaling": "fp32", "K": "constexpr", "KP": "constexpr", "BR": "constexpr"},
-           {"K": 6, "KP": 8, "BR": rowops.ROUTE_ROWS}, {**opts, "num_warps": 1}, ("div.rn.f32", "mul.rn.f32"))
+           {"K": 6, "KP": 8, "BR": rowops.ROUTE_ROWS}, {}, {**opts, "num_warps": 1}, ("div.rn.f32", "mul.rn.f32"))
     # the MoE work list (integers only): that it compiles
     yield ("fp4_moe work list", fp4_moe._work_list_kernel,
            {"ids_ptr": "*i32", "n_pairs": "i32", "n_exp": "i32", "n_tiles": "i32", "cursor_ptr": "*i32",
             "order_ptr": "*i32", "tile_e_ptr": "*i32", "tile_start_ptr": "*i32", "tile_cnt_ptr": "*i32",
             "EP": "constexpr", "BP": "constexpr", "BT": "constexpr", "BM": "constexpr"},
            {"EP": 512, "BP": fp4_moe.WL_PAIRS, "BT": fp4_moe.WL_TILES, "BM": fp4_moe.BLOCK_M},
-           {**opts, "num_warps": 4}, ())
+           {}, {**opts, "num_warps": 4}, ())
+
+
+def _check(name, k, triton, need):
+    ptx = k.asm["ptx"]
+    bad = sorted(set(BAD.findall(ptx)))
+    missing = [op for op in need if op not in ptx]
+    what = ("uses " + ", ".join(bad) if bad else "no inexact ops") + ("; lacks " + ", ".join(missing) if missing else "")
+    return not bad and not missing, what
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", type=int, default=90)
-    args = ap.parse_args()
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("unset TRITON_INTERPRET: the interpreter's functions cannot be compiled", file=sys.stderr)
-        return 2
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    target = GPUTarget("cuda", args.arch, 32)
-    failed = 0
-    for name, fn, sig, consts, opts, need in _cases():
-        try:
-            ptx = triton.compile(ASTSource(fn, sig, consts, {}), target=target, options=opts).asm["ptx"]
-        except Exception as exc:  # noqa: BLE001 -- report every kernel, then fail
-            print(f"BAD {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-            failed += 1
-            continue
-        bad = sorted(set(BAD.findall(ptx)))
-        missing = [op for op in need if op not in ptx]
-        ok = not bad and not missing
-        print(f"{'ok ' if ok else 'BAD'} {name}: {'uses ' + ', '.join(bad) if bad else 'no inexact ops'}"
-              f"{'; lacks ' + ', '.join(missing) if missing else ''}")
-        failed += not ok
-    return 1 if failed else 0
+    return compile_check.run(_cases(), _check)
 
 
 if __name__ == "__main__":
