@@ -58,14 +58,6 @@ class Attention:
             s = s.masked_fill(~vt[:, None, :], float("-inf"))
             s = torch.cat([s, sink.view(1, -1, 1).expand(s.shape[0], -1, 1)], dim=-1)
             p = torch.softmax(s, dim=-1)[..., :-1]                             # the sink only in the denominator
-            if not p.is_cuda:
-                # p is a view with rows of K+1 floats, so row i of the tile starts at an alignment set by i; a CPU
-                # BLAS may sum in another order for a 64-byte-aligned operand, and a row's place in its tile
-                # depends on the round: each row on its own 64-byte boundary (scripts/h200/cpuexact.py)
-                K = p.shape[-1]
-                pa = p.new_zeros(p.shape[:-1] + (-(-K // 16) * 16,))[..., :K]
-                pa.copy_(p)
-                p = pa
             return torch.bmm(p, kt)
 
         return tiled(tile, q, keys, valid)

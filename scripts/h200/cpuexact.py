@@ -24,7 +24,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from dsv41.model.attention import Attention
 from dsv41.model.indexer import Indexer
 from dsv41.model.model import Model, SeqInput
 
@@ -95,84 +94,22 @@ def prim_rows() -> None:
     say(f"- stable sort top-6, width 64 (-inf padded) vs 40: {'same' if torch.equal(a, b) else 'DIFFERENT'}")
 
 
-def prim_attend_alignment() -> None:
-    """Attention.attend's second product reads p = softmax(...)[..., :-1], a view whose row i starts at byte
-    i * heads * (K + 1) * 4 of the tile: a row's A operand is 64-byte aligned or not by its place in the tile
-    (tiny model: heads 4, K 14 -> 240 i bytes). Does MKL give such a row other bits at another alignment?"""
+def prim_linear_alignment() -> None:
+    """model/linear.py's row tiles are views at an offset set by the tile's place in the batch. Does a 16-row
+    product give other bits for the same rows at another address alignment? (MKL's default reproducibility mode
+    allows it; MKL_CBWR=AUTO,STRICT, which dsv41 sets, does not.)"""
     g = torch.Generator().manual_seed(2)
-    say("| attend's p @ keys | tile x heads x K x D | rows differing from the 64-byte-aligned copy |")
+    say(f"| x @ W^T, 16 rows (MKL_CBWR={os.environ.get('MKL_CBWR')}) | K x N | offsets (floats) whose rows differ from the aligned copy |")
     say("|---|---|---|")
-    for (R, H, K, D) in [(16, 4, 14, 128), (16, 4, 8, 128), (16, 4, 22, 128), (16, 64, 640, 512)]:
-        s = torch.randn(R, H, K + 1, generator=g)
-        kt = torch.randn(R, K, D, generator=g)
-        p = torch.softmax(s, dim=-1)[..., :-1]            # as attend: a view, row stride H * (K + 1)
-        got = torch.bmm(p, kt)
-        Kp = -(-K // 16) * 16
-        pa = p.new_zeros((R, H, Kp))[..., :K]              # every row's block at a multiple of 64 bytes
-        pa.copy_(p)
-        ref = torch.bmm(pa, kt)
-        bad = [i for i in range(R) if not torch.equal(got[i], ref[i])]
-        say(f"| bmm(p view, keys) vs bmm(aligned p, keys) | {R}x{H}x{K}x{D} | {len(bad)} of {R}: rows {bad} |")
-
-
-def aligned_attend():
-    """Attention.attend with the second product's A operand in a padded buffer (each row's [heads, K] block and
-    each head's row at a multiple of 64 bytes): the same values and products, one alignment for every row."""
-    from dsv41.model.linear import tiled
-
-    def attend(self, q, keys, valid):
-        scale = self.head_dim ** -0.5
-        sink = self.attn_sink.float()
-
-        def tile(qt, kt, vt):
-            s = torch.bmm(qt, kt.transpose(1, 2)) * scale
-            s = s.masked_fill(~vt[:, None, :], float("-inf"))
-            s = torch.cat([s, sink.view(1, -1, 1).expand(s.shape[0], -1, 1)], dim=-1)
-            p = torch.softmax(s, dim=-1)[..., :-1]
-            K = p.shape[-1]
-            pa = p.new_zeros(p.shape[:-1] + (-(-K // 16) * 16,))[..., :K]
-            pa.copy_(p)
-            return torch.bmm(pa, kt)
-
-        return tiled(tile, q, keys, valid)
-    return attend
-
-
-# ---- 2. the model -------------------------------------------------------------------------------------------------
-
-class Recorder:
-    """Per layer of the current forward: attention inputs/outputs and index scores, and the trace."""
-
-    def __init__(self):
-        self.layer = None
-        self.rec: dict = {}
-
-    def install(self):
-        rec = self
-        orig_att, orig_attend = Model._attention, Attention.attend
-        orig_scores, orig_round = Indexer.scores, Indexer.round_scores
-
-        def _attention(self, blk, *a, **k):
-            rec.layer = blk.role.index
-            return orig_att(self, blk, *a, **k)
-
-        def attend(self, q, keys, valid):
-            o = orig_attend(self, q, keys, valid)
-            rec.rec.setdefault(("attend", rec.layer), []).append((q.clone(), keys.clone(), valid.clone(), o.clone()))
-            return o
-
-        def scores(self, q, w, keys, positions, ratio):
-            s = orig_scores(self, q, w, keys, positions, ratio)
-            rec.rec.setdefault(("scores", rec.layer), []).append(s.clone())
-            return s
-
-        def round_scores(self, q, w, keys, tpad, limit, counts=None):
-            s = orig_round(self, q, w, keys, tpad, limit, counts)
-            rec.rec.setdefault(("scores", rec.layer), []).append(s.clone())
-            return s
-
-        Model._attention, Attention.attend = _attention, attend
-        Indexer.scores, Indexer.round_scores = scores, round_scores
+    for (K, N) in [(128, 256), (1024, 512), (4096, 1024)]:
+        w = torch.randn(N, K, generator=g)
+        buf = torch.randn(16 * K + 16, generator=g)
+        bad = []
+        for off in range(1, 16):
+            x = buf[off:off + 16 * K].view(16, K)
+            if not torch.equal(x @ w.t(), x.clone() @ w.t()):
+                bad.append(off)
+        say(f"| view vs contiguous copy | {K} x {N} | {bad} |")
 
 
 def tokens(n, seed):
@@ -287,8 +224,6 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--model-only", action="store_true", help="skip the primitive checks")
-    ap.add_argument("--aligned-attend", action="store_true", default=bool(os.environ.get("CPUEXACT_ALIGNED_ATTEND")),
-                    help="run the model with attend's second product on a 64-byte-aligned copy of p (the fix)")
     ap.add_argument("--ckpt", default=None)
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave torch's default)")
     a = ap.parse_args()
@@ -314,14 +249,11 @@ def main() -> int:
         say()
         prim_rows()
         say()
-        prim_attend_alignment()
+        prim_linear_alignment()
         say()
         prim_bmm_vs_mm()
         say()
-    if a.aligned_attend:
-        Attention.attend = aligned_attend()
-    say("## Model: round (R), per-sequence loop (L), prompt pass (P)"
-        + (" with attend's p 64-byte aligned" if a.aligned_attend else ""))
+    say("## Model: round (R), per-sequence loop (L), prompt pass (P)")
     say()
     ok = model_compare(ckpt)
     say()
