@@ -183,6 +183,20 @@ def two_ranks():
         yield ranks
 
 
+def top_gap(x: dict, y: dict) -> float:
+    """How far two top-k logprob maps are apart: |x[t] - y[t]| for the tokens both list; a token only x lists must
+    be a near-tie at y's cut (x[t] within the tolerance of y's lowest listed value), as happens when float32
+    summation order reorders near-equal alternatives (seen on CUDA, where the tiny model's tail is flat)."""
+    cut = min(y.values())
+    return max(abs(v - y[t]) if t in y else max(0.0, v - cut) for t, v in x.items())
+
+
+def test_top_gap_allows_a_near_tie_at_the_cut_only():
+    assert top_gap({"a": -1.0, "b": -2.0}, {"a": -1.0, "c": -2.0 + 1e-6}) < 1e-5     # b and c tie at the cut
+    assert top_gap({"a": -1.0, "b": -1.5}, {"a": -1.0, "c": -2.0}) == pytest.approx(0.5)   # b left out above the cut
+    assert top_gap({"a": -1.0}, {"a": -1.3}) == pytest.approx(0.3)
+
+
 def test_two_ranks_reply_as_one_alone_and_in_a_burst(one_rank, two_ranks):
     r0, r1 = two_ranks
     want = run_jobs(one_rank.url, burst=False)
@@ -199,8 +213,7 @@ def test_two_ranks_reply_as_one_alone_and_in_a_burst(one_rank, two_ranks):
         # TP2 logits = TP1's up to float32 summation order (wo_b / w2 partials added in rank order)
         worst = max([worst] + [abs(x - y) for x, y in zip(w["lp"], a["lp"])])
         for tw, ta in zip(w["top"], a["top"]):
-            assert tw.keys() == ta.keys()
-            worst = max([worst] + [abs(tw[t] - ta[t]) for t in tw])
+            worst = max([worst] + [top_gap(tw, ta), top_gap(ta, tw)])
     print(f"largest |logprob tp2 - tp1| over {len(JOBS)} replies x {TOKENS} tokens x top-3: {worst:.2e}")
     assert worst < LOGPROB_TOL
     # rank 1 is alive and every round's digest matched rank 0's (a mismatch is fatal for the lane)
