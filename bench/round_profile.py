@@ -6,6 +6,7 @@ share of the round the GPU is idle waiting for the host, kernel launches per rou
 (device-to-host copies and stream / device syncs), and the top kernels by GPU time and top host ops by self CPU time.
 
   python bench/round_profile.py --checkpoint DIR [--context 2048] [--rows 1,32] [--chunk 2048] [--rounds 3]
+                                [--chunk-context 2048,32768]
                                 [--out bench/results/round-profile.md] [--device cuda|cpu]
 """
 from __future__ import annotations
@@ -75,6 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--rows", default="1,32")
     ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--chunk-context", default="", help="histories (tokens, comma list) for the prompt-chunk case "
+                    "(default: --context)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench/results/round-profile.md"))
     ap.add_argument("--commit", default="")
@@ -105,18 +108,27 @@ def main(argv=None) -> int:
         print(f"{cases[-1][0]}: {cases[-1][1]['wall_ms']:.1f} ms", flush=True)
 
     chunk_ids = torch.randint(3, vocab, (a.chunk,), generator=g)
+    for ctx in [int(c) for c in (a.chunk_context or str(a.context)).split(",")]:
+        hist = base
+        if ctx != a.context:
+            hist = model.new_state()
+            ids = torch.randint(3, vocab, (ctx,), generator=g)
+            for s in range(0, ctx, a.chunk):
+                model.forward([SeqInput(hist, ids[s:s + a.chunk], logits="none")])
 
-    def chunk():
-        model.forward([SeqInput(base.snapshot(), chunk_ids, logits="none")])
-    cases.append((f"prompt chunk of {a.chunk} rows", profile_case(chunk, max(1, a.rounds - 1), cuda)))
-    print(f"{cases[-1][0]}: {cases[-1][1]['wall_ms']:.1f} ms", flush=True)
+        def chunk(hist=hist):
+            model.forward([SeqInput(hist.snapshot(), chunk_ids, logits="none")])
+        cases.append((f"prompt chunk of {a.chunk} rows after {ctx} tokens", profile_case(chunk, max(1, a.rounds - 1),
+                                                                                        cuda)))
+        print(f"{cases[-1][0]}: {cases[-1][1]['wall_ms']:.1f} ms", flush=True)
+        del hist
 
     cmd = "python bench/round_profile.py " + " ".join(argv if argv is not None else sys.argv[1:])
     name = torch.cuda.get_device_name() if cuda else "cpu"
     lines = ["# Where a round's time goes (bench/round_profile.py, torch.profiler)", "",
              f"- machine: {name}; commit {commit}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- command: `{cmd}`",
-             f"- checkpoint: {K} layers, {a.context}-token history; kernels: "
+             f"- checkpoint: {K} layers, {a.context}-token history for the decode rounds; kernels: "
              f"{', '.join(sorted(dev.KERNELS)) if dev._enabled else 'none'}", "",
              "| case | wall ms | GPU busy ms | GPU busy % | kernel launches | host syncs | DtoH copies |",
              "|---|---|---|---|---|---|---|"]
