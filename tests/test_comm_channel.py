@@ -1,14 +1,13 @@
 """The control channel with real processes: plans round-trip, digests catch a divergent rank, a killed or silent
 rank is named within the heartbeat timeout, either rank may start first. Each test is bounded by timeouts."""
 import multiprocessing as mp
-import socket
 import time
 
 import pytest
 import zmq
 
 from dsv41.comm import plan
-from dsv41.comm.channel import Follower, Leader, round_digest
+from dsv41.comm.channel import Follower, Leader, free_lane_port, round_digest
 from dsv41.comm.plan import (
     Digest, DigestMismatch, Hello, NewSeq, ProtocolError, RankLost, RemoteError, Rollback, SaveState, SeqRows,
     StartTimeout, StepPlan,
@@ -20,25 +19,7 @@ CTX = mp.get_context("spawn")
 
 def free_master() -> str:
     """A loopback HOST:PORT whose PORT..PORT+2 are free now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p > 65530:
-            continue
-        try:
-            socks = []
-            for q in (p, p + 1, p + 2):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", q))
-            return f"127.0.0.1:{p}"
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port triple")
+    return f"127.0.0.1:{free_lane_port()}"
 
 
 def plan_digest(p: StepPlan) -> bytes:
@@ -302,3 +283,16 @@ def follower3_main(master, rank, q):
             q.put("bye")
     except Exception as e:
         q.put(repr(e))
+
+
+def test_free_lane_port_lies_below_the_ephemeral_range_and_binds():
+    """A lane port in the ephemeral range can be taken by a retried connect's own source port (a self-connect):
+    free_lane_port picks below the range, three consecutive ports that bind."""
+    import socket
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for _ in range(20):
+        p = free_lane_port()
+        assert 1024 <= p and p + 2 < low
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", p))
+            b.bind(("127.0.0.1", p + 2))

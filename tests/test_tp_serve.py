@@ -14,7 +14,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from dsv41.comm.channel import free_lane_port
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["--context", "256", "--state-budget-gib", "1", "--prefill-chunk", "16",
@@ -43,21 +44,7 @@ LOGPROB_TOL = 5e-3
 
 def lane_port() -> int:
     """A port P with P, P+1, P+2 free on loopback (the lane's plans, heartbeats, store)."""
-    for _ in range(200):
-        p = random.randrange(20000, 60000)
-        socks = []
-        try:
-            for q in (p, p + 1, p + 2):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", q))
-            return p
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free lane port")
+    return free_lane_port()
 
 
 class Proc:

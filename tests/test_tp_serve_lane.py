@@ -7,13 +7,11 @@ two-process test (test_tp_serve.py) runs the split model."""
 from __future__ import annotations
 
 import asyncio
-import random
-import socket
 import threading
 
 import pytest
 
-from dsv41.comm.channel import Follower, Leader, round_digest
+from dsv41.comm.channel import Follower, Leader, free_lane_port, round_digest
 from dsv41.comm.plan import CommError, DigestMismatch, NewSeq, SeqRows, StepPlan
 from dsv41.model.model import Model
 from dsv41.sched.runner import ModelRunner, encode_params
@@ -22,16 +20,7 @@ from dsv41.sched.tp import DigestingModel, TPLane
 
 
 def _master() -> str:
-    for _ in range(200):
-        p = random.randrange(20000, 60000)
-        try:
-            for q in (p, p + 1, p + 2):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", q))
-            return f"127.0.0.1:{p}"
-        except OSError:
-            continue
-    raise RuntimeError("no free port")
+    return f"127.0.0.1:{free_lane_port()}"
 
 
 class _NoRing:

@@ -12,6 +12,9 @@ Sockets (ports counted from `--master HOST:PORT`):
 Either rank may start first: ZeroMQ's connect retries until the leader binds; the handshake (`Hello` each way) then
 waits up to `start_timeout` and names the missing rank. After it, silence longer than `heartbeat_timeout` makes the
 other side raise `RankLost(rank)` at its next call (the wait loops check every 50 ms, so within the timeout).
+PORT should lie below the host's ephemeral port range (Linux: 32768-60999): a follower's retried connect to a port
+in that range can be given that very port as its own source port, connect to itself and hold it, and rank 0's bind
+then fails (seen once in CI with a test's random port; `free_lane_port` picks below the range).
 
 Threading: a channel's methods are called from one thread at a time (the round loop); the heartbeat thread only
 touches its own socket and a few fields read atomically.
@@ -51,6 +54,33 @@ def parse_master(master: str) -> tuple[str, int]:
     if not 1 <= p <= 65533:
         raise CommError(f"--master port must be 1..65533 (the lane uses PORT..PORT+2), got {p}")
     return host.strip("[]"), p
+
+
+def free_lane_port(host: str = "127.0.0.1", count: int = 3) -> int:
+    """A PORT whose PORT..PORT+count-1 can be bound on `host` now, below the ephemeral port range (see the module
+    docstring: a retried connect never lands on it), for tests and one-host launches."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = secrets.SystemRandom()
+    for _ in range(200):
+        p = rng.randrange(max(1024, low - 12000), low - count)
+        socks = []
+        try:
+            for q in range(p, p + count):
+                sk = socket.socket()
+                socks.append(sk)
+                sk.bind((host, q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for sk in socks:
+                sk.close()
+    raise CommError(f"no {count} free consecutive ports on {host} below {low}")
 
 
 def _endpoint(host: str, port: int) -> str:
