@@ -17,7 +17,6 @@ import os
 import platform
 import random
 import secrets
-import socket
 import statistics
 import sys
 import time
@@ -26,14 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from dsv41.comm.channel import free_lane_port  # noqa: E402
+
 HIDDEN = 5120
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(rank: int, args, session: str, port: int, q) -> None:
@@ -78,7 +73,9 @@ def worker(rank: int, args, session: str, port: int, q) -> None:
 def run(args) -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    session, port = secrets.token_hex(6), free_port()
+    # the DistRing stores' ports (one per transport), below the ephemeral range: a rank's retried connect
+    # could otherwise take one as its own source port
+    session, port = secrets.token_hex(6), free_lane_port(count=len(args.transports.split(",")))
     ps = [ctx.Process(target=worker, args=(r, args, session, port, q)) for r in (0, 1)]
     for p in ps:
         p.start()
