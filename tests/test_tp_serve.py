@@ -42,11 +42,6 @@ TOKENS = 5
 LOGPROB_TOL = 5e-3
 
 
-def lane_port() -> int:
-    """A port P with P, P+1, P+2 free on loopback (the lane's plans, heartbeats, store)."""
-    return free_lane_port()
-
-
 class Proc:
     """One `python -m dsv41 serve` process (or scripts/serve.sh), its output lines timestamped."""
 
@@ -149,7 +144,7 @@ def one_rank():
 def two_rank_server(*args: str, settle_s: float = 2.0):
     """`--tp 2` on this host: rank 1 first (it waits), rank 0 `settle_s` later; yields (rank 0, rank 1) once rank 0
     serves, and stops both on the way out."""
-    master = f"127.0.0.1:{lane_port()}"
+    master = f"127.0.0.1:{free_lane_port()}"
     r1 = Proc("--tp", "2", "--rank", "1", "--master", master, *args)
     try:
         r1.wait_line(r"waiting for rank 0", 60)
@@ -247,7 +242,7 @@ def _stream_until_error(url: str, killer) -> tuple[int, dict | None]:
 
 def test_rank_1_killed_mid_stream_rank_0_started_first():
     hb = 2.0
-    master = f"127.0.0.1:{lane_port()}"
+    master = f"127.0.0.1:{free_lane_port()}"
     knobs = ["--tp", "2", "--master", master, "--heartbeat-interval-s", "0.25", "--heartbeat-timeout-s", str(hb)]
     r0 = Proc(*knobs, "--port", "0", *COMMON)
     r1 = None
@@ -280,7 +275,7 @@ def test_rank_1_killed_mid_stream_rank_0_started_first():
 def test_silent_rank_stops_the_other_idle():
     """No request running: rank 1 stopped (SIGSTOP) is found by the heartbeat; then rank 0 dead stops rank 1."""
     hb = 2.0
-    master = f"127.0.0.1:{lane_port()}"
+    master = f"127.0.0.1:{free_lane_port()}"
     knobs = ["--tp", "2", "--master", master, "--heartbeat-interval-s", "0.25", "--heartbeat-timeout-s", str(hb)]
     r1 = Proc(*knobs, "--rank", "1", *COMMON)
     r0 = Proc(*knobs, "--port", "0", *COMMON)
@@ -295,7 +290,7 @@ def test_silent_rank_stops_the_other_idle():
         assert said is not None and said - t < hb + 1.0, r0.text()[-2000:]
         r1.proc.send_signal(signal.SIGKILL)
         # the other way round: rank 0 killed, rank 1 exits naming it
-        master = f"127.0.0.1:{lane_port()}"
+        master = f"127.0.0.1:{free_lane_port()}"
         knobs[3] = master
         r1b = Proc(*knobs, "--rank", "1", *COMMON)
         r0b = Proc(*knobs, "--port", "0", *COMMON)
@@ -313,7 +308,7 @@ def test_silent_rank_stops_the_other_idle():
 
 
 def test_serve_sh_tp2_starts_both_ranks_and_stops_them(one_rank):
-    master = f"127.0.0.1:{lane_port()}"
+    master = f"127.0.0.1:{free_lane_port()}"
     s = Proc("--tp", "2", "--master", master, "--port", "0", *COMMON, script=True)
     try:
         s.wait_ready()

@@ -58,7 +58,7 @@ def parse_master(master: str) -> tuple[str, int]:
 
 def free_lane_port(host: str = "127.0.0.1", count: int = 3) -> int:
     """A PORT whose PORT..PORT+count-1 can be bound on `host` now, below the ephemeral port range (see the module
-    docstring: a retried connect never lands on it), for tests and one-host launches."""
+    docstring: a retried connect never lands on it), for tests and benches."""
     low = 32768
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
