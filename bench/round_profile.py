@@ -57,13 +57,13 @@ def profile_case(fn, rounds: int, cuda: bool) -> dict:
         gpu = _dev_time(e)
         if e.key in SYNC_OPS:
             syncs += e.count
-        if "DtoH" in e.key or e.key.startswith("Memcpy DtoH"):
+        if "DtoH" in e.key:
             d2h += e.count
         if e.self_cpu_time_total > 0 and not e.key.startswith("cuda"):
             host.append((e.self_cpu_time_total, e.count, e.key))
         if gpu > 0 and e.self_cpu_time_total == 0:      # device-side events (kernels, memcpy, memset)
             kernels.append((gpu, e.count, e.key))
-    launches = sum(c for k, c, n in ((g, c, n) for g, c, n in kernels) if not n.startswith("Memset"))
+    launches = sum(c for _, c, name in kernels if not name.startswith("Memset"))
     busy = sum(g for g, _, _ in kernels)
     return {"wall_ms": wall * 1e3, "busy_ms": busy / 1e3 / rounds, "launches": launches / rounds,
             "syncs": syncs / rounds, "d2h": d2h / rounds,

@@ -2,8 +2,8 @@
 prompt pass? Prints a markdown report (and writes it to --out).
 
 1. Primitives at the tiny model's shapes: the CPU round's one torch.bmm of the index scores (MKL SGEMM_BATCH) against
-   the per-sequence 64-key torch.mm tiles (MKL SGEMM); torch's row sum / mean, softmax, sort on different row
-   counts and widths.
+   the per-sequence 64-key torch.mm tiles (MKL SGEMM); a 16-row product on a view at an offset against a contiguous
+   copy (MKL's alignment mode, MKL_CBWR); torch's row sum / mean, softmax, sort on different row counts and widths.
 2. The model (tests/test_model_round.py's sequences, tiny-a): the prompt pass (P), the forced per-sequence loop (L)
    and the batched round (R), for 6 decode steps and one 3-row verify. Per step, sequence and layer: the first
    tensor that differs between P, L and R (index scores, top-k, attention inputs / output, the layer's streams).
