@@ -1,7 +1,9 @@
 """Ops dispatched and host syncs per decode round (issue 8): the launch count, not the bytes, bounds a GPU round.
 
-Counts every aten op a decode round dispatches (TorchDispatchMode), split into the attention side (`Model._attention`;
-the batched round's once-per-round host work apart) and the rest, for rounds of R sequences x 1 new token at context
+Counts every aten op a decode round dispatches (TorchDispatchMode), split into the attention side (`Model._history`:
+window ring, compressor, indexer, top-k, key gather, the part a round runs outside its CUDA graphs; before
+the graphs commit it was `Model._attention`, which also held the q/kv projections and the attention itself; the
+batched round's once-per-round host work apart) and the rest, for rounds of R sequences x 1 new token at context
 C, on a small checkpoint on the CPU. Ops are split into view ops and bare allocations (no kernel on a GPU) and the
 rest (~one launch each on a GPU), and the ops that make a GPU wait for the host or the host for the GPU are counted
 apart: .item() / int() / bool() of a tensor (_local_scalar_dense), nonzero, masked_select, unique, a tensor-repeat
@@ -134,7 +136,7 @@ def main() -> None:
             finally:
                 counter.in_launch = False
         interpreter.InterpretedFunction.run = counted
-    orig_attention = model._attention
+    orig_attention = model._history
 
     def attention(*args, **kw):
         prev, counter.phase = counter.phase, "attn"
@@ -143,7 +145,7 @@ def main() -> None:
         finally:
             counter.phase = prev
 
-    model._attention = attention
+    model._history = attention
     prepare = getattr(model, "_prepare_round", None)
     if prepare is not None:            # the batched round's once-per-round host work (host tensors, one copy)
         def prep(*args, **kw):

@@ -25,6 +25,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     name: str = ""                       # served model id; "" = the checkpoint folder's name
     tokenizer: str = ""                  # tokenizer dir; "" = the checkpoint's tokenizer.json, else kit/tokenizer
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    cuda_graphs: bool = True             # on CUDA, decode rounds replay their row-only pieces as CUDA graphs
     # where to listen
     host: str = "127.0.0.1"
     port: int = 8000
@@ -149,6 +150,9 @@ FIELD_HELP: dict[str, str] = {
     "name": "model id served in /v1/models and echoed in replies; empty = the checkpoint folder's name",
     "tokenizer": "tokenizer folder (tokenizer.json); empty = the checkpoint's own, else kit/tokenizer",
     "device": "auto (cuda when there is a GPU, else cpu), cpu or cuda",
+    "cuda_graphs": "on CUDA, replay each decode round's row-only pieces (mHC, norms, projections, attention over the "
+                   "gathered keys, MoE) as CUDA graphs captured per row bucket; the same bits as running them eagerly "
+                   "(docs/gpu.md)",
     "host": "address to listen on",
     "port": "TCP port to listen on (0 = any free port; the chosen one is printed)",
     "api_key": "accepted API key (repeat the flag; env: comma-separated). Set = every route but /health needs "

@@ -1,4 +1,4 @@
-"""The batched round (Model._prepare_round / _attend_round): sequences that bring the same number of rows (decode,
+"""The batched round (Model._prepare_round / _keys_round): sequences that bring the same number of rows (decode,
 drafted verify) run the history work (window rings, compressor groups, indexer, top-k, key gather) once for the whole
 round. A row's bits must be what its sequence gives alone, whatever the other sequences' lengths (padding)."""
 import contextlib
@@ -27,12 +27,12 @@ def _tokens(n, seed):
 
 def _count_rounds(monkeypatch):
     calls = []
-    orig = Model._attend_round
+    orig = Model._keys_round
 
     def spy(self, *a, **k):
         calls.append(1)
         return orig(self, *a, **k)
-    monkeypatch.setattr(Model, "_attend_round", spy)
+    monkeypatch.setattr(Model, "_keys_round", spy)
     return calls
 
 

@@ -120,21 +120,30 @@ class TieForcer:
 
     def install(self, mp):
         f = self
-        self.orig = {"fp8": quant.fp8_fake_quant, "fp4": quant.fp4_fake_quant_e4m3,
-                     "attn": Model._attention, "entries": Model._entries}
+        self.orig = {"fp8": quant.fp8_fake_quant, "fp4": quant.fp4_fake_quant_e4m3, "forward": Model._forward,
+                     "attn_in": Model._attn_in, "history": Model._history, "entries": Model._entries}
 
-        def attention(model, blk, x, pos, *a, **k):
-            f.layer, f.pos = blk.role.index, pos
-            try:
-                return f.orig["attn"](model, blk, x, pos, *a, **k)
-            finally:
-                f.layer = None
+        def forward(model, batch, trace):   # one sequence: its new positions
+            st = batch[0].state
+            f.pos = torch.arange(st.length, st.length + batch[0].ids.numel())
+            return f.orig["forward"](model, batch, trace)
+
+        def in_layer(name):    # window KV is quantised in _attn_in, compressed KV in _history
+            def wrapped(model, blk, *a, **k):
+                f.layer = blk.role.index
+                try:
+                    return f.orig[name](model, blk, *a, **k)
+                finally:
+                    f.layer = None
+            return wrapped
 
         def entries(model, latent, gpos):   # the compressed entries of closing groups (prompt pass and round)
             f.gpos = gpos
             return f.orig["entries"](model, latent, gpos)
 
-        mp.setattr(Model, "_attention", attention)
+        mp.setattr(Model, "_forward", forward)
+        mp.setattr(Model, "_attn_in", in_layer("attn_in"))
+        mp.setattr(Model, "_history", in_layer("history"))
         mp.setattr(Model, "_entries", entries)
         mp.setattr(quant, "fp8_fake_quant", lambda x, block=32: self._force(x, block, "window_kv"))
         mp.setattr(quant, "fp4_fake_quant_e4m3", lambda x, block=16: self._force(x, block, "compressed_kv"))

@@ -14,6 +14,7 @@ top-k list and the candidate source its candidate blocks; later layers read the 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from dsv41.model.compressor import Compressor
 from dsv41.model.engram import Engram
 from dsv41.model.engram_hash import EngramHasher, build_token_map, load_token_map
 from dsv41.model.engram_store import EngramStore
+from dsv41.model.graphs import PieceGraphs
 from dsv41.model.indexer import KEY_TILE, Indexer, candidate_blocks, select_topk
 from dsv41.model.layout import LayerRole, Layout
 from dsv41.model.linear import linear, rms_norm
@@ -190,6 +192,8 @@ class Model:
         # the RoPE tables live where the positions do
         self.rope.inv_freq = {k: v.to(self.device) for k, v in self.rope.inv_freq.items()}
         self.engram_store = engram_store   # None: no Engram layers, or served without the tables (degraded)
+        # CUDA graphs of a round's row-only pieces (graphs.py); Model.load turns them on for a CUDA device
+        self.graphs: PieceGraphs | None = None
         self.embed = W["embed.weight"]
         self.head = W["head.weight"]
         self.norm = W["norm.weight"]
@@ -208,7 +212,8 @@ class Model:
     def load(cls, ckpt: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
              share: RankShare | None = None, qat: bool = True, index_keys: str = "intended",
              comm: Comm | None = None, engram: str | Path | None = None, engram_tables: bool = True,
-             engram_cache_bytes: int = 256 << 20, keep_quant: bool | None = None) -> Model:
+             engram_cache_bytes: int = 256 << 20, keep_quant: bool | None = None,
+             cuda_graphs: bool = True) -> Model:
         """Load a checkpoint. qat=False makes the three QAT fake-quants (window KV, compressed KV, indexer q/k)
         the identity; index_keys="quirk" reproduces the release's indexer-key publication (arch.md §2.8).
         engram: the folder holding the Engram tables (default: the checkpoint); engram_tables=False runs without
@@ -217,7 +222,9 @@ class Model:
         device "cpu": the float32 reference (weights dequantised at load). "cuda[:N]": the same code on the GPU,
         float32 with TF32 off; FP8/FP4 weights stay in checkpoint form there (dsv41/model/device.py, docs/gpu.md).
         keep_quant: keep FP8/FP4 weights in checkpoint form (default: on CUDA only); the values are the same
-        (dequantisation is exact), only where and when the weight is dequantised differs."""
+        (dequantisation is exact), only where and when the weight is dequantised differs.
+        cuda_graphs: on a CUDA device, replay decode rounds' row-only pieces as CUDA graphs (graphs.py); the same
+        bits as running them eagerly."""
         if dtype != torch.float32:
             raise ValueError("the forward computes in float32")
         dv = torch.device(device)
@@ -240,7 +247,10 @@ class Model:
                                 cache_bytes=engram_cache_bytes)
         engram_rows = _engram_row_reader(store)
         hasher = _make_hasher(d, cfg) if cfg.text.engram_layer_ids else None   # no Engram layers: nothing to hash
-        return cls(cfg, W, engram_rows, hasher, qat=qat, index_keys=index_keys, comm=comm, engram_store=store)
+        model = cls(cfg, W, engram_rows, hasher, qat=qat, index_keys=index_keys, comm=comm, engram_store=store)
+        if dv.type == "cuda" and cuda_graphs:
+            model.graphs = PieceGraphs("cuda")
+        return model
 
     def new_state(self) -> SeqState:
         return SeqState()
@@ -330,24 +340,34 @@ class Model:
         taps = [None] * len(t.dspark_target_layer_ids)
         shared = [{} for _ in segs]
         rd = self._prepare_round(segs)   # None: rows differ per sequence (prompt passes): the per-sequence loop
+        # a round's dense pieces through CUDA graphs (dsv41/model/graphs.py); traced and image calls run eagerly
+        G = self.graphs if rd is not None and trace is None and image is None else None
+        if G is not None:
+            cs = {k: (G.rows(f"cos.{k}", c), G.rows(f"sin.{k}", s_)) for k, (c, s_) in cs.items()}
         for blk in self.blocks:
             r = blk.role
+
+            def piece(name, fn, *args):
+                return fn(*args) if G is None else G.run((name, r.index), fn, args)
+
             if blk.engram is not None:
                 streams = blk.engram(streams, hash_ids[:, r.engram], image)
                 if trace is not None:
                     trace[f"engram_out_streams.layer{r.index}"] = streams.clone()
             if r.dspark_tap is not None:
                 taps[r.dspark_tap] = _stream_mean(streams)
-            pre_a, post_a, comb_a = hc_mixes(streams, blk.hc_attn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
-            x = rms_norm(hc_collapse(streams, pre), blk.attn_norm, t.rms_norm_eps)
-            y = self.comm.all_reduce(self._attention(blk, x, pos, cs[r.rope], cs["compress"], segs, shared, trace,
-                                                    rd))
-            streams = hc_expand(y, streams, post_a, comb_a)
-            pre_f, post_f, comb_f = hc_mixes(streams, blk.hc_ffn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
-            x = rms_norm(hc_collapse(streams, pre_a), blk.ffn_norm, t.rms_norm_eps)
-            y = self.comm.all_reduce(blk.moe(x, image))
-            streams = hc_expand(y, streams, post_f, comb_f)
-            pre = pre_f
+            cos, sin = cs[r.rope]
+            pre_a, post_a, comb_a, q, kv, ckv, cgate, iq, iw = piece(
+                "attn_in", functools.partial(self._attn_in, blk), streams, pre, cos, sin, *cs["compress"])
+            keys, valid = self._history(blk, kv, ckv, cgate, iq, iw, pos, segs, shared, trace, rd)
+            if self.comm.world == 1:
+                streams, pre = piece("attn_out_ffn", functools.partial(self._attn_out_ffn, blk, image=image),
+                                     q, keys, valid, cos, sin, streams, pre_a, post_a, comb_a)
+            else:   # the partial sums cross ranks between the pieces
+                y, = piece("attn_out", functools.partial(self._attn_out, blk), q, keys, valid, cos, sin)
+                streams, pre, post_f, comb_f, y = piece("ffn", functools.partial(self._ffn, blk, image=image),
+                                                        self.comm.all_reduce(y), streams, pre_a, post_a, comb_a)
+                streams, = piece("ffn_out", _expand, self.comm.all_reduce(y), streams, post_f, comb_f)
             if trace is not None:
                 trace.setdefault("layer_out_streams", []).append(streams.clone())
 
@@ -387,20 +407,51 @@ class Model:
             out.append(self.hasher.hash_compressed(st.engram_history, start))
         return torch.cat(out)
 
-    def _attention(self, blk: Block, x, pos, cos_sin, cs_compress, segs, shared, trace,
-                   rd: _Round | None = None) -> torch.Tensor:
-        t, r, attn = self.t, blk.role, blk.attn
-        W = t.sliding_window
-        cos, sin = cos_sin
-        q_res, q, kv = attn.project(x, cos, sin, self.qat)
+    # A layer is three pieces: _attn_in (rows only) -> _history (each sequence's history: ring, compressor,
+    # indexer, keys) -> _attn_out + _ffn (rows only). The row-only pieces are what a round's CUDA graphs hold
+    # (graphs.py); each returns a tuple of row-first tensors.
+
+    def _attn_in(self, blk: Block, streams, pre, cos, sin, ccos, csin) -> tuple:
+        """mHC mixes of the attention site, collapse with the incoming pre, attn_norm, the q/kv projections, and the
+        compressor's and indexer's row work."""
+        t = self.t
+        pre_a, post_a, comb_a = hc_mixes(streams, blk.hc_attn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
+        x = rms_norm(hc_collapse(streams, pre), blk.attn_norm, t.rms_norm_eps)
+        q_res, q, kv = blk.attn.project(x, cos, sin, self.qat)
         ckv = cgate = iq = iw = None
         if blk.compressor is not None:
             ckv, cgate = blk.compressor.project(x)
         if blk.indexer is not None:
-            iq, iw = blk.indexer.queries(q_res, x, cs_compress[0], cs_compress[1], self.qat)
+            iq, iw = blk.indexer.queries(q_res, x, ccos, csin, self.qat)
+        return pre_a, post_a, comb_a, q, kv, ckv, cgate, iq, iw
+
+    def _attn_out(self, blk: Block, q, keys, valid, cos, sin) -> tuple:
+        return blk.attn.output(blk.attn.attend(q, keys, valid), cos, sin),
+
+    def _ffn(self, blk: Block, y, streams, pre_a, post_a, comb_a, image=None) -> tuple:
+        """Expand the attention output into the streams, mHC mixes of the FFN site, collapse with the attention
+        site's pre, ffn_norm, MoE: -> (streams, the FFN site's pre/post/comb, this rank's MoE output)."""
+        t = self.t
+        streams = hc_expand(y, streams, post_a, comb_a)
+        pre_f, post_f, comb_f = hc_mixes(streams, blk.hc_ffn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
+        x = rms_norm(hc_collapse(streams, pre_a), blk.ffn_norm, t.rms_norm_eps)
+        return streams, pre_f, post_f, comb_f, blk.moe(x, image)
+
+    def _attn_out_ffn(self, blk: Block, q, keys, valid, cos, sin, streams, pre_a, post_a, comb_a,
+                      image=None) -> tuple:
+        """_attn_out, _ffn and the last expand as one piece (one rank: nothing crosses between them)."""
+        y, = self._attn_out(blk, q, keys, valid, cos, sin)
+        streams, pre_f, post_f, comb_f, y = self._ffn(blk, y, streams, pre_a, post_a, comb_a, image)
+        return hc_expand(y, streams, post_f, comb_f), pre_f
+
+    def _history(self, blk: Block, kv, ckv, cgate, iq, iw, pos, segs, shared, trace,
+                 rd: _Round | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new rows' KV into each sequence's window ring and compressor, score the indexer, and return
+        every row's key set: keys [N, K, D] (window, then the top-k compressed entries) and valid [N, K]."""
+        t, r = self.t, blk.role
+        W = t.sliding_window
         if rd is not None:
-            o = self._attend_round(blk, rd, q, kv, ckv, cgate, iq, iw, trace)
-            return attn.output(o, cos, sin)
+            return self._keys_round(blk, rd, kv, ckv, cgate, iq, iw, trace)
         keys, valid = [], []
         for (a, n, start, st), sh in zip(segs, shared):
             wkeys, wvalid = st.window_keys(r.index, kv[a:a + n], start, W)
@@ -420,8 +471,7 @@ class Model:
             ckeys = ckv_src[topk.clamp_min(0)] if ckv_src.shape[0] else kv.new_zeros(topk.shape + (kv.shape[1],))
             keys.append(torch.cat([wkeys, ckeys], dim=1))
             valid.append(torch.cat([wvalid, ok], dim=1))
-        o = attn.attend(q, torch.cat(keys), torch.cat(valid))
-        return attn.output(o, cos, sin)
+        return torch.cat(keys), torch.cat(valid)
 
     def _compress(self, blk: Block, st: SeqState, sh: dict, kv, gate) -> None:
         """Close this call's groups of a KV source; append compressed KV (and index keys) and publish them."""
@@ -578,8 +628,8 @@ class Model:
         return _Round(n=n, starts=starts, states=states, win_src=dev_parts["win_src"],
                       win_valid=dev_parts["win_pos"] >= 0, ring_segs=ring_segs, srcs=srcs, idx=idx)
 
-    def _attend_round(self, blk: Block, rd: _Round, q, kv, ckv, cgate, iq, iw, trace) -> torch.Tensor:
-        """The per-sequence loop of _attention for a round, each step once for all its sequences: the window keys
+    def _keys_round(self, blk: Block, rd: _Round, kv, ckv, cgate, iq, iw, trace) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-sequence loop of _history for a round, each step once for all its sequences: the window keys
         in one gather, the ring writes in one _foreach_copy_, the compressor's groups pooled together, one scoring
         of all rows against their own (padded) keys, one top-k; every row gets the bits the loop gives it."""
         t, r = self.t, blk.role
@@ -601,16 +651,14 @@ class Model:
                 src.append(kv[b * n + i0:b * n + i0 + m])
         torch._foreach_copy_(dst, src)
         if r.ratio == 0:
-            return blk.attn.attend(q, wkeys, rd.win_valid)
+            return wkeys, rd.win_valid
         if blk.compressor is not None:
             self._compress_round(blk, rd, ckv, cgate)
         if blk.indexer is not None:
             rd.topk = self._index_round(blk, rd, iq, iw, trace)
         topk = rd.topk
         ckeys = _gather_round(rd.kv, topk, n, dev.kernel("index_scores", kv) is not None)
-        keys = torch.cat([wkeys, ckeys], dim=1)
-        valid = torch.cat([rd.win_valid, topk >= 0], dim=1)
-        return blk.attn.attend(q, keys, valid)
+        return torch.cat([wkeys, ckeys], dim=1), torch.cat([rd.win_valid, topk >= 0], dim=1)
 
     def _compress_round(self, blk: Block, rd: _Round, kv, gate) -> None:
         """_compress for every sequence of the round: the closing groups of all sequences pooled at once."""
@@ -730,6 +778,10 @@ def _grow_rows(rows: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         buf = rows.new_empty(((n + g) * 5 // 4 + 16, d))
         buf[:n] = rows
     return buf[:n + g], buf[n:n + g]
+
+
+def _expand(y, streams, post, comb) -> tuple:
+    return hc_expand(y, streams, post, comb),
 
 
 def _stream_mean(streams: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@ target dtype among float32/bfloat16.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 F32 = torch.float32
@@ -21,7 +23,10 @@ FP4_KV_AMAX_FLOOR = 6 * 2.0 ** -9   # compressed KV: amax/6 >= 2^-9, the smalles
 FP4_INDEX_AMAX_FLOOR = 6 * 2.0 ** -126  # indexer q/k: scale >= 2^-126, the smallest normal float32
 
 
-def _e2m1_table(device) -> torch.Tensor:
+@functools.cache
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """The E2M1 magnitudes on `device`, made once: a fresh list-to-GPU copy per call would make the host wait,
+    and cannot be captured in a CUDA graph."""
     return torch.tensor(E2M1_VALUES, dtype=F32, device=device)
 
 

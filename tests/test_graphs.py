@@ -1,0 +1,125 @@
+"""CUDA graphs of a round's row-only pieces (dsv41/model/graphs.py): the same bits as the eager round.
+
+On the CPU the graphs are emulated (the same static buffers, row padding and reuse of another piece's outputs, the
+piece run eagerly on them), which checks everything but the capture itself; the CUDA tests capture for real."""
+import pytest
+import torch
+
+from dsv41.model.graphs import ROW_BUCKETS, PieceGraphs, row_bucket
+from dsv41.model.model import Comm, Model, SeqInput
+
+
+@pytest.fixture(scope="module")
+def model(shared):
+    return Model.load(shared / "vectors/model/tiny-a/checkpoint")
+
+
+def _tokens(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 500, (n,), generator=g)
+
+
+def _decode(model, graphs, lens, steps, rows=1):
+    """Prompts of `lens` (different lengths, or more rows than the window: no round, so eager), then `steps` rounds of `rows` tokens per sequence; all logits."""
+    model.graphs = graphs
+    try:
+        seqs = [_tokens(max(lens) + steps * rows, 20 + i) for i in range(len(lens))]
+        states = [model.new_state() for _ in lens]
+        out = model.forward([SeqInput(st, s[:n]) for st, s, n in zip(states, seqs, lens)])
+        for k in range(steps):
+            out += model.forward([SeqInput(st, s[n + k * rows:n + (k + 1) * rows])
+                                  for st, s, n in zip(states, seqs, lens)])
+        return out
+    finally:
+        model.graphs = None
+
+
+def test_row_bucket():
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 17, 24, 25, 64)] == [1, 2, 4, 8, 24, 24, 32, 64]
+    assert row_bucket(65) is None and row_bucket(2048) is None
+    assert list(ROW_BUCKETS) == sorted(ROW_BUCKETS)
+
+
+@pytest.mark.parametrize("lens,rows", [([9], 1), ([3, 9, 14], 1), ([2, 7, 11, 16, 23], 1), ([4, 12, 20], 3)])
+def test_emulated_graphs_give_the_eager_bits(model, lens, rows):
+    """1, 3 and 5 sequences (buckets 1, 4 and 8: padded rows), and 3-row verify rounds (9 rows -> 16), over 4
+    rounds each: every logit row is bitwise the eager round's, and the rounds replayed pieces only."""
+    eager = _decode(model, None, lens, 4, rows)
+    G = PieceGraphs("emulate")
+    got = _decode(model, G, lens, 4, rows)
+    assert len(got) == len(eager)
+    for a, b in zip(got, eager):
+        assert torch.equal(a, b)
+    per_round = 2 * len(model.blocks)                  # attn_in and attn_out_ffn per layer
+    assert G.stats["replays"] == 4 * per_round and G.stats["eager"] == 0
+    assert G.stats["captures"] == per_round             # one bucket: captured in the first round only
+    assert not G.failed
+
+
+def test_emulated_graphs_split_pieces_for_tensor_parallel(model):
+    """With world > 1 the layer runs as attn_out, ffn, ffn_out with the (here identity) reductions between them:
+    the same bits as the merged piece, with and without graphs."""
+    lens = [3, 8]
+    eager = _decode(model, None, lens, 3)
+    before = model.comm
+    model.comm = Comm(world=2)       # identity exchanges: a full-share model through the TP code path
+    try:
+        split = _decode(model, None, lens, 3)
+        G = PieceGraphs("emulate")
+        split_g = _decode(model, G, lens, 3)
+    finally:
+        model.comm = before
+    for a, b, c in zip(eager, split, split_g):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert G.stats["captures"] == 4 * len(model.blocks)
+
+
+def test_a_piece_reads_another_pieces_outputs_in_place():
+    """A piece given another piece's result reads that static buffer (no copy); results are views of static
+    buffers that the next call overwrites (the contract callers keep)."""
+    G = PieceGraphs("emulate")
+    x = torch.arange(6.0).view(3, 2)
+    a, = G.run("double", lambda t: (t * 2,), (x,))
+    b, = G.run("plus1", lambda t: (t + 1,), (a,))
+    assert torch.equal(b, x * 2 + 1)
+    assert G.entries[("plus1", 4)].inputs[0] is G.entries[("double", 4)].outputs[0]
+    assert torch.equal(G.entries[("double", 4)].inputs[0][3], x[0])     # the padded row repeats row 0
+    a2, = G.run("double", lambda t: (t * 2,), (x + 10,))
+    assert a2.data_ptr() == a.data_ptr() and torch.equal(a, (x + 10) * 2)
+
+
+def test_a_changed_argument_is_refused():
+    G = PieceGraphs("emulate")
+    G.run("p", lambda t: (t,), (torch.zeros(2, 3),))
+    with pytest.raises(ValueError, match="changed"):
+        G.run("p", lambda t: (t,), (torch.zeros(2, 4),))
+    with pytest.raises(ValueError, match="changed"):
+        G.run("p", lambda t: (t,), (torch.zeros(2, 3, dtype=torch.float64),))
+
+
+def test_rounds_past_the_largest_bucket_run_eagerly():
+    G = PieceGraphs("emulate")
+    x = torch.ones(ROW_BUCKETS[-1] + 1, 2)
+    y, = G.run("p", lambda t: (t * 3,), (x,))
+    assert torch.equal(y, x * 3) and G.stats["eager"] == 1 and not G.entries
+
+
+def test_bad_mode_is_refused():
+    with pytest.raises(ValueError, match="mode"):
+        PieceGraphs("sometimes")
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_give_the_eager_bits(shared):
+    """On the GPU: rounds of 1, 3 and 5 sequences replayed from real CUDA graphs == the eager rounds bitwise."""
+    m = Model.load(shared / "vectors/model/tiny-a/checkpoint", device="cuda")
+    assert isinstance(m.graphs, PieceGraphs)
+    for lens in ([9], [3, 9, 14], [2, 7, 11, 16, 23]):
+        eager = _decode(m, None, lens, 4)
+        G = PieceGraphs("cuda")
+        got = _decode(m, G, lens, 4)
+        assert not G.failed, G.failed
+        assert G.stats["replays"] == 4 * 2 * len(m.blocks) and G.stats["eager"] == 0
+        for a, b in zip(got, eager):
+            assert torch.equal(a, b)
+
