@@ -285,6 +285,8 @@ def main(argv=None) -> int:
               f"({R / ext:.1f} tok/s)", flush=True)
         del states
 
+    if model.graphs is not None:
+        print(f"graphs: {dict(model.graphs.stats)}; failed captures: {model.graphs.failed or 'none'}", flush=True)
     report()
     # prompt passes
     sources = set(t.kv_source_layer_ids)
