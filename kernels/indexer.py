@@ -3,8 +3,12 @@
 Reference: `dsv41.model.indexer.Indexer.scores` before its visibility mask (the torch path cuts the keys into tiles
 of 64 and the rows into fixed row tiles, with a Python loop over heads: thousands of launches per call on a GPU).
 
-Numerics: float32 throughout, IEEE products (no TF32), heads added in order 0..H-1 as the reference does; the sum
-over the head dim is the kernel's own fixed order, so values differ from the torch path by float32 rounding only.
+Numerics: float32 in and out, heads added in order 0..H-1 as the reference does. The q·k products run on the tensor
+cores as 3xTF32 (`input_precision="tf32x3"`: each operand split into a TF32 high part and a TF32 remainder, three
+products, fp32 accumulation), about float32's accuracy (~1e-6 relative) at several times the rate of IEEE fp32 dots
+(which ran at ~13 TFLOP/s on the H200 and bound long prompts: 2026-12-03 gpu.md). Under QAT the indexer's q and k
+are FP4 values times a power of two, exact in TF32, so the remainders are zero and every product is exact. The sum
+over the head dim is the kernel's own fixed order, so values differ from the torch path by float32-level rounding.
 Exactness: one configuration (BLOCK_M rows x BLOCK_N keys per program, the whole head dim in one product), so a
 (row, key) value depends only on that row and that key: not on the other rows of the call, nor on how many keys
 the sequence has (chunked prompt == one pass, a row alone == among many).
@@ -37,7 +41,7 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, N, T, scale, H, D: tl.con
         if INTERP:   # numpy's BLAS would round a row by its place in the tile: an explicit product-sum instead
             s = tl.sum(q[:, :, None] * kt[None, :, :], axis=1)
         else:
-            s = tl.dot(q, kt, input_precision="ieee")
+            s = tl.dot(q, kt, input_precision="tf32x3")
         w = tl.load(w_ptr + rows * H + h, mask=rmask, other=0.0)
         acc = acc + (tl.maximum(s, 0.0) * scale) * w[:, None]
     tl.store(out_ptr + rows[:, None] * T + keys[None, :], acc, mask=rmask[:, None] & kmask[None, :])
@@ -82,7 +86,7 @@ def _index_scores_round_kernel(tab_ptr, q_ptr, w_ptr, cnt_ptr, out_ptr, n, T, RB
         if INTERP:
             s = tl.sum(q[:, :, None] * kt[None, :, :], axis=1)
         else:
-            s = tl.dot(q, kt, input_precision="ieee")
+            s = tl.dot(q, kt, input_precision="tf32x3")
         w = tl.load(w_ptr + rows * H + h, mask=rmask, other=0.0)
         acc = acc + (tl.maximum(s, 0.0) * scale) * w[:, None]
     tl.store(out_ptr + rows[:, None] * T + keys[None, :], acc, mask=rmask[:, None] & (keys < T)[None, :])
