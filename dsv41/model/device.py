@@ -157,6 +157,10 @@ KERNELS = _load_kernels()
 _enabled = os.environ.get("DSV41_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def kernels_enabled() -> bool:
+    return _enabled
+
+
 def set_kernels(enabled: bool) -> None:
     """Use the Triton kernels on CUDA (True, the default) or the torch fallbacks (False)."""
     global _enabled

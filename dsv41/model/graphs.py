@@ -128,7 +128,9 @@ class PieceGraphs:
                     fn(*inputs)
                 torch.cuda.current_stream().wait_stream(side)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
+                # thread_local: only this thread's unsafe calls break the capture (the server's other threads
+                # may use CUDA meanwhile)
+                with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
                     outputs = tuple(fn(*inputs))
             except Exception as exc:  # noqa: BLE001 - a piece that cannot be captured runs eagerly, said once
                 torch.cuda.synchronize()

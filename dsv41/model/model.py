@@ -340,8 +340,10 @@ class Model:
         taps = [None] * len(t.dspark_target_layer_ids)
         shared = [{} for _ in segs]
         rd = self._prepare_round(segs)   # None: rows differ per sequence (prompt passes): the per-sequence loop
-        # a round's dense pieces through CUDA graphs (dsv41/model/graphs.py); traced and image calls run eagerly
-        G = self.graphs if rd is not None and trace is None and image is None else None
+        # a round's dense pieces through CUDA graphs (dsv41/model/graphs.py); traced and image calls run eagerly,
+        # and so do the torch fallbacks (DSV41_KERNELS=0: a comparison tool; their MoE syncs with the host)
+        G = (self.graphs if rd is not None and trace is None and image is None and dev.kernels_enabled()
+             else None)
         if G is not None:
             cs = {k: (G.rows(f"cos.{k}", c), G.rows(f"sin.{k}", s_)) for k, (c, s_) in cs.items()}
         for blk in self.blocks:
