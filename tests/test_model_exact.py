@@ -186,3 +186,30 @@ def test_logits_none_and_last(model):
     assert out[0].shape == (0, model.t.vocab_size) and a.length == 7
     assert torch.equal(out[1], ref[-1:])
     assert torch.equal(model.forward([SeqInput(a, ids[7:], logits="last")])[0], ref[-1:])
+
+
+@pytest.mark.parametrize("kind", ["random", "few values", "masked ties", "signed zeros"])
+def test_select_topk_equals_the_stable_sort(kind):
+    """select_topk (k-th value by torch.topk, ties filled lowest index first, no full sort) picks exactly what the
+    stable descending sort picks, on rows full of ties, -inf (not visible) and -0.0 == 0.0, for k below, at and
+    above the row length."""
+    from dsv41.model.indexer import select_topk, select_topk_by_sort
+    g = torch.Generator().manual_seed(len(kind))
+    for trial in range(60):
+        n = 1 + trial % 5
+        T = 1 + (trial * 37) % 250
+        k = 1 + (trial * 11) % 40
+        if kind == "random":
+            s = torch.randn(n, T, generator=g)
+        elif kind == "few values":
+            s = torch.randint(0, 4, (n, T), generator=g).float()
+        elif kind == "masked ties":
+            s = torch.randint(0, 3, (n, T), generator=g).float()
+            s[torch.rand(n, T, generator=g) < 0.5] = float("-inf")
+        else:
+            s = torch.full((n, T), float("-inf"))
+            s[:, :T // 3] = torch.randint(0, 2, (n, T // 3), generator=g).float()
+            s[torch.rand(n, T, generator=g) < 0.2] = -0.0
+        got = select_topk(s, k)
+        assert got.shape == (n, k)
+        assert torch.equal(got, select_topk_by_sort(s, k)), (trial, n, T, k)

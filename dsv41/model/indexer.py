@@ -169,7 +169,33 @@ def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, ratio: int, 
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k finite entries per row, ascending, padded with -1 to width k: [n, k] int64."""
+    """Top-k finite entries per row, ascending, padded with -1 to width k: [n, k] int64. The pick is the stable
+    sort's (value descending, ties to the lower index) without sorting the row: a long prompt's rows hold up to 1M
+    scores, and a full sort of each was the largest cost of a prompt chunk after the scores themselves. The k-th
+    value v comes from torch.topk (its values are exact; only its tie order is unspecified); every entry above v
+    is taken, and of the entries equal to v the lowest-index ones that fill k; the taken indices are then listed
+    in ascending order by one more top-k over their negated index. tests/test_model_exact.py checks it against the
+    stable sort on rows full of ties."""
+    n, T = scores.shape
+    kk = min(k, T)
+    out = torch.full((n, k), -1, dtype=torch.long, device=scores.device)
+    if kk == 0 or n == 0:
+        return out
+    kth = torch.topk(scores, kk, dim=1).values[:, -1:]                         # [n, 1]
+    above = scores > kth
+    tie = scores == kth
+    need = kk - above.sum(1, keepdim=True)                                      # >= 1: kth itself ties
+    rev = torch.arange(T, 0, -1, device=scores.device)                          # T - index: larger = lower index
+    low_ties = torch.topk(torch.where(tie, rev, 0), kk, dim=1).values           # lowest tie indices first
+    last = T - low_ties.gather(1, need - 1)                                     # index of the need-th tie
+    take = (above | (tie & (rev >= T - last))) & (scores > NEG_INF)
+    picked = torch.topk(torch.where(take, rev, 0), kk, dim=1).values            # ascending index order
+    out[:, :kk] = torch.where(picked > 0, T - picked, -1)
+    return out
+
+
+def select_topk_by_sort(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """select_topk written with the full stable sort (the definition it must equal; tests and benches only)."""
     n, T = scores.shape
     vals, idx = stable_topk(scores, min(k, T))
     idx = torch.where(vals > NEG_INF, idx, torch.full_like(idx, T))     # invalid picks sort last
