@@ -3,8 +3,9 @@
 # made is reused) takes the longest filler prompt toward 1,048,576 tokens that LONG_BUDGET_S allows, in prompt
 # passes of LONG_CHUNK rows; then decode rounds after it, peak GPU and host memory against the memory plan, and four
 # prompts at once == each alone (160K each when time allows, else shortened: the result file says so).
-# Writes $OUT/bench/results/long-h200.md. Under 4 minutes. Knobs (env): LONG_LAYERS (2), LONG_CHUNK (4096),
-# LONG_BUDGET_S (90), LONG_FOUR (163840), LONG_FOUR_BUDGET_S (50). Degrades with a line saying what it skipped.
+# Writes $OUT/bench/results/long-h200.md. Within all.sh's PART_LIMIT_S (240 s by default; the 1M prompt wants a call
+# of its own: PART_LIMIT_S=570 LONG_BUDGET_S=330). Knobs (env): LONG_LAYERS (2), LONG_CHUNK (4096), LONG_BUDGET_S
+# (90), LONG_FOUR (163840), LONG_FOUR_BUDGET_S (50). Degrades with a line saying what it skipped.
 set -u
 export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD} TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0
 mkdir -p "$OUT/bench/results"
@@ -38,8 +39,9 @@ if [ ! -f "$ck/config.json" ]; then
 fi
 echo "long.sh: checkpoint $ck ($(du -sh "$ck" | cut -f1)) at $(( $(date +%s) - t0 ))s"
 echo "long.sh: note: make_real has no Engram layers, so Engram row reads are not part of this run"
-# what is left of the part's 240 s after the checkpoint: ~60 s to load and decode, the rest 60/40 prompt/four
-left=$(( 225 - ($(date +%s) - t0) - 60 ))
+# what is left of the part's limit (all.sh's PART_LIMIT_S, 240 s by default) after the checkpoint: ~60 s to load
+# and decode, the rest 60/40 prompt/four
+left=$(( ${PART_LIMIT_S:-240} - 15 - ($(date +%s) - t0) - 60 ))
 budget=${LONG_BUDGET_S:-90}; four_s=${LONG_FOUR_BUDGET_S:-50}
 [ $(( left * 6 / 10 )) -lt "$budget" ] && budget=$(( left * 6 / 10 ))
 [ $(( left * 4 / 10 / 2 )) -lt "$four_s" ] && four_s=$(( left * 4 / 10 / 2 ))
