@@ -213,3 +213,21 @@ def test_select_topk_equals_the_stable_sort(kind):
         got = select_topk(s, k)
         assert got.shape == (n, k)
         assert torch.equal(got, select_topk_by_sort(s, k)), (trial, n, T, k)
+
+
+def test_index_rows_in_blocks_equal_one_block(model, monkeypatch):
+    """A prompt pass scores its index rows in blocks when the keys are many (model.index_row_block): blocks of 16
+    rows give the same logits and states as all rows at once."""
+    from dsv41.model import model as model_mod
+    ids = torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(5))
+    whole = model.new_state()
+    ref = model.forward([SeqInput(whole, ids[:40])])[0]
+    ref2 = model.forward([SeqInput(whole, ids[40:])])[0]
+    monkeypatch.setattr(model_mod, "INDEX_BLOCK_BYTES", 1)
+    assert model_mod.index_row_block(10 ** 6) == 16
+    blocked = model.new_state()
+    got = model.forward([SeqInput(blocked, ids[:40])])[0]
+    got2 = model.forward([SeqInput(blocked, ids[40:])])[0]
+    assert torch.equal(got, ref) and torch.equal(got2, ref2)
+    for L in whole.compressed:
+        assert torch.equal(whole.compressed[L], blocked.compressed[L])

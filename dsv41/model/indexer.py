@@ -185,12 +185,12 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     above = scores > kth
     tie = scores == kth
     need = kk - above.sum(1, keepdim=True)                                      # >= 1: kth itself ties
-    rev = torch.arange(T, 0, -1, device=scores.device)                          # T - index: larger = lower index
+    rev = torch.arange(T, 0, -1, dtype=torch.int32, device=scores.device)       # T - index: larger = lower index
     low_ties = torch.topk(torch.where(tie, rev, 0), kk, dim=1).values           # lowest tie indices first
     last = T - low_ties.gather(1, need - 1)                                     # index of the need-th tie
     take = (above | (tie & (rev >= T - last))) & (scores > NEG_INF)
     picked = torch.topk(torch.where(take, rev, 0), kk, dim=1).values            # ascending index order
-    out[:, :kk] = torch.where(picked > 0, T - picked, -1)
+    out[:, :kk] = torch.where(picked > 0, T - picked, -1).long()
     return out
 
 

@@ -513,15 +513,25 @@ class Model:
         if keys.shape[0] == 0:
             topk = torch.full((q.shape[0], t.index_topk), -1, dtype=torch.long)
         else:
-            scores = ix.scores(q, w, keys, p, r.ratio)
+            # rows in blocks: a long prompt's [rows, keys] scores and their top-k temporaries would be tens of GB
+            # for a whole chunk at 1M keys; a row's result does not depend on its block (row-invariance)
+            rb = index_row_block(keys.shape[0])
+            picks, cands = [], []
+            for r0 in range(0, q.shape[0], rb):
+                rows = slice(r0, r0 + rb)
+                scores = ix.scores(q[rows], w[rows], keys, p[rows], r.ratio)
+                if r.candidate_source:
+                    cands.append(candidate_blocks(scores, p[rows], r.ratio, t.candidate_topk_blocks,
+                                                  t.candidate_block_size))
+                elif r.uses_candidates and "candidates" in sh:
+                    scores = scores.masked_fill(~sh["candidates"][rows], float("-inf"))
+                picks.append(select_topk(scores, t.index_topk))
+                del scores
+            topk = torch.cat(picks) if len(picks) > 1 else picks[0]
             if r.candidate_source:
-                sh["candidates"] = candidate_blocks(scores, p, r.ratio, t.candidate_topk_blocks,
-                                                    t.candidate_block_size)
+                sh["candidates"] = torch.cat(cands) if len(cands) > 1 else cands[0]
                 if trace is not None:
                     trace.setdefault(f"candidates.layer{r.index}", []).append(sh["candidates"])
-            elif r.uses_candidates and "candidates" in sh:
-                scores = scores.masked_fill(~sh["candidates"], float("-inf"))
-            topk = select_topk(scores, t.index_topk)
         if trace is not None:
             trace.setdefault(f"topk.layer{r.index}", []).append(topk)
         return topk
@@ -780,6 +790,16 @@ def _grow_rows(rows: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
         buf = rows.new_empty(((n + g) * 5 // 4 + 16, d))
         buf[:n] = rows
     return buf[:n + g], buf[n:n + g]
+
+
+# float32 scores one prompt pass's indexer holds per block of rows (its top-k temporaries add a few times that)
+INDEX_BLOCK_BYTES = 1 << 30
+
+
+def index_row_block(keys: int) -> int:
+    """Rows of a prompt pass scored against `keys` index keys at once: every row while the scores stay under
+    INDEX_BLOCK_BYTES, else fewer (a multiple of 16, at least 16)."""
+    return max(16, INDEX_BLOCK_BYTES // (4 * max(1, keys)) // 16 * 16)
 
 
 def _expand(y, streams, post, comb) -> tuple:
