@@ -125,17 +125,24 @@ class MemoryPlan:
                 row("total", self.total, "")]
 
 
-def prompt_scratch_bytes(text_config: dict, rows: int) -> int:
+def prompt_scratch_bytes(text_config: dict, rows: int, positions: int = 0) -> int:
     """An estimate of one prompt pass's activations: per row the hyper-connection streams and their mixes, the
     attention's queries and its scores against the window + top-k keys, the routed experts' intermediates, float32,
-    with a factor 2 for temporaries. (The forward frees them between layers; one pass is alive at a time.)"""
+    with a factor 2 for temporaries. (The forward frees them between layers; one pass is alive at a time.)
+    positions: the longest sequence (up to one index key per position): the indexer's scores and top-k temporaries
+    for one block of rows (dsv41.model.model.index_row_block), ~24 bytes per (row, key), and the candidate mask of
+    the whole chunk, 1 byte per (row, key)."""
     tc = text_config
     H, hc = int(tc["hidden_size"]), int(tc.get("hc_mult", 4))
     heads, hd = int(tc["num_attention_heads"]), int(tc["head_dim"])
     keys = int(tc.get("sliding_window", 0)) + int(tc.get("index_topk", 0))
     moe = int(tc.get("moe_intermediate_size", 0)) * int(tc.get("num_experts_per_tok", 1))
     per_row = 4 * (hc * H * 4 + heads * hd * 2 + heads * keys + moe * 3 + H * 4)
-    return 2 * rows * per_row
+    index = 0
+    if positions > 0 and int(tc.get("index_topk", 0)):
+        from dsv41.model.model import index_row_block
+        index = min(rows, index_row_block(positions)) * positions * 24 + rows * positions
+    return 2 * rows * per_row + index
 
 
 def memory_plan(text_config: dict, cost: StateCost, window: int, max_streams: int, prompt_chunk: int,
@@ -153,7 +160,7 @@ def memory_plan(text_config: dict, cost: StateCost, window: int, max_streams: in
     return MemoryPlan(window=window, max_streams=max_streams, prompt_chunk=prompt_chunk,
                       window_kv=max_streams * window_kv, compressor_partials=max_streams * partials,
                       compressed_kv=ckv, index_keys=ikeys, engram_history=window * cost.per_token_bytes,
-                      kept_states=int(kept_bytes), prompt_scratch=prompt_scratch_bytes(tc, prompt_chunk),
+                      kept_states=int(kept_bytes), prompt_scratch=prompt_scratch_bytes(tc, prompt_chunk, window),
                       margin=cost.margin)
 
 
