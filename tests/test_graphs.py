@@ -109,6 +109,24 @@ def test_bad_mode_is_refused():
         PieceGraphs("sometimes")
 
 
+def test_scheduler_with_emulated_graphs_equals_eager(model, shared):
+    """The scheduler's rounds (bursts whose streams start and finish at different times, drafted verify rounds
+    that roll back, greedy and seeded sampling) through emulated graphs give the eager serial replies: nothing
+    downstream keeps a piece's result past the next round."""
+    from test_drafts import _ids, _mixed, _prompts, run
+    model.ckpt = shared / "vectors/model/tiny-a/checkpoint"
+    prompts = _prompts(8, model.t.vocab_size, seed=3)
+    serial, _ = run(model, _mixed(prompts, 16), drafts=False)
+    G = model.graphs = PieceGraphs("emulate")
+    try:
+        plain, _ = run(model, _mixed(prompts, 16), drafts=False)
+        drafted, _ = run(model, _mixed(prompts, 16), drafts=True, draft_tokens=3)
+    finally:
+        model.graphs = None
+    assert _ids(plain) == _ids(serial) and _ids(drafted) == _ids(serial)
+    assert G.stats["replays"] > 0 and len({b for (_, b) in G.entries}) >= 3, G.stats
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_give_the_eager_bits(shared):
     """On the GPU: rounds of 1, 3 and 5 sequences replayed from real CUDA graphs == the eager rounds bitwise."""
