@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -250,6 +251,8 @@ class Model:
         model = cls(cfg, W, engram_rows, hasher, qat=qat, index_keys=index_keys, comm=comm, engram_store=store)
         if dv.type == "cuda" and cuda_graphs:
             model.graphs = PieceGraphs("cuda")
+        elif cuda_graphs and os.environ.get("DSV41_GRAPHS") == "emulate":   # tests: the graphs' bookkeeping on CPU
+            model.graphs = PieceGraphs("emulate")
         return model
 
     def new_state(self) -> SeqState:
