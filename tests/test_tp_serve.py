@@ -45,10 +45,11 @@ LOGPROB_TOL = 5e-3
 class Proc:
     """One `python -m dsv41 serve` process (or scripts/serve.sh), its output lines timestamped."""
 
-    def __init__(self, *args: str, script: bool = False):
+    def __init__(self, *args: str, script: bool = False, env: dict | None = None):
         cmd = ([str(ROOT / "scripts/serve.sh")] if script else [sys.executable, "-m", "dsv41", "serve"]) + list(args)
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, **ENV), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, **ENV, **(env or {})),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
         self.lines: list[tuple[float, str]] = []
         self.url = ""
         threading.Thread(target=self._pump, daemon=True).start()
@@ -141,15 +142,15 @@ def one_rank():
 
 
 @contextlib.contextmanager
-def two_rank_server(*args: str, settle_s: float = 2.0):
+def two_rank_server(*args: str, settle_s: float = 2.0, env: dict | None = None):
     """`--tp 2` on this host: rank 1 first (it waits), rank 0 `settle_s` later; yields (rank 0, rank 1) once rank 0
     serves, and stops both on the way out."""
     master = f"127.0.0.1:{free_lane_port()}"
-    r1 = Proc("--tp", "2", "--rank", "1", "--master", master, *args)
+    r1 = Proc("--tp", "2", "--rank", "1", "--master", master, *args, env=env)
     try:
         r1.wait_line(r"waiting for rank 0", 60)
         time.sleep(settle_s)
-        r0 = Proc("--tp", "2", "--master", master, "--port", "0", *args)
+        r0 = Proc("--tp", "2", "--master", master, "--port", "0", *args, env=env)
         try:
             r0.wait_ready()
             yield r0, r1
@@ -161,7 +162,9 @@ def two_rank_server(*args: str, settle_s: float = 2.0):
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    with two_rank_server(*COMMON) as ranks:
+    # the two ranks run their rounds' pieces through the graphs' bookkeeping (emulated on CPU, real on CUDA), the
+    # one-rank reference eagerly on CPU: the replies must still be one rank's
+    with two_rank_server(*COMMON, env={"DSV41_GRAPHS": "emulate"}) as ranks:
         yield ranks
 
 
