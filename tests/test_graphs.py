@@ -20,7 +20,8 @@ def _tokens(n, seed):
 
 
 def _decode(model, graphs, lens, steps, rows=1):
-    """Prompts of `lens` (different lengths, or more rows than the window: no round, so eager), then `steps` rounds of `rows` tokens per sequence; all logits."""
+    """Prompts of `lens` (different lengths, or more rows than the window: no round, so eager), then `steps`
+    rounds of `rows` tokens per sequence; all logits."""
     model.graphs = graphs
     try:
         seqs = [_tokens(max(lens) + steps * rows, 20 + i) for i in range(len(lens))]
