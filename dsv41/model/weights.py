@@ -276,7 +276,8 @@ def _read(f, name: str, part: tuple[int, int, int] | None) -> torch.Tensor:
         return f.get_tensor(name)
     dim, a, b = part
     sl = f.get_slice(name)
-    return sl[a:b] if dim == 0 else sl[:, a:b]
+    # contiguous: a column share comes back as a strided view of the whole rows, which the kernels refuse
+    return (sl[a:b] if dim == 0 else sl[:, a:b]).contiguous()
 
 
 def load_weights(ckpt: str | Path, cfg: ModelConfig, share: RankShare = RankShare(0, 1),
@@ -349,4 +350,4 @@ def _scale_part(f, scale_name: str, part, fmt: str) -> torch.Tensor:
         raise WeightError(scale_name, "a share boundary cuts a 32x32 block")
     a, b = a // 32, b // 32
     sl = f.get_slice(scale_name)
-    return sl[a:b] if dim == 0 else sl[:, a:b]
+    return (sl[a:b] if dim == 0 else sl[:, a:b]).contiguous()
