@@ -127,8 +127,9 @@ class MemoryPlan:
 
 def prompt_scratch_bytes(text_config: dict, rows: int, positions: int = 0) -> int:
     """An estimate of one prompt pass's activations: per row the hyper-connection streams and their mixes, the
-    attention's queries and its scores against the window + top-k keys, the routed experts' intermediates, float32,
-    with a factor 2 for temporaries. (The forward frees them between layers; one pass is alive at a time.)
+    attention's queries, its gathered keys (window + top-k rows of head_dim: 1.3 MB a row at the release's sizes,
+    the largest term; left out before 2026-12-03, when a 4096-row chunk peaked 7 GiB above the plan on the H200)
+    and its scores against them, the routed experts' intermediates, float32, with a factor 2 for temporaries. (The forward frees them between layers; one pass is alive at a time.)
     positions: the longest sequence (up to one index key per position): the indexer's scores and top-k temporaries
     for one block of rows (dsv41.model.model.index_row_block), ~24 bytes per (row, key), and the candidate mask of
     the whole chunk, 1 byte per (row, key)."""
@@ -137,7 +138,7 @@ def prompt_scratch_bytes(text_config: dict, rows: int, positions: int = 0) -> in
     heads, hd = int(tc["num_attention_heads"]), int(tc["head_dim"])
     keys = int(tc.get("sliding_window", 0)) + int(tc.get("index_topk", 0))
     moe = int(tc.get("moe_intermediate_size", 0)) * int(tc.get("num_experts_per_tok", 1))
-    per_row = 4 * (hc * H * 4 + heads * hd * 2 + heads * keys + moe * 3 + H * 4)
+    per_row = 4 * (hc * H * 4 + heads * hd * 2 + keys * hd + heads * keys + moe * 3 + H * 4)
     index = 0
     if positions > 0 and int(tc.get("index_topk", 0)):
         from dsv41.model.model import index_row_block
