@@ -7,16 +7,7 @@ import torch
 
 from dsv41.model.graphs import ROW_BUCKETS, PieceGraphs, row_bucket
 from dsv41.model.model import Comm, Model, SeqInput
-
-
-@pytest.fixture(scope="module")
-def model(shared):
-    return Model.load(shared / "vectors/model/tiny-a/checkpoint")
-
-
-def _tokens(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 500, (n,), generator=g)
+from test_model_round import _tokens, model  # noqa: F401 - the tiny-a model fixture and its token helper
 
 
 def _decode(model, graphs, lens, steps, rows=1):
