@@ -75,6 +75,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # tensor parallel (docs/tp.md)
     tp: int = 1                          # ranks serving one model; rank 0 serves HTTP, the others only the model
     rank: int = 0
+    tp_shards: int = 2                   # split products computed in this many shards: one rank == two ranks' bytes
     master: str = "127.0.0.1:29500"      # rank 0's HOST:PORT as the other ranks reach it (uses PORT..PORT+2)
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 30.0
@@ -137,6 +138,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise bad("tp", "must be at least 1")
         if not (0 <= self.rank < self.tp):
             raise bad("rank", f"must be in 0..{self.tp - 1} (--tp {self.tp})")
+        if self.tp_shards < 1 or self.tp_shards & (self.tp_shards - 1):
+            raise bad("tp_shards", "must be a power of two (1, 2, 4, ...)")
         if not (0 < self.heartbeat_interval_s < self.heartbeat_timeout_s):
             raise bad("heartbeat_interval_s", f"must be positive and below --heartbeat-timeout-s "
                                               f"({self.heartbeat_timeout_s:g})")
@@ -222,6 +225,9 @@ FIELD_HELP: dict[str, str] = {
     "keepalive_s": "seconds between ': keepalive' SSE comments while a streamed request waits or its prompt fills",
     "shutdown_grace_s": "on SIGTERM: stop admitting, let running replies finish for this long, then cancel them",
     "log_level": "server log level",
+    "tp_shards": "the tensor-parallel shards every split product (attention heads, wo_b, the shared expert, the "
+                 "routed experts, the head) is computed in, summed in shard order: with 2 (the default) one rank and "
+                 "two give the same bytes; 1 computes whole products in the reference's order (docs/tp.md)",
     "tp": "tensor-parallel ranks (1 or 2; docs/tp.md): rank 0 serves HTTP and schedules, every rank runs its share "
           "of the model on the plans rank 0 sends; scripts/serve.sh --tp 2 starts both ranks on one host",
     "rank": "this process's rank (0 = the HTTP server; >= 1 = a follower that runs the model only)",

@@ -8,7 +8,10 @@ the denominator only. The output's rope slice is rotated back at the query posit
 projection: wo_a per group of heads, wo_b to the hidden size.
 
 Exactness: every row's key set has the fixed width W (+ index_topk) with masked slots, and the products run in
-fixed tiles of ROW_TILE rows (`tiled`), so a row's output does not depend on its neighbours.
+fixed tiles of ROW_TILE rows (`tiled`), so a row's output does not depend on its neighbours. Tensor parallelism:
+with `shards` > 1 (weights.TP_SHARDS) the heads, their wq_b rows, wo_a groups and wo_b columns are computed shard
+by shard exactly as a rank of a wider world computes its own, and the wo_b partials are added in shard order, so
+one rank and two give the same bits.
 """
 from __future__ import annotations
 
@@ -34,6 +37,9 @@ class Attention:
     head_dim: int
     o_lora: int
     eps: float
+    shards: int = 1                         # TP shards computed apart (weights.TP_SHARDS // world)
+    wq_b_shards: list | None = None         # wq_b's rows per shard (views)
+    wo_b_shards: list | None = None         # wo_b's columns per shard (contiguous copies)
 
     @property
     def n_heads(self) -> int:
@@ -42,16 +48,28 @@ class Attention:
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qat: bool):
         """x [n, H] (attn_norm'd) -> q_res [n, q_lora], q [n, heads, D] (roped), kv [n, D] (roped, fake-quant)."""
         q_res = rms_norm(linear(x, self.wq_a), self.q_norm, self.eps)
-        q = apply_rope(linear(q_res, self.wq_b).view(-1, self.n_heads, self.head_dim), cos, sin)
+        if self.shards > 1:
+            q = torch.cat([linear(q_res, w) for w in self.wq_b_shards], dim=1)
+        else:
+            q = linear(q_res, self.wq_b)
+        q = apply_rope(q.view(-1, self.n_heads, self.head_dim), cos, sin)
         kv = apply_rope(rms_norm(linear(x, self.wkv), self.kv_norm, self.eps), cos, sin)
         if qat:
             kv = quant.fp8_fake_quant(kv, 32)
         return q_res, q, kv
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """q [n, heads, D], keys [n, K, D] (K = V), valid [n, K] -> o [n, heads, D]."""
-        scale = self.head_dim ** -0.5
+        """q [n, heads, D], keys [n, K, D] (K = V), valid [n, K] -> o [n, heads, D]; the heads of each shard in
+        their own products (a product's bits depend on its head count)."""
         sink = self.attn_sink.float()
+        if self.shards == 1:
+            return self._attend(q, keys, valid, sink)
+        h = self.n_heads // self.shards
+        return torch.cat([self._attend(q[:, i * h:(i + 1) * h], keys, valid, sink[i * h:(i + 1) * h])
+                          for i in range(self.shards)], dim=1)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+        scale = self.head_dim ** -0.5
 
         def tile(qt, kt, vt):
             s = torch.bmm(qt, kt.transpose(1, 2)) * scale                       # [R, heads, K]
@@ -71,4 +89,11 @@ class Attention:
         per_group = o.reshape(n, groups, -1)
         lo = self.o_lora  # group g's rows of wo_a (a row slice works for weights kept in FP8 form too)
         mid = torch.cat([linear(per_group[:, g], self.wo_a[g * lo:(g + 1) * lo]) for g in range(groups)], dim=1)
-        return linear(mid, self.wo_b)
+        if self.shards == 1:
+            return linear(mid, self.wo_b)
+        c = mid.shape[1] // self.shards
+        y = None
+        for i, w in enumerate(self.wo_b_shards):    # the partials in shard order, as ranks add theirs
+            part = linear(mid[:, i * c:(i + 1) * c], w)
+            y = part if y is None else y + part
+        return y

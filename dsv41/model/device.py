@@ -116,6 +116,34 @@ class Fp4Weight:
         return self.packed.numel() + self.scale.numel()
 
 
+def shard_rows(w, n: int) -> list | None:
+    """w's rows in n equal shards (views), or None when w cannot be cut so (an FP8 cut inside a 32-row block, a
+    packed EXL3 weight)."""
+    rows = w.shape[0]
+    if rows % n or not isinstance(w, (torch.Tensor, Fp8Weight)):
+        return None
+    r = rows // n
+    if isinstance(w, Fp8Weight) and r % quant.BLOCK:
+        return None
+    return [w[i * r:(i + 1) * r] for i in range(n)]
+
+
+def shard_cols(w, n: int) -> list | None:
+    """w's columns in n equal shards, each contiguous (a copy: the products want row-major weights), or None when
+    w cannot be cut so."""
+    cols = w.shape[1]
+    if cols % n or not isinstance(w, (torch.Tensor, Fp8Weight)):
+        return None
+    c = cols // n
+    if isinstance(w, torch.Tensor):
+        return [w[:, i * c:(i + 1) * c].contiguous() for i in range(n)]
+    if c % quant.BLOCK:
+        return None
+    b = c // quant.BLOCK
+    return [Fp8Weight(w.q[:, i * c:(i + 1) * c].contiguous(), w.scale[:, i * b:(i + 1) * b].contiguous())
+            for i in range(n)]
+
+
 def to_device(w: Fp8Weight | Fp4Weight, device) -> Fp8Weight | Fp4Weight:
     if isinstance(w, Fp8Weight):
         return Fp8Weight(w.q.to(device), w.scale.to(device))
@@ -257,13 +285,18 @@ class ExpertStack:
     s2: torch.Tensor
     local: torch.Tensor
 
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float) -> torch.Tensor | None:
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float,
+               keep: torch.Tensor | None = None) -> torch.Tensor | None:
         """Σ over slots (slot order) of the routed experts' outputs in one grouped launch; None when the kernel is
-        absent or disabled (the caller runs the experts one by one)."""
+        absent or disabled (the caller runs the experts one by one). keep [n, k]: only these slots (one TP
+        shard's experts); the others contribute nothing, as another rank's do."""
         k = kernel("fp4_moe", x)
         if k is None:
             return None
-        return k(x.contiguous(), self.w13, self.s13, self.w2, self.s2, self.local[ids], weights, limit)
+        local = self.local[ids]
+        if keep is not None:
+            local = torch.where(keep, local, -1)
+        return k(x.contiguous(), self.w13, self.s13, self.w2, self.s2, local, weights, limit)
 
 
 def stack_experts(experts: dict, n_experts: int) -> ExpertStack | None:

@@ -117,7 +117,7 @@ class DSpark:
             streams = hc_expand(y, streams, post_f, comb_f)
             pre = pre_f
         x = hc_collapse(streams, pre)
-        logits = m.comm.all_gather_cols(linear(rms_norm(x, self.norm, t.rms_norm_eps), m.head)).view(B, S, -1)
+        logits = m.comm.all_gather_cols(m.head_logits(rms_norm(x, self.norm, t.rms_norm_eps))).view(B, S, -1)
         x = x.view(B, S, -1)
         # The Markov steps, all sequences at once (linear's fixed row tiles keep each row independent of the others)
         prev = torch.tensor([int(tok) for _, tok in items])                      # d_0 = next_token

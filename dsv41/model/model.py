@@ -41,7 +41,7 @@ from dsv41.model.mhc import HcSite, hc_collapse, hc_expand, hc_mixes
 from dsv41.model.moe import Expert, MoE
 from dsv41.model.rope import Rope, apply_rope
 from dsv41.model.state import DEAD, SeqState
-from dsv41.model.weights import RankShare, load_weights
+from dsv41.model.weights import TP_SHARDS, RankShare, load_weights, local_shards
 
 INDEX_KEY_MODES = ("intended", "quirk")
 
@@ -130,7 +130,7 @@ class _Round:
 
 
 def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, n_experts: int, top_k: int,
-                 engram_rows: Callable | None) -> Block:
+                 engram_rows: Callable | None, shards: int = 1) -> Block:
     t = cfg.text
     p = role.name
     eps = t.rms_norm_eps
@@ -154,6 +154,8 @@ def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, 
               shared=expert(f"{p}.ffn.shared_experts"), top_k=top_k, gate_temp=t.gate_temp,
               scaling=t.routed_scaling_factor, limit=t.swiglu_limit,
               stack=dev.stack_experts(experts, n_experts) if W["embed.weight"].is_cuda else None)
+    if shards > 1:
+        _shard_block(attn, moe, shards, n_experts)
     block = Block(role=role, attn_norm=W[f"{p}.attn_norm.weight"], ffn_norm=W[f"{p}.ffn_norm.weight"],
                   hc_attn=site("attn"), hc_ffn=site("ffn"), attn=attn, moe=moe)
     if role.owns_compressor:
@@ -174,11 +176,27 @@ def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, 
     return block
 
 
+def _shard_block(attn: Attention, moe: MoE, shards: int, n_experts: int) -> None:
+    """Give a block's split weights as `shards` TP shards (weights.TP_SHARDS), so this rank computes what that
+    many ranks would, shard by shard. A block whose weights cannot be cut so (EXL3 packs) stays whole."""
+    wq_b, wo_b = dev.shard_rows(attn.wq_b, shards), dev.shard_cols(attn.wo_b, shards)
+    sh = moe.shared
+    w1, w3, w2 = dev.shard_rows(sh.w1, shards), dev.shard_rows(sh.w3, shards), dev.shard_cols(sh.w2, shards)
+    per, rest = divmod(n_experts, shards)
+    groups = attn.wo_a.shape[0] // attn.o_lora
+    if None in (wq_b, wo_b, w1, w3, w2) or rest or attn.n_heads % shards or groups % shards:
+        return
+    attn.shards, attn.wq_b_shards, attn.wo_b_shards = shards, wq_b, wo_b
+    moe.shards = shards
+    moe.shard_ranges = [range(i * per, (i + 1) * per) for i in range(shards)]
+    moe.shared_shards = [Expert(w1=a, w2=c, w3=b) for a, b, c in zip(w1, w3, w2)]
+
+
 class Model:
     def __init__(self, cfg: ModelConfig, W: dict[str, torch.Tensor], engram_rows: Callable,
                  hasher: EngramHasher | None,
                  qat: bool = True, index_keys: str = "intended", comm: Comm | None = None,
-                 engram_store: EngramStore | None = None):
+                 engram_store: EngramStore | None = None, tp_shards: int = TP_SHARDS):
         if index_keys not in INDEX_KEY_MODES:
             raise ValueError(f"index_keys must be one of {INDEX_KEY_MODES}, got {index_keys!r}")
         self.cfg = cfg
@@ -198,13 +216,16 @@ class Model:
         self.embed = W["embed.weight"]
         self.head = W["head.weight"]
         self.norm = W["norm.weight"]
-        self.blocks = [_build_block(W, r, cfg, t.n_routed_experts, t.num_experts_per_tok, engram_rows)
+        # TP shards this rank computes apart: one rank computes what two would, so both give the same bits
+        self.shards = local_shards(self.comm.world, tp_shards)
+        self.head_shards = dev.shard_rows(self.head, self.shards) if self.shards > 1 else None
+        self.blocks = [_build_block(W, r, cfg, t.n_routed_experts, t.num_experts_per_tok, engram_rows, self.shards)
                        for r in self.layout.layers]
         self.dspark = None
         if self.layout.stages and "mtp.0.main_proj.weight" in W:
             from dsv41.model.dspark import DSpark
-            stages = [_build_block(W, r, cfg, t.dspark_n_routed_experts, t.dspark_num_experts_per_tok, None)
-                      for r in self.layout.stages]
+            stages = [_build_block(W, r, cfg, t.dspark_n_routed_experts, t.dspark_num_experts_per_tok, None,
+                                   self.shards) for r in self.layout.stages]
             self.dspark = DSpark(self, W, stages)
 
     # ---- loading ----------------------------------------------------------------------------------------------
@@ -214,7 +235,7 @@ class Model:
              share: RankShare | None = None, qat: bool = True, index_keys: str = "intended",
              comm: Comm | None = None, engram: str | Path | None = None, engram_tables: bool = True,
              engram_cache_bytes: int = 256 << 20, keep_quant: bool | None = None,
-             cuda_graphs: bool = True) -> Model:
+             cuda_graphs: bool = True, tp_shards: int = TP_SHARDS) -> Model:
         """Load a checkpoint. qat=False makes the three QAT fake-quants (window KV, compressed KV, indexer q/k)
         the identity; index_keys="quirk" reproduces the release's indexer-key publication (arch.md §2.8).
         engram: the folder holding the Engram tables (default: the checkpoint); engram_tables=False runs without
@@ -225,7 +246,10 @@ class Model:
         keep_quant: keep FP8/FP4 weights in checkpoint form (default: on CUDA only); the values are the same
         (dequantisation is exact), only where and when the weight is dequantised differs.
         cuda_graphs: on a CUDA device, replay decode rounds' row-only pieces as CUDA graphs (graphs.py); the same
-        bits as running them eagerly."""
+        bits as running them eagerly.
+        tp_shards: the tensor-parallel shards every split product is computed in (weights.TP_SHARDS = 2: one rank
+        and two ranks give the same bits); 1 computes whole products, in the reference's order (the test vectors'
+        tie analysis), and a two-rank model then differs from it in low bits."""
         if dtype != torch.float32:
             raise ValueError("the forward computes in float32")
         dv = torch.device(device)
@@ -248,7 +272,8 @@ class Model:
                                 cache_bytes=engram_cache_bytes)
         engram_rows = _engram_row_reader(store)
         hasher = _make_hasher(d, cfg) if cfg.text.engram_layer_ids else None   # no Engram layers: nothing to hash
-        model = cls(cfg, W, engram_rows, hasher, qat=qat, index_keys=index_keys, comm=comm, engram_store=store)
+        model = cls(cfg, W, engram_rows, hasher, qat=qat, index_keys=index_keys, comm=comm, engram_store=store,
+                    tp_shards=tp_shards)
         if dv.type == "cuda" and cuda_graphs:
             model.graphs = PieceGraphs("cuda")
         elif cuda_graphs and os.environ.get("DSV41_GRAPHS") == "emulate":   # tests: the graphs' bookkeeping on CPU
@@ -388,7 +413,7 @@ class Model:
                         torch.tensor([a + n - 1]) if s.logits == "last" else torch.zeros(0, dtype=torch.long))
         rows = torch.cat(want)
         x = rms_norm(hc_collapse(streams[rows], pre[rows]), self.norm, t.rms_norm_eps)
-        logits = self.comm.all_gather_cols(linear(x, self.head))
+        logits = self.comm.all_gather_cols(self.head_logits(x))
         for (_, n, _, st) in segs:
             st.length += n
         out, o = [], 0
@@ -398,6 +423,12 @@ class Model:
         return out
 
     __call__ = forward
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary columns of the logits: its head rows, shard by shard (TP_SHARDS)."""
+        if self.head_shards is None:
+            return linear(x, self.head)
+        return torch.cat([linear(x, h) for h in self.head_shards], dim=1)
 
     # ---- pieces -----------------------------------------------------------------------------------------------
 

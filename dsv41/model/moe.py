@@ -6,7 +6,10 @@ Expert: w2(weight · silu(min(w1x, limit)) · clamp(w3x, ±limit)); the routing 
 Shared expert: same clamps, unweighted. Output = Σ over slots (in slot order) of the routed outputs, + shared.
 
 Exactness: each expert runs on its rows through the fixed-tile `linear`; a row's slot outputs are summed in slot
-order, so the sum does not depend on which other rows picked the same experts.
+order, so the sum does not depend on which other rows picked the same experts. Tensor parallelism: with `shards` >
+1 (weights.TP_SHARDS) the output is Σ over shards, in order, of (that shard's experts' slots + its part of the
+shared expert), each computed as the rank holding that shard alone computes it, so one rank and two give the same
+bits.
 """
 from __future__ import annotations
 
@@ -47,6 +50,9 @@ class MoE:
     scaling: float
     limit: float
     stack: ExpertStack | None = None   # on the GPU: the experts in the grouped kernel's layout (device.py)
+    shards: int = 1                    # TP shards computed apart (weights.TP_SHARDS // world)
+    shard_ranges: list[range] | None = None     # each shard's routed experts (global ids)
+    shared_shards: list[Expert] | None = None   # each shard's part of the shared expert (w1/w3 rows, w2 columns)
 
     def route(self, x: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [n, k] float32, expert ids [n, k]) in slot order."""
@@ -67,19 +73,36 @@ class MoE:
 
     def __call__(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, H] (ffn_norm'd) -> [n, H]: this rank's routed slots (in slot order) + its shared-expert part."""
-        n = x.shape[0]
         weights, ids = self.route(x, image)
-        routed = self.stack.routed(x, weights, ids, self.limit) if self.stack is not None else None
+        if self.shards == 1:
+            return self._routed(x, weights, ids) + swiglu(x, self.shared, self.limit)
+        y = None
+        for rng, shared in zip(self.shard_ranges, self.shared_shards):
+            keep = (ids >= rng.start) & (ids < rng.stop)
+            part = self._routed(x, weights, ids, keep) + swiglu(x, shared, self.limit)
+            y = part if y is None else y + part
+        return y
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Σ over slots (slot order) of the picked experts this rank holds (and `keep` allows; the others add
+        nothing)."""
+        n = x.shape[0]
+        routed = None
+        if self.stack is not None:   # (an EXL3 stack takes no `keep`: EXL3 blocks are never sharded)
+            routed = (self.stack.routed(x, weights, ids, self.limit) if keep is None else
+                      self.stack.routed(x, weights, ids, self.limit, keep))
         if routed is not None:   # the grouped kernel: the same slot sum in one launch
-            return routed + swiglu(x, self.shared, self.limit)
+            return routed
         slots = x.new_zeros((n, self.top_k, x.shape[1]))
         for e in ids.unique().tolist():   # only the experts some row picked (one host sync)
             expert = self.experts.get(e)
             if expert is None:            # another rank's expert
                 continue
-            rows, slot = torch.nonzero(ids == e, as_tuple=True)
-            slots[rows, slot] = swiglu(x[rows], expert, self.limit, weights[rows, slot][:, None])
+            rows, slot = torch.nonzero((ids == e) if keep is None else (ids == e) & keep, as_tuple=True)
+            if rows.numel():
+                slots[rows, slot] = swiglu(x[rows], expert, self.limit, weights[rows, slot][:, None])
         y = slots[:, 0]
         for j in range(1, self.top_k):
             y = y + slots[:, j]
-        return y + swiglu(x, self.shared, self.limit)
+        return y

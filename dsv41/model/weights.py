@@ -173,7 +173,8 @@ def expected_tensors(cfg: ModelConfig, vision: bool = False) -> dict[str, Tensor
 # ---------------------------------------------------------------------------------------------------------------
 # A rank's share
 
-# How tensor parallelism splits the checkpoint (only world=1 is served now; the rules are here so TP2 is one place).
+# How tensor parallelism splits the checkpoint (a rank of world W loads 1/W; each split product is then computed in
+# TP_SHARDS // W shards, below).
 #   tensor (per layer / DSpark stage)                     split                    reduce
 #   attn.wq_b, attn.attn_sink                             rows by head             -
 #   attn.wo_a                                             rows by o_group          -
@@ -183,6 +184,18 @@ def expected_tensors(cfg: ModelConfig, vision: bool = False) -> dict[str, Tensor
 #   head.weight                                           rows (vocabulary)        gather logits in rank order
 #   everything else (norms, wq_a, wkv, compressor,        replicated
 #   indexer, gate, hc_*, embed, engram, mtp extras, vision)
+# The widest tensor-parallel world whose replies equal one rank's bit for bit: every rank computes each split
+# product as the TP_SHARDS // world shards it holds, each as the rank holding only that shard would, and adds the
+# partials in shard (= rank) order; the exchange adds the ranks' sums in rank order. So worlds 1 and 2 give the
+# same bits (docs/tp.md "Exactness"); a wider world computes one shard a rank and matches only itself.
+TP_SHARDS = 2
+
+
+def local_shards(world: int, shards: int = TP_SHARDS) -> int:
+    """The shards a rank of `world` computes apart when products are cut in `shards` (at least its own one)."""
+    return max(1, shards // world)
+
+
 _SPLIT_ROWS = re.compile(r"(attn\.wq_b|attn\.wo_a|ffn\.shared_experts\.w[13])\.(weight|scale)$|"
                          r"attn\.attn_sink$|^head\.weight$")
 _SPLIT_COLS = re.compile(r"(attn\.wo_b|ffn\.shared_experts\.w2)\.(weight|scale)$")
