@@ -186,6 +186,8 @@ def _shard_block(attn: Attention, moe: MoE, shards: int, n_experts: int) -> None
     groups = attn.wo_a.shape[0] // attn.o_lora
     if None in (wq_b, wo_b, w1, w3, w2) or rest or attn.n_heads % shards or groups % shards:
         return
+    if moe.stack is not None and not isinstance(moe.stack, dev.ExpertStack):   # an EXL3 stack: no shard mask
+        return
     attn.shards, attn.wq_b_shards, attn.wo_b_shards = shards, wq_b, wo_b
     moe.shards = shards
     moe.shard_ranges = [range(i * per, (i + 1) * per) for i in range(shards)]
