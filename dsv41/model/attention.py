@@ -33,7 +33,7 @@ class Attention:
     kv_norm: torch.Tensor     # [D]
     attn_sink: torch.Tensor   # [heads]
     wo_a: torch.Tensor        # [groups * o_lora, heads / groups * D] (this rank's groups)
-    wo_b: torch.Tensor        # [H, groups * o_lora]  (this rank's columns)
+    wo_b: torch.Tensor | None  # [H, groups * o_lora]  (this rank's columns; None once cut into wo_b_shards)
     head_dim: int
     o_lora: int
     eps: float

@@ -145,7 +145,6 @@ class PieceGraphs:
         self.stats["captures"] += 1
         return e
 
-
     def _static_for(self, a: torch.Tensor, b: int) -> torch.Tensor:
         """The static input for argument a: the static buffer a is the first rows of (read in place), else a new
         one."""

@@ -179,16 +179,19 @@ def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, 
 def _shard_block(attn: Attention, moe: MoE, shards: int, n_experts: int) -> None:
     """Give a block's split weights as `shards` TP shards (weights.TP_SHARDS), so this rank computes what that
     many ranks would, shard by shard. A block whose weights cannot be cut so (EXL3 packs) stays whole."""
-    wq_b, wo_b = dev.shard_rows(attn.wq_b, shards), dev.shard_cols(attn.wo_b, shards)
-    sh = moe.shared
-    w1, w3, w2 = dev.shard_rows(sh.w1, shards), dev.shard_rows(sh.w3, shards), dev.shard_cols(sh.w2, shards)
     per, rest = divmod(n_experts, shards)
     groups = attn.wo_a.shape[0] // attn.o_lora
-    if None in (wq_b, wo_b, w1, w3, w2) or rest or attn.n_heads % shards or groups % shards:
+    if rest or attn.n_heads % shards or groups % shards:
         return
     if moe.stack is not None and not isinstance(moe.stack, dev.ExpertStack):   # an EXL3 stack: no shard mask
         return
-    attn.shards, attn.wq_b_shards, attn.wo_b_shards = shards, wq_b, wo_b
+    wq_b, wo_b = dev.shard_rows(attn.wq_b, shards), dev.shard_cols(attn.wo_b, shards)
+    sh = moe.shared
+    w1, w3, w2 = dev.shard_rows(sh.w1, shards), dev.shard_rows(sh.w3, shards), dev.shard_cols(sh.w2, shards)
+    if None in (wq_b, wo_b, w1, w3, w2):
+        return
+    # the column shards are copies: the whole wo_b they replace is not kept (the rows' shards are views)
+    attn.shards, attn.wq_b_shards, attn.wo_b_shards, attn.wo_b = shards, wq_b, wo_b, None
     moe.shards = shards
     moe.shard_ranges = [range(i * per, (i + 1) * per) for i in range(shards)]
     moe.shared_shards = [Expert(w1=a, w2=c, w3=b) for a, b, c in zip(w1, w3, w2)]
@@ -379,8 +382,8 @@ class Model:
         for blk in self.blocks:
             r = blk.role
 
-            def piece(name, fn, *args):
-                return fn(*args) if G is None else G.run((name, r.index), fn, args)
+            def piece(name, fn, *args, layer=r.index):
+                return fn(*args) if G is None else G.run((name, layer), fn, args)
 
             if blk.engram is not None:
                 streams = blk.engram(streams, hash_ids[:, r.engram], image)

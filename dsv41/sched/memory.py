@@ -129,7 +129,8 @@ def prompt_scratch_bytes(text_config: dict, rows: int, positions: int = 0) -> in
     """An estimate of one prompt pass's activations: per row the hyper-connection streams and their mixes, the
     attention's queries, its gathered keys (window + top-k rows of head_dim: 1.3 MB a row at the release's sizes,
     the largest term; left out before 2026-12-03, when a 4096-row chunk peaked 7 GiB above the plan on the H200)
-    and its scores against them, the routed experts' intermediates, float32, with a factor 2 for temporaries. (The forward frees them between layers; one pass is alive at a time.)
+    and its scores against them, the routed experts' intermediates, float32, with a factor 2 for temporaries. (The
+    forward frees them between layers; one pass is alive at a time.)
     positions: the longest sequence (up to one index key per position): the indexer's scores and top-k temporaries
     for one block of rows (dsv41.model.model.index_row_block), ~24 bytes per (row, key), and the candidate mask of
     the whole chunk, 1 byte per (row, key)."""
