@@ -209,8 +209,8 @@ def main(argv=None) -> int:
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for R, ls, le, mb, bs, hs, ext in decode:
-            lines.append(f"| {R} | {ls * 1e3:.2f} | {le * 1e3:.2f} | {mb / 1e6:.0f} | {bs * 1e3:.3f} | {bs / ls:.1%} | {hs * 1e3:.2f} | "
-                         f"{ext * 1e3:.0f} | {R / ext:.1f} |")
+            lines.append(f"| {R} | {ls * 1e3:.2f} | {le * 1e3:.2f} | {mb / 1e6:.0f} | {bs * 1e3:.3f} | {bs / ls:.1%} | "
+                         f"{hs * 1e3:.2f} | {ext * 1e3:.0f} | {R / ext:.1f} |")
         lines += ["", "## Prompt pass", "",
                   (f"| prompt tokens | s ({K} layers) | tok/s ({K} layers) | tok/s 40 layers (extrap.) | TFLOP/s | "
                    "% of bf16 rate |"), "|---|---|---|---|---|---|"]
@@ -280,9 +280,9 @@ def main(argv=None) -> int:
         bound_s = moved / K / bw
         ext = RELEASE_LAYERS * layer_s + head_s
         decode.append((R, layer_s, sec_eager / K, moved / K, bound_s, head_s, ext))
-        print(f"rows {R}: {layer_s * 1e3:.2f} ms/layer ({sec_eager / K * 1e3:.2f} eager), {moved / K / 1e6:.0f} MB/layer -> bound {bound_s * 1e3:.3f} "
-              f"ms ({bound_s / layer_s:.1%}); head {head_s * 1e3:.2f} ms; 40 layers ~ {ext * 1e3:.0f} ms/round "
-              f"({R / ext:.1f} tok/s)", flush=True)
+        print(f"rows {R}: {layer_s * 1e3:.2f} ms/layer ({sec_eager / K * 1e3:.2f} eager), {moved / K / 1e6:.0f} "
+              f"MB/layer -> bound {bound_s * 1e3:.3f} ms ({bound_s / layer_s:.1%}); head {head_s * 1e3:.2f} ms; "
+              f"40 layers ~ {ext * 1e3:.0f} ms/round ({R / ext:.1f} tok/s)", flush=True)
         del states
 
     if model.graphs is not None:

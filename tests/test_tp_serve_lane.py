@@ -11,16 +11,13 @@ import threading
 
 import pytest
 
-from dsv41.comm.channel import Follower, Leader, free_lane_port, round_digest
+from dsv41.comm.channel import Follower, Leader, round_digest
 from dsv41.comm.plan import CommError, DigestMismatch, NewSeq, SeqRows, StepPlan
 from dsv41.model.model import Model
 from dsv41.sched.runner import ModelRunner, encode_params
 from dsv41.sched.sampler import SamplingParams
 from dsv41.sched.tp import DigestingModel, TPLane
-
-
-def _master() -> str:
-    return f"127.0.0.1:{free_lane_port()}"
+from test_comm_channel import free_master
 
 
 class _NoRing:
@@ -49,7 +46,7 @@ def model(shared):
 
 def _run(model, follower_digest):
     """Rank 0 runs the two plans; the follower thread answers follower_digest(round, true digest)."""
-    master = _master()
+    master = free_master()
     got = {}
 
     def follow():
