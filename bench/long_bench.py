@@ -74,23 +74,27 @@ def host_peak() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def prefill(model: Model, ids: torch.Tensor, chunk: int, device: str, budget_s: float, report=None):
-    """Chunks of one prompt until done or out of time: (state, last logits row, tokens done, seconds)."""
+def prefill(model: Model, ids: torch.Tensor, chunk: int, device: str, budget_s: float, report=None, mark=0):
+    """Chunks of one prompt until done or out of time: (state, last logits row, tokens done, seconds, seconds to
+    reach `mark` tokens or None) -- the rate up to `mark` sizes the four prompts, which are that long."""
     st = model.new_state()
     t0 = time.perf_counter()
     last = None
     a = 0
+    t_mark = None
     while a < ids.numel():
         n = min(chunk, ids.numel() - a)
         last = model.forward([SeqInput(st, ids[a:a + n], "last")])[0]
         sync(device)
         a += n
         dt = time.perf_counter() - t0
+        if t_mark is None and mark and a >= mark:
+            t_mark = dt
         if report and (a // chunk) % report == 0:
             print(f"  {a:>9,} tokens  {dt:8.1f} s  {a / dt:9.1f} tok/s", flush=True)
         if dt > budget_s:
             break
-    return st, last, a, time.perf_counter() - t0
+    return st, last, a, time.perf_counter() - t0, t_mark
 
 
 def decode(model: Model, st, last: torch.Tensor, steps: int, device: str) -> float:
@@ -159,9 +163,11 @@ def main(argv=None) -> int:
     weights_dev = torch.cuda.memory_allocated() if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    tokens = min(a.tokens, t.max_position_embeddings)
+    # the prompt and the decode rounds after it share the context: a full-context prompt leaves no room to decode
+    tokens = min(a.tokens, t.max_position_embeddings - a.decode)
     if tokens < a.tokens:
-        skipped.append(f"--tokens {a.tokens:,} is above the model's max_position_embeddings: {tokens:,}")
+        skipped.append(f"--tokens {a.tokens:,} and {a.decode} decode rounds exceed the model's "
+                       f"max_position_embeddings {t.max_position_embeddings:,}: the prompt is {tokens:,} tokens")
     text_config = model.cfg.to_dict()["text_config"]
     cost = state_cost(text_config, elem_bytes=4)
     plan = memory_plan(text_config, cost, tokens, 1, a.chunk, 0)
@@ -170,7 +176,7 @@ def main(argv=None) -> int:
           flush=True)
     ids = filler_ids(tokens, vocab)
     host0 = host_peak()
-    st, last, done, secs = prefill(model, ids, a.chunk, dev, a.budget_s, report=a.report_every)
+    st, last, done, secs, t_mark = prefill(model, ids, a.chunk, dev, a.budget_s, report=a.report_every, mark=a.four)
     if done < tokens:
         skipped.append(f"the prompt pass stopped at {done:,} of {tokens:,} tokens after {secs:.0f} s (--budget-s)")
     prefill_tps = done / secs
@@ -183,11 +189,12 @@ def main(argv=None) -> int:
     four_n = a.four
     if a.four and a.four_budget_s > 0:
         fc = a.four_chunk or a.chunk
-        fits = int(prefill_tps * a.four_budget_s / 8) // fc * fc      # 4 prompts together, then 4 alone
+        rate = a.four / t_mark if t_mark else prefill_tps       # the rate over the first --four tokens
+        fits = int(rate * a.four_budget_s / 8) // fc * fc      # 4 prompts together, then 4 alone
         if max(fc, fits) < a.four:
             four_n = max(fc, fits)
             skipped.append(f"four prompts: {four_n:,} tokens each instead of {a.four:,} (--four-budget-s "
-                           f"{a.four_budget_s:g} at {prefill_tps:,.0f} tok/s)")
+                           f"{a.four_budget_s:g} at {rate:,.0f} tok/s)")
     if a.four:
         del st
         four = four_at_once(model, four_n, a.four_chunk or a.chunk, vocab, dev)
