@@ -129,22 +129,27 @@ def prompt_scratch_bytes(text_config: dict, rows: int, positions: int = 0) -> in
     """An estimate of one prompt pass's activations: per row the hyper-connection streams and their mixes, the
     attention's queries, its gathered keys (window + top-k rows of head_dim: 1.3 MB a row at the release's sizes,
     the largest term; left out before 2026-12-03, when a 4096-row chunk peaked 7 GiB above the plan on the H200)
-    and its scores against them, the routed experts' intermediates, float32, with a factor 2 for temporaries. (The
-    forward frees them between layers; one pass is alive at a time.)
+    and its scores against them, the routed experts' intermediates and slot sums, float32, with a factor 2.25 for
+    temporaries. (The forward frees them between layers; one pass is alive at a time.)
     positions: the longest sequence (up to one index key per position): the indexer's scores and top-k temporaries
     for one block of rows (dsv41.model.model.index_row_block), ~24 bytes per (row, key), and the candidate mask of
-    the whole chunk, 1 byte per (row, key)."""
+    the whole chunk, 1 byte per (row, key).
+    Checked on the H200 (real shapes, 4096-row chunks, bench/results/long-h200*.md): at 16,384 positions the pass
+    peaked 21.06 GiB above weights and state against 19.20 estimated before the routed experts' slot sums
+    ([rows, top_k, H], dsv41.model.moe) were counted and the temporaries' factor raised from 2 to 2.25 (now 22.5);
+    at 1,048,560 positions it peaked 24.98 GiB against 27.64 (now 30.9: the index term dominates there)."""
     tc = text_config
     H, hc = int(tc["hidden_size"]), int(tc.get("hc_mult", 4))
     heads, hd = int(tc["num_attention_heads"]), int(tc["head_dim"])
     keys = int(tc.get("sliding_window", 0)) + int(tc.get("index_topk", 0))
     moe = int(tc.get("moe_intermediate_size", 0)) * int(tc.get("num_experts_per_tok", 1))
-    per_row = 4 * (hc * H * 4 + heads * hd * 2 + keys * hd + heads * keys + moe * 3 + H * 4)
+    top_k = int(tc.get("num_experts_per_tok", 1))
+    per_row = 4 * (hc * H * 4 + heads * hd * 2 + keys * hd + heads * keys + moe * 3 + top_k * H + H * 4)
     index = 0
     if positions > 0 and int(tc.get("index_topk", 0)):
         from dsv41.model.model import index_row_block
         index = min(rows, index_row_block(positions)) * positions * 24 + rows * positions
-    return 2 * rows * per_row + index
+    return 9 * rows * per_row // 4 + index
 
 
 def memory_plan(text_config: dict, cost: StateCost, window: int, max_streams: int, prompt_chunk: int,
