@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from dsv41.config import ModelConfig
 from dsv41.model import device as dev
 from dsv41.model.model import Model, SeqInput
-from dsv41.model.weights import expected_tensors
+from dsv41.model.weights import TP_SHARDS, expected_tensors
 
 BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1}
 RELEASE_LAYERS = 40
@@ -145,6 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--graphs", default="cuda", choices=("cuda", "emulate", "off"),
                     help="decode rounds' CUDA graphs (emulate: the CPU smoke run of their bookkeeping)")
+    ap.add_argument("--tp-shards", type=int, default=TP_SHARDS,
+                    help="shards one rank computes its products in (1: whole products, what the shards cost)")
     a = ap.parse_args(argv)
     global DEVICE
     DEVICE = a.device
@@ -161,7 +163,8 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matrix rate {rate / 1e12:.0f} TFLOP/s", flush=True)
 
     t0 = time.perf_counter()
-    model = Model.load(a.checkpoint, device=DEVICE, keep_quant=True, cuda_graphs=a.graphs == "cuda")
+    model = Model.load(a.checkpoint, device=DEVICE, keep_quant=True, cuda_graphs=a.graphs == "cuda",
+                       tp_shards=a.tp_shards)
     if a.graphs == "emulate":
         from dsv41.model.graphs import PieceGraphs
         model.graphs = PieceGraphs("emulate")
@@ -197,6 +200,7 @@ def main(argv=None) -> int:
             f"- command: `{cmd}`",
             (f"- checkpoint: `python -m dsv41.tools.make_real --layers {K}` (release shapes, random values; layers "
              f"{ratios} by compress ratio; no Engram / DSpark)"),
+            f"- TP shards one rank computes in: {a.tp_shards} (`--tp-shards`)",
             f"- kernels: {', '.join(kernels) if kernels else 'none (torch fallbacks: dequantise per product, fp32)'}",
             (f"- ceilings measured in this run: copy bandwidth **{bw / 1e12:.2f} TB/s** (4 GiB device copy, read + "
              f"write), bf16 matrix rate **{rate / 1e12:.0f} TFLOP/s** (8192³ cuBLAS)"),
