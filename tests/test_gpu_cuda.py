@@ -91,11 +91,23 @@ def _complete(client, prompt, n=12):
     return r.choices[0].text
 
 
-def test_server_cuda_gives_cpu_tokens_and_solo_equals_burst():
+def _say(capsys, t0: float, what: str, server=None) -> None:
+    """Progress past pytest's capture (capsys.disabled): on the H200 this test twice ran past its time limit without
+    a verdict, and an interrupted pytest does not print a test's captured output."""
+    import time
+    tail = "" if server is None else " | server: " + " / ".join(x.strip() for x in server.lines[-2:])
+    with capsys.disabled():
+        print(f"\n[server test +{time.monotonic() - t0:6.1f}s] {what}{tail}", flush=True)
+
+
+def test_server_cuda_gives_cpu_tokens_and_solo_equals_burst(capsys):
     """--device cuda on the built-in tiny checkpoint: greedy replies equal the CPU server's (torch fallbacks: the
     same float32 function) and each reply alone equals it inside a 32-stream burst (fallbacks and kernels)."""
+    import time
+
     import openai
     from test_server import LiveServer
+    t0 = time.monotonic()
     prompts = [_ids(4 + 5 * k, 300 + k, vocab=20000).tolist() for k in range(32)]
     common = ["--context", "512", "--prefill-chunk", "256", "--state-budget-gib", "2", "--name", "tiny",
               "--max-streams", "32", "--prompt-cache-gib", "0"]
@@ -105,14 +117,21 @@ def test_server_cuda_gives_cpu_tokens_and_solo_equals_burst():
         s = LiveServer("--device", device, *common, env={"DSV41_KERNELS": kernels})
         try:
             s.wait_ready()
+            _say(capsys, t0, f"{device} server (DSV41_KERNELS={kernels}) ready", s)
             client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", timeout=600, max_retries=0)
             if device == "cpu":
                 texts["cpu"] = [_complete(client, p) for p in prompts[:6]]
+                _say(capsys, t0, "cpu: 6 replies")
                 continue
             assert any(f"on {device}" in line for line in s.lines), s.lines[-5:]
-            solo = [_complete(client, p) for p in prompts]
+            solo = []
+            for k, p in enumerate(prompts):
+                solo.append(_complete(client, p))
+                if k % 8 == 7:
+                    _say(capsys, t0, f"{device} kernels={kernels}: {k + 1} solo replies", s)
             with cf.ThreadPoolExecutor(32) as ex:
                 burst = list(ex.map(lambda p, c=client: _complete(c, p), prompts))
+            _say(capsys, t0, f"{device} kernels={kernels}: the burst of 32 replied", s)
             texts[kernels] = (solo, burst)
         finally:
             s.stop()
