@@ -142,8 +142,8 @@ def prompt_scratch_bytes(text_config: dict, rows: int, positions: int = 0) -> in
     H, hc = int(tc["hidden_size"]), int(tc.get("hc_mult", 4))
     heads, hd = int(tc["num_attention_heads"]), int(tc["head_dim"])
     keys = int(tc.get("sliding_window", 0)) + int(tc.get("index_topk", 0))
-    moe = int(tc.get("moe_intermediate_size", 0)) * int(tc.get("num_experts_per_tok", 1))
     top_k = int(tc.get("num_experts_per_tok", 1))
+    moe = int(tc.get("moe_intermediate_size", 0)) * top_k
     per_row = 4 * (hc * H * 4 + heads * hd * 2 + keys * hd + heads * keys + moe * 3 + top_k * H + H * 4)
     index = 0
     if positions > 0 and int(tc.get("index_topk", 0)):
