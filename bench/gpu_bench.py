@@ -190,6 +190,7 @@ def main(argv=None) -> int:
         blk.moe.route = spy
     per_layer = [layer_bytes(cfg, i) for i in range(K)]
     decode, prefill, ctx_s = [], [], float("nan")
+    graph_held = [0]
 
     def report() -> list[str]:
         """Write the results so far (a later step may not finish in time)."""
@@ -207,7 +208,9 @@ def main(argv=None) -> int:
             f"- load {load_s:.1f} s; {a.context}-token context prefill {ctx_s:.2f} s", "",
             "## Decode round (per layer; extrapolated to 40 layers = 40 x mean layer + head, an extrapolation)", "",
             (f"CUDA graphs: {'on' if model.graphs is not None else 'off'} (dsv41/model/graphs.py; 'ms / layer' is "
-             "with them when on, 'eager' the same rounds without them)"), "",
+             "with them when on, 'eager' the same rounds without them)"
+             + (f"; {model.graphs.stats['captures']} captures hold {graph_held[0] / 2**30:.2f} GiB (allocated after "
+                "the decode rows less before: pool and static buffers)" if graph_held[0] else "")), "",
             ("| rows | ms / layer | eager ms / layer | MB the layer must read | bound at copy bw (ms) | % of bound | "
              "head ms | 40-layer round ms (extrap.) | tok/s (extrap.) |"),
             "|---|---|---|---|---|---|---|---|---|",
@@ -248,6 +251,7 @@ def main(argv=None) -> int:
     ctx_s = time.perf_counter() - t0
     print(f"context prefill {a.context} tokens: {ctx_s:.2f} s", flush=True)
     head_x = torch.randn(64, t.hidden_size, device=DEVICE)
+    held0 = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
     for R in [int(r) for r in a.rows.split(",")]:
         if left() < 20:
             print(f"rows {R}: skipped (time budget)", flush=True)
@@ -290,7 +294,10 @@ def main(argv=None) -> int:
         del states
 
     if model.graphs is not None:
-        print(f"graphs: {dict(model.graphs.stats)}; failed captures: {model.graphs.failed or 'none'}", flush=True)
+        if DEVICE == "cuda":   # what the memory plan does not count yet: the graphs' pool and static buffers
+            graph_held[0] = torch.cuda.memory_allocated() - held0
+        print(f"graphs: {dict(model.graphs.stats)}; failed captures: {model.graphs.failed or 'none'}; memory they "
+              f"hold {graph_held[0] / 2**30:.2f} GiB", flush=True)
     report()
     # prompt passes
     sources = set(t.kv_source_layer_ids)
