@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # The GPU path on the H200 (docs/gpu.md): its CUDA tests (the model on CUDA == the CPU reference, batch invariance,
-# the server with --device cuda), the kernel tests when kernels.sh does not run them, then a real-shaped partial
-# checkpoint (dsv41.tools.make_real) and bench/gpu_bench.py -> $OUT/bench/results/gpu.md. Under 9.5 minutes
-# (40 + 300 + 120 + ~25 + 120 s at most; PART_LIMIT_S=600 for all.sh, alone in its call). The tests stop with SIGINT
-# at their limit, so pytest prints where it stood (on 2026-12-03 09:55 the server test ran past 200 s silently).
-# Knobs (env): GPU_SERVER_TEST_S (300), GPU_TEST_S (120), GPU_LAYERS (2), GPU_BENCH_S (100). Vectors: DSV41_SHARED (tests skip without).
+# the server with --device cuda is gpuserver.sh's), the kernel tests when kernels.sh does not run them, then a
+# real-shaped partial checkpoint (dsv41.tools.make_real) and bench/gpu_bench.py -> $OUT/bench/results/gpu.md. Under
+# 5.5 minutes (40 + 120 + ~25 + 120 s at most). The tests stop with SIGINT at their limit, so pytest prints where it
+# stood. Knobs (env): GPU_TEST_S (120), GPU_LAYERS (2), GPU_BENCH_S (100). Vectors: DSV41_SHARED (tests skip without).
 set -u
 export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD} TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0
 mkdir -p "$OUT/bench/results"
@@ -16,10 +15,7 @@ if [ ! -f scripts/h200/kernels.sh ] && ls tests/test_kernels_*.py > /dev/null 2>
 fi
 timeout -k 5 40 python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs tests/test_gpu_path.py \
     tests/test_gpu_indexer.py 2>&1
-# the server test alone first, so its failure report prints even when the vector tests after it run out of time
-# (on 2026-12-03 it failed and the call's limit cut pytest before the report)
-timeout -s INT -k 10 "${GPU_SERVER_TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs \
-    tests/test_gpu_cuda.py -k server 2>&1
+# (the server test runs in gpuserver.sh, a call of its own: it ran past 200 s here twice)
 timeout -s INT -k 10 "${GPU_TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider --tb=short -rfEs --durations=12 \
     tests/test_gpu_cuda.py tests/test_model_round.py -k "not server" 2>&1
 echo "gpu.sh: tests done at $(( $(date +%s) - t0 ))s"
