@@ -24,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from dsv41.model.attention import Attention
 from dsv41.model.indexer import Indexer
 from dsv41.model.model import Model, SeqInput
 
@@ -110,6 +111,43 @@ def prim_linear_alignment() -> None:
             if not torch.equal(x @ w.t(), x.clone() @ w.t()):
                 bad.append(off)
         say(f"| view vs contiguous copy | {K} x {N} | {bad} |")
+
+
+class Recorder:
+    """Per layer of the current forward: attention inputs/outputs and index scores (with the trace, what
+    model_compare names the first differing tensor from). With the TP shards a layer attends once per shard; the
+    first shard's call is compared."""
+
+    def __init__(self):
+        self.layer = None
+        self.rec: dict = {}
+
+    def install(self):
+        rec = self
+        orig_in, orig_attend = Model._attn_in, Attention.attend
+        orig_scores, orig_round = Indexer.scores, Indexer.round_scores
+
+        def _attn_in(self, blk, *a, **k):
+            rec.layer = blk.role.index
+            return orig_in(self, blk, *a, **k)
+
+        def attend(self, q, keys, valid):
+            o = orig_attend(self, q, keys, valid)
+            rec.rec.setdefault(("attend", rec.layer), []).append((q.clone(), keys.clone(), valid.clone(), o.clone()))
+            return o
+
+        def scores(self, q, w, keys, positions, ratio):
+            s = orig_scores(self, q, w, keys, positions, ratio)
+            rec.rec.setdefault(("scores", rec.layer), []).append(s.clone())
+            return s
+
+        def round_scores(self, q, w, keys, tpad, limit, counts=None):
+            s = orig_round(self, q, w, keys, tpad, limit, counts)
+            rec.rec.setdefault(("scores", rec.layer), []).append(s.clone())
+            return s
+
+        Model._attn_in, Attention.attend = _attn_in, attend
+        Indexer.scores, Indexer.round_scores = scores, round_scores
 
 
 def tokens(n, seed):
