@@ -1,6 +1,7 @@
 """The model on CUDA (docs/gpu.md): the same function as the CPU reference, FP8/FP4 weights kept in checkpoint form,
 bitwise batch invariance on the GPU, and the server with --device cuda. Skipped without a CUDA device."""
 import concurrent.futures as cf
+import time
 
 import pytest
 import torch
@@ -94,7 +95,6 @@ def _complete(client, prompt, n=12):
 def _say(capsys, t0: float, what: str, server=None) -> None:
     """Progress past pytest's capture (capsys.disabled): on the H200 this test twice ran past its time limit without
     a verdict, and an interrupted pytest does not print a test's captured output."""
-    import time
     tail = "" if server is None else " | server: " + " / ".join(x.strip() for x in server.lines[-2:])
     with capsys.disabled():
         print(f"\n[server test +{time.monotonic() - t0:6.1f}s] {what}{tail}", flush=True)
@@ -103,8 +103,6 @@ def _say(capsys, t0: float, what: str, server=None) -> None:
 def test_server_cuda_gives_cpu_tokens_and_solo_equals_burst(capsys):
     """--device cuda on the built-in tiny checkpoint: greedy replies equal the CPU server's (torch fallbacks: the
     same float32 function) and each reply alone equals it inside a 32-stream burst (fallbacks and kernels)."""
-    import time
-
     import openai
     from test_server import LiveServer
     t0 = time.monotonic()
