@@ -78,30 +78,28 @@ class MoE:
             return self._routed(x, weights, ids) + swiglu(x, self.shared, self.limit)
         y = None
         for rng, shared in zip(self.shard_ranges, self.shared_shards):
-            keep = (ids >= rng.start) & (ids < rng.stop)
-            part = self._routed(x, weights, ids, keep) + swiglu(x, shared, self.limit)
+            part = self._routed(x, weights, ids, rng) + swiglu(x, shared, self.limit)
             y = part if y is None else y + part
         return y
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
-        """Σ over slots (slot order) of the picked experts this rank holds (and `keep` allows; the others add
-        nothing)."""
+                shard: range | None = None) -> torch.Tensor:
+        """Σ over slots (slot order) of the picked experts this rank holds (within `shard`, a TP shard's expert
+        ids, when given; the others add nothing)."""
         n = x.shape[0]
         routed = None
-        if self.stack is not None:   # (an EXL3 stack takes no `keep`: EXL3 blocks are never sharded)
-            routed = (self.stack.routed(x, weights, ids, self.limit) if keep is None else
-                      self.stack.routed(x, weights, ids, self.limit, keep))
+        if self.stack is not None:   # (an EXL3 stack takes no shard mask: EXL3 blocks are never sharded)
+            routed = (self.stack.routed(x, weights, ids, self.limit) if shard is None else
+                      self.stack.routed(x, weights, ids, self.limit, (ids >= shard.start) & (ids < shard.stop)))
         if routed is not None:   # the grouped kernel: the same slot sum in one launch
             return routed
         slots = x.new_zeros((n, self.top_k, x.shape[1]))
         for e in ids.unique().tolist():   # only the experts some row picked (one host sync)
             expert = self.experts.get(e)
-            if expert is None:            # another rank's expert
+            if expert is None or (shard is not None and e not in shard):   # another rank's or shard's expert
                 continue
-            rows, slot = torch.nonzero((ids == e) if keep is None else (ids == e) & keep, as_tuple=True)
-            if rows.numel():
-                slots[rows, slot] = swiglu(x[rows], expert, self.limit, weights[rows, slot][:, None])
+            rows, slot = torch.nonzero(ids == e, as_tuple=True)
+            slots[rows, slot] = swiglu(x[rows], expert, self.limit, weights[rows, slot][:, None])
         y = slots[:, 0]
         for j in range(1, self.top_k):
             y = y + slots[:, j]
