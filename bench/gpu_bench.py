@@ -190,7 +190,7 @@ def main(argv=None) -> int:
         blk.moe.route = spy
     per_layer = [layer_bytes(cfg, i) for i in range(K)]
     decode, prefill, ctx_s = [], [], float("nan")
-    graph_held = [0]
+    graph_held = 0   # bytes the captured graphs hold (CUDA), read by report()
 
     def report() -> list[str]:
         """Write the results so far (a later step may not finish in time)."""
@@ -209,8 +209,8 @@ def main(argv=None) -> int:
             "## Decode round (per layer; extrapolated to 40 layers = 40 x mean layer + head, an extrapolation)", "",
             (f"CUDA graphs: {'on' if model.graphs is not None else 'off'} (dsv41/model/graphs.py; 'ms / layer' is "
              "with them when on, 'eager' the same rounds without them)"
-             + (f"; {model.graphs.stats['captures']} captures hold {graph_held[0] / 2**30:.2f} GiB (allocated after "
-                "the decode rows less before: pool and static buffers)" if graph_held[0] else "")), "",
+             + (f"; {model.graphs.stats['captures']} captures hold {graph_held / 2**30:.2f} GiB (allocated after "
+                "the decode rows less before: pool and static buffers)" if graph_held else "")), "",
             ("| rows | ms / layer | eager ms / layer | MB the layer must read | bound at copy bw (ms) | % of bound | "
              "head ms | 40-layer round ms (extrap.) | tok/s (extrap.) |"),
             "|---|---|---|---|---|---|---|---|---|",
@@ -295,9 +295,9 @@ def main(argv=None) -> int:
 
     if model.graphs is not None:
         if DEVICE == "cuda":   # what the memory plan does not count yet: the graphs' pool and static buffers
-            graph_held[0] = torch.cuda.memory_allocated() - held0
+            graph_held = torch.cuda.memory_allocated() - held0
         print(f"graphs: {dict(model.graphs.stats)}; failed captures: {model.graphs.failed or 'none'}; memory they "
-              f"hold {graph_held[0] / 2**30:.2f} GiB", flush=True)
+              f"hold {graph_held / 2**30:.2f} GiB", flush=True)
     report()
     # prompt passes
     sources = set(t.kv_source_layer_ids)

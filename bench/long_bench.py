@@ -100,18 +100,19 @@ def prefill(model: Model, ids: torch.Tensor, chunk: int, device: str, budget_s: 
 DECODE_WARM = 2   # decode rounds not timed: the first ones capture their CUDA graphs and compile decode shapes
 
 
-def decode(model: Model, st, last: torch.Tensor, steps: int, device: str) -> float:
-    """Greedy decode rounds after the prompt: tokens/s over all but the first DECODE_WARM of `steps`."""
-    t0 = None
+def decode(model: Model, st, last: torch.Tensor, steps: int, device: str) -> tuple[float, int]:
+    """Greedy decode rounds after the prompt: (tokens/s over the timed rounds, rounds not timed: the first
+    DECODE_WARM, at least one round timed)."""
+    warm = max(0, min(DECODE_WARM, steps - 1))
+    t0 = time.perf_counter()
     for k in range(steps):
-        if k == min(DECODE_WARM, steps - 1):
+        if k == warm:
             sync(device)
             t0 = time.perf_counter()
         nxt = last.reshape(-1).argmax().reshape(1).to(torch.long)
         last = model.forward([SeqInput(st, nxt.cpu(), "last")])[0]
     sync(device)
-    timed = steps - min(DECODE_WARM, steps - 1)
-    return timed / (time.perf_counter() - t0) if steps else 0.0
+    return ((steps - warm) / (time.perf_counter() - t0) if steps else 0.0), warm
 
 
 def four_at_once(model: Model, n: int, chunk: int, vocab: int, device: str) -> tuple[bool, float, float]:
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
     if done < tokens:
         skipped.append(f"the prompt pass stopped at {done:,} of {tokens:,} tokens after {secs:.0f} s (--budget-s)")
     prefill_tps = done / secs
-    dec_tps = decode(model, st, last, a.decode, dev)
+    dec_tps, dec_warm = decode(model, st, last, a.decode, dev)
     peak_dev = torch.cuda.max_memory_allocated() if cuda else 0
     state_bytes = held_bytes(st)
     host = host_peak()
@@ -216,7 +217,7 @@ def main(argv=None) -> int:
         ("load", f"{t_load:.1f} s"),
         ("prompt tokens done / asked", f"{done:,} / {tokens:,}"),
         ("prefill", f"{prefill_tps:,.1f} tok/s ({secs:.1f} s, chunks of {a.chunk})"),
-        (f"decode after it ({a.decode} rounds, 1 row; the first {min(DECODE_WARM, a.decode - 1)} not timed)",
+        (f"decode after it ({a.decode} rounds, 1 row; the first {dec_warm} not timed)",
          f"{dec_tps:,.2f} tok/s"),
         ("state held (its tensors' storages)", f"{state_bytes / GIB:.3f} GiB"),
         ("plan: state lines for that length", f"{(plan_done.pool + plan_done.fixed) / GIB:.3f} GiB"),

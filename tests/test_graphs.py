@@ -134,7 +134,6 @@ def test_cuda_graphs_give_the_eager_bits(shared):
             assert torch.equal(a, b)
 
 
-
 @pytest.mark.gpu
 def test_cuda_scheduler_with_graphs_equals_eager(shared):
     """On the GPU: the scheduler's bursts and drafted verify rounds replayed from real CUDA graphs give the eager
