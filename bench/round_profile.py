@@ -12,7 +12,11 @@ share of the round the GPU is idle waiting for the host, kernel launches per rou
 from __future__ import annotations
 
 import argparse
+import collections
+import cProfile
 import datetime
+import io
+import pstats
 import subprocess
 import sys
 import time
@@ -70,6 +74,62 @@ def profile_case(fn, rounds: int, cuda: bool) -> dict:
             "kernels": sorted(kernels, reverse=True)[:15], "host": sorted(host, reverse=True)[:15], "rounds": rounds}
 
 
+def host_split(model, fn, rounds: int, cuda: bool) -> dict:
+    """Where a round's host time goes, without the profiler: each piece's host time (the graphed pieces' replays and
+    copies, the eager `_history`), the round's host time (enqueue: until forward returns) against its wall time
+    (until the GPU is done; equal when the host is the bottleneck), then the top Python functions under cProfile."""
+    acc: dict[str, float] = collections.defaultdict(float)
+    hist = model._history
+    G = model.graphs
+    run = G.run if G is not None else None
+
+    def timed_hist(*args, **kw):
+        t = time.perf_counter()
+        r = hist(*args, **kw)
+        acc["_history (eager)"] += time.perf_counter() - t
+        return r
+
+    def timed_run(key, f, args):
+        t = time.perf_counter()
+        r = run(key, f, args)
+        acc[f"piece {key[0]} (graph replay)"] += time.perf_counter() - t
+        return r
+
+    model._history = timed_hist
+    if G is not None:
+        G.run = timed_run
+    try:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        acc.clear()
+        enqueue = 0.0
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            t = time.perf_counter()
+            fn()
+            enqueue += time.perf_counter() - t
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        pieces = dict(acc)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(rounds):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        prof.disable()
+    finally:
+        del model._history
+        if G is not None:
+            del G.run
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    return {"pieces": {k: v * 1e3 / rounds for k, v in sorted(pieces.items(), key=lambda kv: -kv[1])},
+            "enqueue_ms": enqueue * 1e3 / rounds, "wall_ms": wall * 1e3 / rounds, "cprofile": buf.getvalue()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", required=True)
@@ -96,7 +156,7 @@ def main(argv=None) -> int:
     for s in range(0, a.context, a.chunk):
         model.forward([SeqInput(base, prompt[s:s + a.chunk], logits="none")])
 
-    cases = []
+    cases, splits = [], []
     for R in [int(r) for r in a.rows.split(",")]:
         states = [base.snapshot() for _ in range(R)]
 
@@ -104,6 +164,7 @@ def main(argv=None) -> int:
             toks = torch.randint(3, vocab, (R,), generator=g)
             model.forward([SeqInput(st, toks[i:i + 1], logits="none") for i, st in enumerate(states)])
         cases.append((f"decode round, {R} row{'s' if R > 1 else ''}", profile_case(decode, a.rounds, cuda)))
+        splits.append((cases[-1][0], host_split(model, decode, max(a.rounds, 5), cuda)))
         del states
         print(f"{cases[-1][0]}: {cases[-1][1]['wall_ms']:.1f} ms", flush=True)
 
@@ -141,6 +202,12 @@ def main(argv=None) -> int:
         lines += ["", f"## {title}: top host ops by self CPU time (per round)", "", "| µs | count | op |",
                   "|---|---|---|"]
         lines += [f"| {t / r['rounds']:.0f} | {c / r['rounds']:.0f} | `{k[:110]}` |" for t, c, k in r["host"]]
+    for title, r in splits:
+        lines += ["", f"## {title}: host time per piece, no profiler (per round)", "",
+                  f"Host time to enqueue the round {r['enqueue_ms']:.2f} ms; wall time (GPU done) {r['wall_ms']:.2f} ms.",
+                  "", "| piece | host ms |", "|---|---|"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in r["pieces"].items()]
+        lines += ["", "Top functions by own time (cProfile, rounds as above):", "", "```", r["cprofile"].strip(), "```"]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")

@@ -86,10 +86,28 @@ def test_weights_stay_in_checkpoint_form(tiny_cuda):
 
 # ---- the server with --device cuda -----------------------------------------------------------------------------
 
-def _complete(client, prompt, n=12):
+def _complete(client, prompt, n=12) -> tuple[int, ...]:
+    """The greedy reply's token ids (the server's return_token_ids)."""
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0.0,
-                                  extra_body={"ignore_eos": True})
-    return r.choices[0].text
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    return tuple(r.choices[0].model_extra["token_ids"])
+
+
+# Two float32 devices sum in different orders, and with QAT on a fake-quant input within float32 noise of a rounding
+# midpoint may round the other way: the vectors' bound for that (README, QAT on) is 2e-2 per logit.
+NEAR_TIE = 2e-2
+
+
+def _first_split_is_a_near_tie(model, prompt, cpu, gpu) -> str | None:
+    """None when the GPU's greedy reply equals the CPU's, or where it first differs the CPU model (teacher-forced on
+    the prompt and the common prefix) rates the two picks within NEAR_TIE of each other; else what differed."""
+    j = next((k for k, (a, b) in enumerate(zip(cpu, gpu)) if a != b), None)
+    if j is None:
+        return None if len(cpu) == len(gpu) else f"lengths {len(cpu)} != {len(gpu)}"
+    ids = torch.tensor(list(prompt) + list(cpu[:j]))
+    logits = model.forward([SeqInput(model.new_state(), ids, logits="last")])[0][0]
+    gap = (logits[cpu[j]] - logits[gpu[j]]).item()
+    return None if abs(gap) <= NEAR_TIE else f"token {j}: cpu {cpu[j]} vs gpu {gpu[j]}, logit gap {gap:.3g}"
 
 
 def _say(capsys, t0: float, what: str, server=None) -> None:
@@ -101,8 +119,10 @@ def _say(capsys, t0: float, what: str, server=None) -> None:
 
 
 def test_server_cuda_gives_cpu_tokens_and_solo_equals_burst(capsys):
-    """--device cuda on the built-in tiny checkpoint: greedy replies equal the CPU server's (torch fallbacks: the
-    same float32 function) and each reply alone equals it inside a 32-stream burst (fallbacks and kernels)."""
+    """--device cuda on the built-in tiny checkpoint: greedy replies equal the CPU server's up to a near tie (torch
+    fallbacks: the same float32 function, summed in another order; where a reply first differs, the CPU model rates
+    both picks within NEAR_TIE), and each reply alone equals it bit for bit inside a 32-stream burst (fallbacks,
+    then kernels with CUDA graphs)."""
     import openai
     from test_server import LiveServer
     t0 = time.monotonic()
@@ -137,7 +157,12 @@ def test_server_cuda_gives_cpu_tokens_and_solo_equals_burst(capsys):
     for kernels, (solo, burst) in texts.items():
         assert burst == solo, (f"DSV41_KERNELS={kernels}: burst != solo for prompts "
                                f"{[k for k, (a, b) in enumerate(zip(solo, burst)) if a != b]}")
-    assert texts["0"][0][:6] == cpu, "cuda fallbacks != the CPU server"
+    from dsv41.api.engine import builtin_checkpoint
+    ref = Model.load(builtin_checkpoint())
+    splits = [_first_split_is_a_near_tie(ref, p, a, b) for p, a, b in zip(prompts, cpu, texts["0"][0])]
+    _say(capsys, t0, f"cuda fallbacks vs cpu: {sum(a == b for a, b in zip(cpu, texts['0'][0]))} of {len(cpu)} "
+                     f"replies equal; splits {splits}")
+    assert not any(splits), f"cuda fallbacks != the CPU server beyond a near tie: {splits}"
 
 
 @pytest.fixture

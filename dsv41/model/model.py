@@ -417,8 +417,11 @@ class Model:
             want.append(torch.arange(a, a + n) if s.logits == "all" else
                         torch.tensor([a + n - 1]) if s.logits == "last" else torch.zeros(0, dtype=torch.long))
         rows = torch.cat(want)
-        x = rms_norm(hc_collapse(streams[rows], pre[rows]), self.norm, t.rms_norm_eps)
-        logits = self.comm.all_gather_cols(self.head_logits(x))
+        if rows.numel():
+            x = rms_norm(hc_collapse(streams[rows], pre[rows]), self.norm, t.rms_norm_eps)
+            logits = self.comm.all_gather_cols(self.head_logits(x))
+        else:   # no row wants logits (a prompt's earlier chunks): skip the head, whose empty call still runs one
+            logits = streams.new_zeros((0, t.vocab_size))    # padded row tile, a full read of its weight (~1 GB)
         for (_, n, _, st) in segs:
             st.length += n
         out, o = [], 0
