@@ -317,6 +317,17 @@ def test_kept_codes_model_rows_do_not_depend_on_the_batch(pack):
     assert torch.isfinite(solo).all() and torch.equal(solo, both)
 
 
+def test_kept_codes_forward_names_every_device(pack):
+    """The EXL3 linears inside a forward make no tensor without naming its device (tests/test_model_devices.py)."""
+    from test_model_devices import FactoryAudit
+    m = Model.load(pack, engram=pack / "engram", keep_quant=True)
+    st, ids = m.new_state(), torch.tensor([5, 77, 300, 12])
+    audit = FactoryAudit()
+    with audit:
+        m.forward([SeqInput(state=st, ids=ids, logits="all")])
+    assert not audit.sites, sorted(audit.sites)
+
+
 @pytest.mark.gpu
 def test_pack_on_cuda(pack):
     """On the GPU the EXL3 linears run the fused Triton kernel on the codes: a row's logits do not depend on the

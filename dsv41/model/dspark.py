@@ -73,8 +73,7 @@ class DSpark:
     def draft(self, items: list[tuple[SeqState, int]]) -> list[Draft]:
         """Draft block_size tokens after each (state, next_token); next_token is the token at position
         state.length (sampled, not yet fed). Pure: the states are not modified."""
-        with self.model.on_device():
-            return self._draft(items)
+        return self._draft(items)
 
     def _draft(self, items: list[tuple[SeqState, int]]) -> list[Draft]:
         m, t = self.model, self.model.t
@@ -86,10 +85,11 @@ class DSpark:
                 raise ValueError("draft needs a sequence with at least one consumed token")
             if not 0 <= int(tok) < t.vocab_size:
                 raise ValueError(f"next_token {tok} outside the vocabulary")
-        ids = torch.tensor([[int(tok)] + [self.noise] * (S - 1) for _, tok in items]).view(-1)
-        pos = torch.cat([torch.arange(st.length, st.length + S) for st, _ in items])
+        dv = m.device      # tensors made here name their device (no ambient torch.device mode: see Model._forward)
+        ids = torch.tensor([[int(tok)] + [self.noise] * (S - 1) for _, tok in items], device=dv).view(-1)
+        pos = torch.cat([torch.arange(st.length, st.length + S, device=dv) for st, _ in items])
         streams = m.embed[ids].float()[:, None, :].expand(-1, t.hc_mult, -1).clone()
-        pre = torch.zeros(B * S, t.hc_mult)
+        pre = torch.zeros(B * S, t.hc_mult, device=dv)
         pre[:, 0] = 1.0
         cos, sin = m.rope.cos_sin("main", pos)
         for blk in self.stages:
@@ -101,11 +101,11 @@ class DSpark:
                 L = st.length
                 lead = min(L, W)
                 ring = st.windows[blk.role.index]
-                ctx = ring[torch.arange(L - lead, L) % W]                      # ascending positions
+                ctx = ring[torch.arange(L - lead, L, device=dv) % W]                      # ascending positions
                 ctx = torch.cat([ctx.new_zeros((W - lead, ctx.shape[1])), ctx])
                 block = kv[b * S:(b + 1) * S]
                 k = torch.cat([ctx, block])                                      # [W + S, D]
-                ok = torch.cat([torch.arange(W) >= W - lead, torch.ones(S, dtype=torch.bool)])
+                ok = torch.cat([torch.arange(W, device=dv) >= W - lead, torch.ones(S, dtype=torch.bool, device=dv)])
                 keys.append(k[None].expand(S, -1, -1))
                 valid.append(ok[None].expand(S, -1))
             o = blk.attn.attend(q, torch.cat(keys), torch.cat(valid))
@@ -120,7 +120,7 @@ class DSpark:
         logits = m.comm.all_gather_cols(m.head_logits(rms_norm(x, self.norm, t.rms_norm_eps))).view(B, S, -1)
         x = x.view(B, S, -1)
         # The Markov steps, all sequences at once (linear's fixed row tiles keep each row independent of the others)
-        prev = torch.tensor([int(tok) for _, tok in items])                      # d_0 = next_token
+        prev = torch.tensor([int(tok) for _, tok in items], device=dv)           # d_0 = next_token
         toks, rows, conf = [], [], []
         for i in range(S):
             e = self.markov_embed[prev]                                          # [B, rank]

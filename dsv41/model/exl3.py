@@ -124,7 +124,7 @@ def window_ends(K2: int) -> torch.Tensor:
     Integer K: (p+1)*K. Half-integer K = KA + 1/2: positions alternate KA and KA+1 bits, the odd ones carrying the
     extra bit (mask 0xAAAA), so the end is the running sum of those widths."""
     ka, half = K2 // 2, K2 % 2
-    p = torch.arange(256, dtype=torch.int64)
+    p = torch.arange(256, dtype=torch.int64, device="cpu")    # the trellis decodes on the host
     m1 = (p & 15) + 1
     return (p >> 4) * 8 * K2 + m1 * ka + half * (m1 >> 1)
 
@@ -132,7 +132,7 @@ def window_ends(K2: int) -> torch.Tensor:
 @cache
 def tile_positions() -> tuple[torch.Tensor, torch.Tensor]:
     """(row, col) in the 16x16 tile of trellis position p = 8l + j (the tensor-core lane order, §8.3)."""
-    p = torch.arange(256, dtype=torch.int64)
+    p = torch.arange(256, dtype=torch.int64, device="cpu")
     lane, j = p >> 3, p & 7
     row = (lane % 4) * 2 + (j & 1) + 8 * ((j >> 1) & 1)
     col = lane // 4 + 8 * ((j >> 2) & 1)
@@ -195,11 +195,11 @@ def decode_trellis(trellis: torch.Tensor, K: float, cb: int, chunk: int = 1024) 
     decoded `chunk` at a time (the int64 temporaries stay in cache; each tile's arithmetic is its own)."""
     kt, nt, width = trellis.shape
     flat = trellis.reshape(kt * nt, 1, width)
-    vals = torch.empty((kt * nt, 256), dtype=torch.float16)
+    vals = torch.empty((kt * nt, 256), dtype=torch.float16, device=trellis.device)
     for a in range(0, kt * nt, chunk):
         vals[a:a + chunk] = decode_codebook(unpack_windows(flat[a:a + chunk], K), cb)[:, 0]
     row, col = tile_positions()
-    tile = torch.empty((kt, nt, 16, 16), dtype=torch.float16)
+    tile = torch.empty((kt, nt, 16, 16), dtype=torch.float16, device=trellis.device)
     tile[:, :, row, col] = vals.view(kt, nt, 256)
     return tile.permute(0, 2, 1, 3).reshape(kt * 16, nt * 16).contiguous()
 
@@ -208,7 +208,7 @@ def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
     """Legacy su/sv: bit i (lowest first) of int16 word j is element 16j+i; a set bit is -1. fp16 +-1."""
     if packed.dtype != torch.int16 or packed.dim() != 1:
         raise Exl3FormatError(f"packed signs must be int16 [n/16], got {packed.dtype} {tuple(packed.shape)}")
-    bits = (packed.to(torch.int64).unsqueeze(-1) >> torch.arange(16)) & 1
+    bits = (packed.to(torch.int64).unsqueeze(-1) >> torch.arange(16, device=packed.device)) & 1
     return (1 - 2 * bits).flatten().to(torch.float16)
 
 

@@ -161,9 +161,9 @@ def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, ratio: int, 
     block = padded.view(n, nb, block_size).amax(-1)
     if newest is None:
         newest = ((positions + 1) // ratio - 1) // block_size   # the block holding the newest visible entry
-    block = block.masked_fill(torch.arange(nb)[None, :] == newest[:, None], float("inf"))
+    block = block.masked_fill(torch.arange(nb, device=scores.device)[None, :] == newest[:, None], float("inf"))
     vals, idx = stable_topk(block, min(n_blocks, nb))
-    keep = torch.zeros((n, nb), dtype=torch.bool)
+    keep = torch.zeros((n, nb), dtype=torch.bool, device=scores.device)
     keep.scatter_(1, idx, vals > NEG_INF)
     return keep.repeat_interleave(block_size, dim=1)[:, :T]
 

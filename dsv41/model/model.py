@@ -13,7 +13,6 @@ top-k list and the candidate source its candidate blocks; later layers read the 
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from collections.abc import Callable
@@ -333,12 +332,7 @@ class Model:
         """Run every SeqInput's new tokens; returns per input float32 logits [n | 1 | 0, vocab] and advances each
         state by len(ids). `trace`, when given, receives intermediate arrays (tests, debugging)."""
         self._check(batch)
-        with self.on_device():
-            return self._forward(batch, trace)
-
-    def on_device(self):
-        """Tensors the forward creates (positions, masks, the states' rings) are made on the model's device."""
-        return contextlib.nullcontext() if self.device.type == "cpu" else torch.device(self.device)
+        return self._forward(batch, trace)
 
     def _forward(self, batch: list[SeqInput], trace: dict[str, Any] | None) -> list[torch.Tensor]:
         t = self.t
@@ -350,7 +344,10 @@ class Model:
             a += n
         ids_host = torch.cat([s.ids.long().cpu() for s in batch])    # Engram hashing and row reads are on the host
         ids = ids_host.to(self.device)
-        pos = torch.cat([torch.arange(st, st + n) for _, n, st, _ in segs])
+        # tensors the forward makes name their device: an ambient torch.device(...) mode would add ~7 µs of Python
+        # to every torch call (a decode round's history work is thousands of small calls; tests/test_model_devices.py)
+        dv = self.device
+        pos = torch.cat([torch.arange(st, st + n, device=dv) for _, n, st, _ in segs])
         image = image_host = None
         if any(s.token_type is not None for s in batch):
             image_host = torch.cat([s.token_type.cpu() >= 0 if s.token_type is not None else
@@ -368,7 +365,7 @@ class Model:
 
         cs = {k: self.rope.cos_sin(k, pos) for k in ("main", "compress")}
         streams = h[:, None, :].expand(-1, t.hc_mult, -1).clone()
-        pre = torch.zeros(ids.numel(), t.hc_mult)
+        pre = torch.zeros(ids.numel(), t.hc_mult, device=dv)
         pre[:, 0] = 1.0
         taps = [None] * len(t.dspark_target_layer_ids)
         shared = [{} for _ in segs]
@@ -414,8 +411,9 @@ class Model:
 
         want = []
         for (a, n, _, _), s in zip(segs, batch):
-            want.append(torch.arange(a, a + n) if s.logits == "all" else
-                        torch.tensor([a + n - 1]) if s.logits == "last" else torch.zeros(0, dtype=torch.long))
+            want.append(torch.arange(a, a + n, device=dv) if s.logits == "all" else
+                        torch.tensor([a + n - 1], device=dv) if s.logits == "last" else
+                        torch.zeros(0, dtype=torch.long, device=dv))
         rows = torch.cat(want)
         if rows.numel():
             x = rms_norm(hc_collapse(streams[rows], pre[rows]), self.norm, t.rms_norm_eps)
@@ -523,7 +521,7 @@ class Model:
         D, Di = self.t.head_dim, self.t.index_head_dim
         latent, first = comp.close_groups(st, kv, gate)
         g = latent.shape[0]
-        gpos = first + r.ratio * torch.arange(g)
+        gpos = first + r.ratio * torch.arange(g, device=kv.device)
         if r.index not in st.compressed:
             st.compressed[r.index] = kv.new_zeros((0, D))
             st.index_keys[r.index] = kv.new_zeros((0, Di))
@@ -553,7 +551,7 @@ class Model:
             owner, count = st.published_keys
             keys = st.index_keys[owner][:count]
         if keys.shape[0] == 0:
-            topk = torch.full((q.shape[0], t.index_topk), -1, dtype=torch.long)
+            topk = torch.full((q.shape[0], t.index_topk), -1, dtype=torch.long, device=q.device)
         else:
             # rows in blocks: a long prompt's [rows, keys] scores and their top-k temporaries would be tens of GB
             # for a whole chunk at 1M keys; a row's result does not depend on its block (row-invariance)
@@ -768,7 +766,7 @@ class Model:
         ip = rd.idx[r.index]
         n, B = rd.n, len(rd.states)
         if ip.tpad == 0:
-            topk = torch.full((B * n, t.index_topk), -1, dtype=torch.long)
+            topk = torch.full((B * n, t.index_topk), -1, dtype=torch.long, device=q.device)
         else:
             none = q.new_zeros((0, t.index_head_dim))
             keys = [st.index_keys[owner][:c] if c else none for st, owner, c in zip(rd.states, ip.owner, ip.count)]

@@ -23,6 +23,7 @@ forward (several rollbacks may follow one mark, each taking back more).
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -82,12 +83,13 @@ class SeqState:
         # The window-1 positions before `start` (from the ring), then the new rows.
         lead = min(start, window - 1)
         if lead:
-            slots = torch.arange(start - lead, start) % window
+            slots = torch.arange(start - lead, start, device=new_kv.device) % window
             prev = ring[slots]
         else:
             prev = new_kv.new_zeros((0, d))
         seq = torch.cat([new_kv.new_zeros((window - 1 - lead, d)), prev, new_kv], dim=0)  # positions start-window+1..
-        idx = torch.arange(n)[:, None] + torch.arange(window)[None, :]                       # [n, window]
+        ar = functools.partial(torch.arange, device=new_kv.device)
+        idx = ar(n)[:, None] + ar(window)[None, :]                                             # [n, window]
         pos = start - window + 1 + idx
         return seq[idx], pos >= 0
 
@@ -97,7 +99,7 @@ class SeqState:
             ring = self.windows[layer] = new_kv.new_zeros((window, new_kv.shape[1]))
         n = new_kv.shape[0]
         keep = min(n, window)
-        slots = torch.arange(start + n - keep, start + n) % window
+        slots = torch.arange(start + n - keep, start + n, device=new_kv.device) % window
         ring[slots] = new_kv[n - keep:]
 
     # ---- mark / rollback (speculative decoding) ----------------------------------------------------------------
