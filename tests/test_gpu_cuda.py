@@ -93,21 +93,22 @@ def _complete(client, prompt, n=12) -> tuple[int, ...]:
     return tuple(r.choices[0].model_extra["token_ids"])
 
 
-# Two float32 devices sum in different orders, and with QAT on a fake-quant input within float32 noise of a rounding
-# midpoint may round the other way: the vectors' bound for that (README, QAT on) is 2e-2 per logit.
-NEAR_TIE = 2e-2
+# The CPU reference's greedy picks along the CUDA server's replies are held to the vectors' QAT criteria (README of
+# tiny-a): two float32 devices sum in different orders, and a fake-quant input within float32 noise of a rounding
+# midpoint may round the other way, so a pick may flip where the reference's top two lie close; the oracle's own
+# isolated flips reach 0.2-0.4 per logit. A wiring bug moves every position (gaps of 5-9 logits on this model).
+AGREE, FLIP_GAP = 0.98, 0.4
 
 
-def _first_split_is_a_near_tie(model, prompt, cpu, gpu) -> str | None:
-    """None when the GPU's greedy reply equals the CPU's, or where it first differs the CPU model (teacher-forced on
-    the prompt and the common prefix) rates the two picks within NEAR_TIE of each other; else what differed."""
-    j = next((k for k, (a, b) in enumerate(zip(cpu, gpu)) if a != b), None)
-    if j is None:
-        return None if len(cpu) == len(gpu) else f"lengths {len(cpu)} != {len(gpu)}"
-    ids = torch.tensor(list(prompt) + list(cpu[:j]))
-    logits = model.forward([SeqInput(model.new_state(), ids, logits="last")])[0][0]
-    gap = (logits[cpu[j]] - logits[gpu[j]]).item()
-    return None if abs(gap) <= NEAR_TIE else f"token {j}: cpu {cpu[j]} vs gpu {gpu[j]}, logit gap {gap:.3g}"
+def _teacher_forced(model, prompt, reply) -> tuple[int, float]:
+    """(picks of the CPU model that equal the reply's tokens, the largest logit gap where one does not), the model
+    fed the prompt and the reply in one pass (a row's bits do not depend on chunking: tests/test_model_exact.py)."""
+    ids = torch.tensor(list(prompt) + list(reply[:-1]))
+    lg = model.forward([SeqInput(model.new_state(), ids, logits="all")])[0][len(prompt) - 1:]
+    pick = lg.argmax(-1)
+    tok = torch.tensor(reply)
+    gaps = lg.gather(1, pick[:, None])[:, 0] - lg.gather(1, tok[:, None])[:, 0]
+    return int((pick == tok).sum()), float(gaps.max())
 
 
 def _say(capsys, t0: float, what: str, server=None) -> None:
@@ -119,50 +120,46 @@ def _say(capsys, t0: float, what: str, server=None) -> None:
 
 
 def test_server_cuda_gives_cpu_tokens_and_solo_equals_burst(capsys):
-    """--device cuda on the built-in tiny checkpoint: greedy replies equal the CPU server's up to a near tie (torch
-    fallbacks: the same float32 function, summed in another order; where a reply first differs, the CPU model rates
-    both picks within NEAR_TIE), and each reply alone equals it bit for bit inside a 32-stream burst (fallbacks,
-    then kernels with CUDA graphs)."""
-    import openai
+    """--device cuda on the built-in tiny checkpoint: the torch fallbacks' greedy replies are the CPU reference's
+    (the same float32 function summed in another order) within the vectors' QAT criteria (AGREE of the picks
+    teacher-forced, no flip wider than FLIP_GAP), and each reply alone equals it bit for bit inside a 32-stream
+    burst (fallbacks, then kernels with CUDA graphs)."""
+    from dsv41.api.engine import builtin_checkpoint
     from test_server import LiveServer
+    import openai
     t0 = time.monotonic()
     prompts = [_ids(4 + 5 * k, 300 + k, vocab=20000).tolist() for k in range(32)]
     common = ["--context", "512", "--prefill-chunk", "256", "--state-budget-gib", "2", "--name", "tiny",
-              "--max-streams", "32", "--prompt-cache-gib", "0"]
-    runs = [("cpu", "0"), ("cuda", "0")] + ([("cuda", "1")] if dev.KERNELS else [])
-    texts = {}
-    for device, kernels in runs:
-        s = LiveServer("--device", device, *common, env={"DSV41_KERNELS": kernels})
+              "--max-streams", "32", "--prompt-cache-gib", "0", "--device", "cuda"]
+    replies = {}
+    for kernels in ["0"] + (["1"] if dev.KERNELS else []):
+        s = LiveServer(*common, env={"DSV41_KERNELS": kernels})
         try:
             s.wait_ready()
-            _say(capsys, t0, f"{device} server (DSV41_KERNELS={kernels}) ready", s)
+            _say(capsys, t0, f"cuda server (DSV41_KERNELS={kernels}) ready", s)
+            assert any("on cuda" in line for line in s.lines), s.lines[-5:]
             client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", timeout=600, max_retries=0)
-            if device == "cpu":
-                texts["cpu"] = [_complete(client, p) for p in prompts[:6]]
-                _say(capsys, t0, "cpu: 6 replies")
-                continue
-            assert any(f"on {device}" in line for line in s.lines), s.lines[-5:]
             solo = []
             for k, p in enumerate(prompts):
                 solo.append(_complete(client, p))
                 if k % 8 == 7:
-                    _say(capsys, t0, f"{device} kernels={kernels}: {k + 1} solo replies", s)
+                    _say(capsys, t0, f"kernels={kernels}: {k + 1} solo replies", s)
             with cf.ThreadPoolExecutor(32) as ex:
                 burst = list(ex.map(lambda p, c=client: _complete(c, p), prompts))
-            _say(capsys, t0, f"{device} kernels={kernels}: the burst of 32 replied", s)
-            texts[kernels] = (solo, burst)
+            _say(capsys, t0, f"kernels={kernels}: the burst of 32 replied", s)
+            replies[kernels] = (solo, burst)
         finally:
             s.stop()
-    cpu = texts.pop("cpu")     # 6 texts; the cuda entries are (solo, burst) pairs
-    for kernels, (solo, burst) in texts.items():
+    for kernels, (solo, burst) in replies.items():
         assert burst == solo, (f"DSV41_KERNELS={kernels}: burst != solo for prompts "
                                f"{[k for k, (a, b) in enumerate(zip(solo, burst)) if a != b]}")
-    from dsv41.api.engine import builtin_checkpoint
     ref = Model.load(builtin_checkpoint())
-    splits = [_first_split_is_a_near_tie(ref, p, a, b) for p, a, b in zip(prompts, cpu, texts["0"][0])]
-    _say(capsys, t0, f"cuda fallbacks vs cpu: {sum(a == b for a, b in zip(cpu, texts['0'][0]))} of {len(cpu)} "
-                     f"replies equal; splits {splits}")
-    assert not any(splits), f"cuda fallbacks != the CPU server beyond a near tie: {splits}"
+    tf = [_teacher_forced(ref, p, r) for p, r in zip(prompts, replies["0"][0])]
+    agree = sum(a for a, _ in tf) / sum(len(r) for r in replies["0"][0])
+    widest = max(g for _, g in tf)
+    _say(capsys, t0, f"cuda fallbacks vs the CPU reference, teacher-forced: {agree:.1%} of picks agree; widest "
+                     f"flip {widest:.3g}")
+    assert agree >= AGREE and widest <= FLIP_GAP, (agree, widest)
 
 
 @pytest.fixture
