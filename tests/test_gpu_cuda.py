@@ -1,6 +1,7 @@
 """The model on CUDA (docs/gpu.md): the same function as the CPU reference, FP8/FP4 weights kept in checkpoint form,
 bitwise batch invariance on the GPU, and the server with --device cuda. Skipped without a CUDA device."""
 import concurrent.futures as cf
+import os
 import time
 
 import pytest
@@ -160,6 +161,33 @@ def test_server_cuda_gives_cpu_tokens_and_solo_equals_burst(capsys):
     _say(capsys, t0, f"cuda fallbacks vs the CPU reference, teacher-forced: {agree:.1%} of picks agree; widest "
                      f"flip {widest:.3g}")
     assert agree >= AGREE and widest <= FLIP_GAP, (agree, widest)
+
+
+@pytest.mark.skipif(not os.environ.get("DSV41_REAL_CHECKPOINT"), reason="DSV41_REAL_CHECKPOINT (a make_real folder) "
+                    "not set: scripts/h200/gpuserver.sh makes one")
+def test_server_on_a_real_shaped_checkpoint_solo_equals_burst(capsys):
+    """The server on the H200 with a real-shaped partial checkpoint (python -m dsv41.tools.make_real: release shapes,
+    random values; FP8/FP4 kernels, CUDA graphs): each of 32 greedy replies alone equals it inside a 32-stream burst,
+    bit for bit."""
+    import openai
+    from test_server import LiveServer
+    t0 = time.monotonic()
+    prompts = [_ids(8 + 7 * k, 500 + k, vocab=20000).tolist() for k in range(32)]
+    s = LiveServer("--model", os.environ["DSV41_REAL_CHECKPOINT"], "--device", "cuda", "--context", "1024",
+                   "--state-budget-gib", "8", "--name", "tiny", "--max-streams", "32", "--prompt-cache-gib", "0")
+    try:
+        s.wait_ready()
+        _say(capsys, t0, "real-shaped server ready", s)
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", timeout=600, max_retries=0)
+        solo = [_complete(client, p, n=8) for p in prompts]
+        _say(capsys, t0, "real-shaped: 32 solo replies", s)
+        with cf.ThreadPoolExecutor(32) as ex:
+            burst = list(ex.map(lambda p: _complete(client, p, n=8), prompts))
+        _say(capsys, t0, "real-shaped: the burst of 32 replied", s)
+    finally:
+        s.stop()
+    assert all(len(r) == 8 for r in solo)
+    assert burst == solo, f"burst != solo for prompts {[k for k, (a, b) in enumerate(zip(solo, burst)) if a != b]}"
 
 
 @pytest.fixture
