@@ -204,7 +204,8 @@ def main(argv=None) -> int:
         lines += [f"| {t / r['rounds']:.0f} | {c / r['rounds']:.0f} | `{k[:110]}` |" for t, c, k in r["host"]]
     for title, r in splits:
         lines += ["", f"## {title}: host time per piece, no profiler (per round)", "",
-                  f"Host time to enqueue the round {r['enqueue_ms']:.2f} ms; wall time (GPU done) {r['wall_ms']:.2f} ms.",
+                  f"Host time to enqueue the round {r['enqueue_ms']:.2f} ms; wall time (GPU done) "
+                  f"{r['wall_ms']:.2f} ms.",
                   "", "| piece | host ms |", "|---|---|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in r["pieces"].items()]
         lines += ["", "Top functions by own time (cProfile, rounds as above):", "", "```", r["cprofile"].strip(), "```"]

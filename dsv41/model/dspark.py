@@ -101,7 +101,7 @@ class DSpark:
                 L = st.length
                 lead = min(L, W)
                 ring = st.windows[blk.role.index]
-                ctx = ring[torch.arange(L - lead, L, device=dv) % W]                      # ascending positions
+                ctx = ring[torch.arange(L - lead, L, device=dv) % W]            # ascending positions
                 ctx = torch.cat([ctx.new_zeros((W - lead, ctx.shape[1])), ctx])
                 block = kv[b * S:(b + 1) * S]
                 k = torch.cat([ctx, block])                                      # [W + S, D]

@@ -23,7 +23,6 @@ forward (several rollbacks may follow one mark, each taking back more).
 from __future__ import annotations
 
 import copy
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -88,8 +87,8 @@ class SeqState:
         else:
             prev = new_kv.new_zeros((0, d))
         seq = torch.cat([new_kv.new_zeros((window - 1 - lead, d)), prev, new_kv], dim=0)  # positions start-window+1..
-        ar = functools.partial(torch.arange, device=new_kv.device)
-        idx = ar(n)[:, None] + ar(window)[None, :]                                             # [n, window]
+        dv = new_kv.device
+        idx = torch.arange(n, device=dv)[:, None] + torch.arange(window, device=dv)[None, :]     # [n, window]
         pos = start - window + 1 + idx
         return seq[idx], pos >= 0
 
