@@ -120,6 +120,25 @@ def _say(capsys, t0: float, what: str, server=None) -> None:
         print(f"\n[server test +{time.monotonic() - t0:6.1f}s] {what}{tail}", flush=True)
 
 
+def _solo_then_burst(capsys, t0: float, server, prompts, n: int, label: str) -> tuple[list, list]:
+    """Each prompt's greedy reply alone, one after another, then all of them at once (a burst of len(prompts))."""
+    import openai
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=600, max_retries=0)
+    solo = []
+    for k, p in enumerate(prompts):
+        solo.append(_complete(client, p, n))
+        if k % 8 == 7:
+            _say(capsys, t0, f"{label}: {k + 1} solo replies", server)
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        burst = list(ex.map(lambda p: _complete(client, p, n), prompts))
+    _say(capsys, t0, f"{label}: the burst of {len(prompts)} replied", server)
+    return solo, burst
+
+
+def _differing(solo, burst) -> list[int]:
+    return [k for k, (a, b) in enumerate(zip(solo, burst)) if a != b]
+
+
 def test_server_cuda_gives_cpu_tokens_and_solo_equals_burst(capsys):
     """--device cuda on the built-in tiny checkpoint: the torch fallbacks' greedy replies are the CPU reference's
     (the same float32 function summed in another order) within the vectors' QAT criteria (AGREE of the picks
@@ -127,7 +146,6 @@ def test_server_cuda_gives_cpu_tokens_and_solo_equals_burst(capsys):
     burst (fallbacks, then kernels with CUDA graphs)."""
     from dsv41.api.engine import builtin_checkpoint
     from test_server import LiveServer
-    import openai
     t0 = time.monotonic()
     prompts = [_ids(4 + 5 * k, 300 + k, vocab=20000).tolist() for k in range(32)]
     common = ["--context", "512", "--prefill-chunk", "256", "--state-budget-gib", "2", "--name", "tiny",
@@ -139,21 +157,11 @@ def test_server_cuda_gives_cpu_tokens_and_solo_equals_burst(capsys):
             s.wait_ready()
             _say(capsys, t0, f"cuda server (DSV41_KERNELS={kernels}) ready", s)
             assert any("on cuda" in line for line in s.lines), s.lines[-5:]
-            client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", timeout=600, max_retries=0)
-            solo = []
-            for k, p in enumerate(prompts):
-                solo.append(_complete(client, p))
-                if k % 8 == 7:
-                    _say(capsys, t0, f"kernels={kernels}: {k + 1} solo replies", s)
-            with cf.ThreadPoolExecutor(32) as ex:
-                burst = list(ex.map(lambda p, c=client: _complete(c, p), prompts))
-            _say(capsys, t0, f"kernels={kernels}: the burst of 32 replied", s)
-            replies[kernels] = (solo, burst)
+            replies[kernels] = _solo_then_burst(capsys, t0, s, prompts, 12, f"kernels={kernels}")
         finally:
             s.stop()
     for kernels, (solo, burst) in replies.items():
-        assert burst == solo, (f"DSV41_KERNELS={kernels}: burst != solo for prompts "
-                               f"{[k for k, (a, b) in enumerate(zip(solo, burst)) if a != b]}")
+        assert burst == solo, f"DSV41_KERNELS={kernels}: burst != solo for prompts {_differing(solo, burst)}"
     ref = Model.load(builtin_checkpoint())
     tf = [_teacher_forced(ref, p, r) for p, r in zip(prompts, replies["0"][0])]
     agree = sum(a for a, _ in tf) / sum(len(r) for r in replies["0"][0])
@@ -169,7 +177,6 @@ def test_server_on_a_real_shaped_checkpoint_solo_equals_burst(capsys):
     """The server on the H200 with a real-shaped partial checkpoint (python -m dsv41.tools.make_real: release shapes,
     random values; FP8/FP4 kernels, CUDA graphs): each of 32 greedy replies alone equals it inside a 32-stream burst,
     bit for bit."""
-    import openai
     from test_server import LiveServer
     t0 = time.monotonic()
     prompts = [_ids(8 + 7 * k, 500 + k, vocab=20000).tolist() for k in range(32)]
@@ -178,16 +185,11 @@ def test_server_on_a_real_shaped_checkpoint_solo_equals_burst(capsys):
     try:
         s.wait_ready()
         _say(capsys, t0, "real-shaped server ready", s)
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", timeout=600, max_retries=0)
-        solo = [_complete(client, p, n=8) for p in prompts]
-        _say(capsys, t0, "real-shaped: 32 solo replies", s)
-        with cf.ThreadPoolExecutor(32) as ex:
-            burst = list(ex.map(lambda p: _complete(client, p, n=8), prompts))
-        _say(capsys, t0, "real-shaped: the burst of 32 replied", s)
+        solo, burst = _solo_then_burst(capsys, t0, s, prompts, 8, "real-shaped")
     finally:
         s.stop()
     assert all(len(r) == 8 for r in solo)
-    assert burst == solo, f"burst != solo for prompts {[k for k, (a, b) in enumerate(zip(solo, burst)) if a != b]}"
+    assert burst == solo, f"burst != solo for prompts {_differing(solo, burst)}"
 
 
 @pytest.fixture
