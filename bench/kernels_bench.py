@@ -1,12 +1,19 @@
-"""Micro-bench of kernels/fp8_linear.py, fp4_moe.py and sparse_attn.py at V4.1 shapes (random weights).
+"""Decode kernels at V4.1 shapes against their byte floor and the off-the-shelf path, on the GPU (issue 24).
 
-Decode rows (1, 8, 32, 64): time per call (one CUDA graph replay) against the bytes the call must read (the FP8
-weight and its scales, or the packed FP4 weights and scales of the experts the round touches, + x and y; for
-attention the q rows, the 640 latents of each row and the output), as a fraction of the device-to-device copy
-bandwidth measured in the same run.
-Prompt rows (4096): TFLOP/s against the bf16 GEMM rate (torch, 8192^3) measured in the same run.
+For each FP8 projection of a layer (and the bf16 weights the GPU path multiplies) and for the routed experts of a
+round (FP4), at decode rows 1, 8, 32, 64: time per call, the bytes the call must read (the weight as stored and its
+scales, or the packed FP4 bytes and scales of the experts the round touches), and that as a fraction of the copy
+bandwidth measured in the same run; beside it, on the same shapes in the same run, cuBLAS's FP8 product
+(`torch._scaled_mm`, x quantised to FP8 with row-wise scales: a different, cheaper-to-feed product, shown as the
+off-the-shelf speed), cuBLAS's bf16 product of the dequantised weight, and `torch._scaled_grouped_mm` for the
+experts (FP8, twice the FP4 bytes).
 
-  python3 bench/kernels_bench.py [--out bench/results/kernels.md] [--experts 384]
+Timing that the L2 cache cannot flatter: each timed CUDA graph runs the call on enough distinct copies of the
+weight (or enough distinct routings of the 384-expert stack) that the copies together exceed the 50 MB L2 several
+times over, back to back as a layer's calls run, and the time is the graph's median replay over the calls in it.
+
+  python3 bench/kernels_bench.py [--out bench/results/kernels.md]     # the kernels as configured, + baselines
+  python3 bench/kernels_bench.py --sweep [--out FILE]                 # every configuration candidate per shape
 """
 from __future__ import annotations
 
@@ -25,23 +32,30 @@ import triton.testing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernels.fp4_moe import fp4_moe
-from kernels.fp8_linear import fp8_linear, fp8_split
-from kernels.sparse_attn import sparse_attn
+from kernels import fp4_moe as M
+from kernels import fp8_linear as F
 
-H, INTER, TOPK, LIMIT = 5120, 2304, 6, 10.0
-HEADS, HEAD_DIM, WINDOW, INDEX_TOPK = 64, 512, 128, 512
+H, INTER, TOPK, LIMIT, N_EXPERTS = 5120, 2304, 6, 10.0, 384
 FP8 = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wkv", 512, 5120), ("wo_a group", 1024, 4096),
-       ("wo_b", 5120, 8192), ("shared w1/w3", 2304, 5120), ("shared w2", 5120, 2304), ("indexer wq_b", 4096, 1280)]
+       ("wo_b", 5120, 8192), ("shared w1+w3", 4608, 5120), ("shared w2", 5120, 2304),
+       ("indexer wq_b", 4096, 1280)]
+BF16 = [("compressor wkv", 512, 5120), ("router gate", 384, 5120), ("head", 129280, 5120)]
 DECODE_ROWS = (1, 8, 32, 64)
-PROMPT_ROWS = 4096
+STREAM_BYTES = 400 << 20        # the copies a timed graph cycles through: 8x the H200's L2
+
+FP8_SWEEP = [F.CUDA,
+             F.Config(bn=64, bk=64, swap=False, mt=4, warps=4, stages=4),
+             F.Config(bn=256, bk=64, swap=True, mt=2, warps=8, stages=3)]
+MOE_SWEEP = [M.CUDA,
+             M.Config(bn_up=128, bn_down=128, bkb=16, post=True, warps=8, stages=6)]
 
 
 def ceilings():
-    n = 1 << 30                                   # 2 GiB buffers: far past the 60 MB L2
-    a = torch.empty(n, dtype=torch.float16, device="cuda")
-    b = torch.empty_like(a)
-    t_copy = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50, return_mode="median") * 1e-3
+    n = 1 << 30                                   # 2 GiB buffers: far past the L2
+    src = torch.empty(n, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    t_copy = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=50, return_mode="median") * 1e-3
+    src = dst = None
     m = 8192
     x = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
     y = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
@@ -49,129 +63,271 @@ def ceilings():
     return 2 * n * 2 / t_copy, 2 * m ** 3 / t_mm
 
 
-def time_graph(fn) -> float:
-    fn()
+def time_calls(calls) -> float:
+    """Median seconds per call of `calls` (a list of thunks) run back to back in one CUDA graph."""
+    def run():
+        for c in calls:
+            c()
+    run()
     torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
+    return triton.testing.do_bench_cudagraph(run, rep=40, return_mode="median") * 1e-3 / len(calls)
 
 
-def fp8_weight(out_f, in_f):
-    w = (torch.randn(out_f, in_f, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-    s = torch.randint(112, 122, (triton.cdiv(out_f, 32), in_f // 32), dtype=torch.uint8, device="cuda")
-    return w, s
+def fp8_weights(out_f, in_f, copies):
+    ws = []
+    for _ in range(copies):
+        w = (torch.randn(out_f, in_f, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        s = torch.randint(112, 122, (triton.cdiv(out_f, 32), in_f // 32), dtype=torch.uint8, device="cuda")
+        ws.append((w, s))
+    return ws
 
 
-def write(path, rows_dec, rows_pre, bw, mm, partial, commit=""):
-    """The results file; rewritten after each section so a run cut by its time limit keeps what it measured."""
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                    text=True, check=False).stdout.strip() or "unknown"
-        except OSError:
-            commit = "unknown"
-    lines = [
-        "# Triton kernels: fp8_linear, fp4_moe and sparse_attn at V4.1 shapes", "",
-        f"- command: `python3 {' '.join(sys.argv)}` (scripts/h200/kernels.sh), commit {commit}",
-        (f"- machine: {torch.cuda.get_device_name()} ({socket.gethostname()}), torch {torch.__version__}, "
-         f"triton {triton.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"),
-        (f"- ceilings measured in the same run: device copy {bw / 1e12:.2f} TB/s (read+write bytes), "
-         f"bf16 GEMM (torch, 8192^3) {mm / 1e12:.0f} TFLOP/s"),
-        "- times: median CUDA-graph replay of one call (triton.testing.do_bench_cudagraph); random weights"
-        + ("; PARTIAL: the run stopped before its last section" if partial else ""),
-        "", "## Decode rows: time vs bytes read", "",
-        "| call | rows | bytes read (MB) | time (us) | TB/s | % of copy bandwidth |", "|---|---|---|---|---|---|"]
-    for name, n, nb, t in rows_dec:
-        lines.append(f"| {name} | {n} | {nb / 1e6:.1f} | {t * 1e6:.1f} | {nb / t / 1e12:.2f} | {nb / t / bw * 100:.0f}% |")
-    lines += ["", f"## Prompt rows ({PROMPT_ROWS}): matrix rate", "",
-              "| call | GFLOP | time (ms) | TFLOP/s | % of bf16 GEMM |", "|---|---|---|---|---|"]
-    for name, fl, t in rows_pre:
-        lines.append(f"| {name} | {fl / 1e9:.0f} | {t * 1e3:.3f} | {fl / t / 1e12:.0f} | {fl / t / mm * 100:.0f}% |")
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
+def copies_for(nbytes: int) -> int:
+    return max(2, min(64, STREAM_BYTES // max(1, nbytes)))
+
+
+def dequant_fp8(w, s):
+    f = torch.exp2(s.float() - 127).repeat_interleave(32, 0)[:w.shape[0]].repeat_interleave(32, 1)
+    return w.float() * f
+
+
+def check_fp8(w, s, cfg) -> str:
+    """The configuration's result against the float32 product of bf16(x) and the dequantised weight (elementwise
+    within 2^-20 of the terms' absolute sum), and its batch invariance (rows 1 / 32 / 64 / 300)."""
+    x = torch.randn(300, w.shape[1], device="cuda")
+    W = dequant_fp8(w, s) if s is not None else w.float()
+    xb = x.bfloat16().float()
+    ref = xb @ W.t()
+    l1 = xb.abs() @ W.abs().t()
+    y = F.fp8_linear(x, w, s, cfg=cfg)
+    bad = ((y - ref).abs() > 2.0 ** -20 * w.shape[1] ** 0.5 * l1 + 1e-30).sum().item()
+    inv = all(torch.equal(F.fp8_linear(x[:n], w, s, cfg=cfg), y[:n]) for n in (1, 32, 64))
+    return ("ok" if not bad and inv else f"BAD ({bad} elements off, invariant {inv})")
+
+
+def scaled_mm_baseline(out_f, in_f, n):
+    """cuBLAS FP8 (row-wise scales; x quantised to FP8, rows padded to 16), and cuBLAS bf16, per call."""
+    res = {}
+    m = max(16, -(-n // 16) * 16)
+    try:
+        wq = [(torch.randn(out_f, in_f, device="cuda") * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+              for _ in range(copies_for(out_f * in_f))]
+        xq = torch.randn(m, in_f, device="cuda").to(torch.float8_e4m3fn)
+        sa = torch.ones(m, 1, device="cuda")
+        sb = torch.ones(1, out_f, device="cuda")
+        res["cuBLAS fp8 _scaled_mm"] = time_calls([
+            (lambda w=w: torch._scaled_mm(xq, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+            for w in wq])
+        del wq
+    except Exception as exc:  # noqa: BLE001 -- report what fails, keep the rest
+        res["cuBLAS fp8 _scaled_mm"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+    wb = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(2 * out_f * in_f))]
+    xb = torch.randn(n, in_f, device="cuda", dtype=torch.bfloat16)
+    res["cuBLAS bf16"] = time_calls([(lambda w=w: xb @ w.t()) for w in wb])
+    return res
+
+
+def experts(n_exp=N_EXPERTS):
+    w13 = torch.randint(-128, 128, (n_exp, 2 * INTER, H // 2), dtype=torch.int8, device="cuda")
+    s13 = torch.randint(118, 122, (n_exp, 2 * INTER, H // 32), dtype=torch.uint8, device="cuda")
+    w2 = torch.randint(-128, 128, (n_exp, H, INTER // 2), dtype=torch.int8, device="cuda")
+    s2 = torch.randint(118, 122, (n_exp, H, INTER // 32), dtype=torch.uint8, device="cuda")
+    return w13, s13, w2, s2
+
+
+def routings(n, count, n_exp=N_EXPERTS):
+    return [torch.stack([torch.randperm(n_exp, device="cuda")[:TOPK] for _ in range(n)]).to(torch.int32)
+            for _ in range(count)]
+
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequant_fp4(packed, scale):
+    """Packed E2M1 [out, in/2] (low nibble = even k) and E8M0 [out, in/32] -> float32 [out, in], on the GPU."""
+    table = torch.tensor(E2M1, device=packed.device)
+    b = packed.to(torch.int32) & 0xFF
+    v = torch.stack([table[b & 15], table[b >> 4]], dim=-1).reshape(packed.shape[0], -1)
+    return v * torch.exp2(scale.float() - 127).repeat_interleave(32, 1)
+
+
+_moe_case = {}
+
+
+def check_moe(stack, cfg) -> str:
+    """Rows 1..64 against a float32 reference with x and h rounded to bf16 (within 1e-5 of max|ref|), and a row's
+    bits alone == among 64."""
+    w13, s13, w2, s2 = stack
+    if not _moe_case:
+        n = 64
+        ids = routings(n, 1, 16)[0]                   # the first 16 experts only: a small dequantised reference
+        wts = torch.rand(n, TOPK, device="cuda")
+        x = torch.randn(n, H, device="cuda")
+        ref = torch.zeros(n, H, device="cuda")
+        xb = x.bfloat16().float()
+        for e in ids.unique().tolist():
+            W13 = dequant_fp4(w13[e], s13[e])
+            W2 = dequant_fp4(w2[e], s2[e])
+            rows, slot = torch.nonzero(ids == e, as_tuple=True)
+            g = torch.clamp(xb[rows] @ W13[:INTER].t(), max=LIMIT)
+            u = torch.clamp(xb[rows] @ W13[INTER:].t(), min=-LIMIT, max=LIMIT)
+            h = (g / (1 + torch.exp(-g)) * u * wts[rows, slot][:, None]).bfloat16().float()
+            ref.index_add_(0, rows, h @ W2.t())
+        _moe_case.update(ids=ids, wts=wts, x=x, ref=ref)
+    ids, wts, x, ref = _moe_case["ids"], _moe_case["wts"], _moe_case["x"], _moe_case["ref"]
+    y = M.fp4_moe(x, w13, s13, w2, s2, ids, wts, LIMIT, cfg=cfg)
+    err = ((y - ref).abs().max() / ref.abs().max()).item()
+    inv = all(torch.equal(M.fp4_moe(x[r:r + 1], w13, s13, w2, s2, ids[r:r + 1], wts[r:r + 1], LIMIT, cfg=cfg)[0],
+                          y[r]) for r in (0, 17, 63))
+    # h is rounded to bf16 before the down product: a gate/up sum a few ulps off flips a rounding now and then,
+    # ~2^-9 of one term; a wrong unpacking or routing is O(1)
+    return "ok" if err < 2e-3 and inv else f"BAD (err {err:.2e}, invariant {inv})"
+
+
+def time_moe(stack, n, cfg, count=8):
+    w13, s13, w2, s2 = stack
+    rts = routings(n, count)
+    wts = torch.rand(n, TOPK, device="cuda")
+    x = torch.randn(n, H, device="cuda")
+    t = time_calls([(lambda ids=ids: M.fp4_moe(x, w13, s13, w2, s2, ids, wts, LIMIT, cfg=cfg)) for ids in rts])
+    per_expert = w13[0].numel() + s13[0].numel() + w2[0].numel() + s2[0].numel()
+    touched = sum(int(torch.unique(ids).numel()) for ids in rts) / count
+    return t, touched * per_expert, touched
+
+
+def grouped_mm_baseline(n, count=8):
+    """torch._scaled_grouped_mm over the touched experts in FP8 (gate/up then down; each group's rows padded to
+    16), per round."""
+    try:
+        rts = routings(n, count)
+        calls = []
+        w13 = torch.randn(N_EXPERTS // 4, 2 * INTER, H, device="cuda").to(torch.float8_e4m3fn)   # 2.3 GB of FP8
+        w2 = torch.randn(N_EXPERTS // 4, H, INTER, device="cuda").to(torch.float8_e4m3fn)
+        for ids in rts:
+            e_ids = (torch.unique(ids) % w13.shape[0]).unique()
+            g = e_ids.numel()
+            a1 = torch.randn(16 * g, H, device="cuda").to(torch.float8_e4m3fn)
+            a2 = torch.randn(16 * g, INTER, device="cuda").to(torch.float8_e4m3fn)
+            offs = torch.arange(16, 16 * g + 1, 16, device="cuda", dtype=torch.int32)
+            b1 = w13[e_ids].transpose(-2, -1)
+            b2 = w2[e_ids].transpose(-2, -1)
+            sa1 = torch.ones(16 * g, device="cuda")
+            sb1 = torch.ones(g, 2 * INTER, device="cuda")
+            sb2 = torch.ones(g, H, device="cuda")
+
+            def call(a1=a1, a2=a2, b1=b1, b2=b2, offs=offs, sa1=sa1, sb1=sb1, sb2=sb2):
+                torch._scaled_grouped_mm(a1, b1, sa1, sb1, offs=offs, out_dtype=torch.bfloat16)
+                torch._scaled_grouped_mm(a2, b2, sa1, sb2, offs=offs, out_dtype=torch.bfloat16)
+            calls.append(call)
+        t = time_calls(calls)
+        touched = sum(int((torch.unique(ids) % w13.shape[0]).unique().numel()) for ids in rts) / count
+        return t, touched * (3 * INTER * H)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {str(exc)[:100]}", 0
+
+
+def commit_of(given: str) -> str:
+    if given:
+        return given
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=False).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+class Report:
+    def __init__(self, path, title, bw, mm, commit):
+        self.path, self.bw = Path(path), bw
+        self.head = [f"# {title}", "",
+                     f"- command: `python3 {' '.join(sys.argv)}`, commit {commit}",
+                     (f"- machine: {torch.cuda.get_device_name()} ({socket.gethostname()}), torch {torch.__version__},"
+                      f" triton {triton.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"
+                      " UTC"),
+                     (f"- ceilings measured in the same run: device copy {bw / 1e12:.2f} TB/s (read+write bytes), "
+                      f"bf16 GEMM (torch, 8192^3) {mm / 1e12:.0f} TFLOP/s"),
+                     ("- times: median CUDA-graph replay per call, the graph cycling through copies of the weight "
+                      f"(or routings) totalling >= {STREAM_BYTES >> 20} MB so the L2 cannot hold them"), "",
+                     "| call | rows | config | bytes (MB) | time (us) | % of copy bandwidth | check |",
+                     "|---|---|---|---|---|---|---|"]
+        self.rows = []
+
+    def add(self, call, n, cfg, nbytes, t, check=""):
+        if isinstance(t, str):
+            line = f"| {call} | {n} | {cfg} | {nbytes / 1e6:.1f} | {t} | | {check} |"
+        else:
+            line = (f"| {call} | {n} | {cfg} | {nbytes / 1e6:.1f} | {t * 1e6:.1f} | "
+                    f"{nbytes / t / self.bw * 100:.0f}% | {check} |")
+        self.rows.append(line)
+        print(line, flush=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("\n".join(self.head + self.rows) + "\n")
+
+
+def short(cfg) -> str:
+    return repr(cfg).replace("Config", "").replace(" ", "")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kernels.md"))
-    ap.add_argument("--experts", type=int, default=384, help="routed experts in the stack (V4.1: 384)")
-    ap.add_argument("--commit", default=os.environ.get("DSV41_COMMIT", ""),
-                    help="the commit measured (the device copy's git HEAD can be stale); default: git rev-parse")
+    ap.add_argument("--sweep", action="store_true", help="time every configuration candidate per shape")
+    ap.add_argument("--rows", default=",".join(map(str, DECODE_ROWS)))
+    ap.add_argument("--commit", default=os.environ.get("DSV41_COMMIT", ""))
     args = ap.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
     bw, mm = ceilings()
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s (read+write), bf16 GEMM {mm / 1e12:.0f} TFLOP/s", flush=True)
+    rep = Report(args.out, "Decode kernels at V4.1 shapes" + (": configuration sweep" if args.sweep else ""),
+                 bw, mm, commit_of(args.commit))
 
-    rows_dec, rows_pre = [], []
-    for name, out_f, in_f in FP8:
-        w, s = fp8_weight(out_f, in_f)
-        for n in DECODE_ROWS:
-            x = torch.randn(n, in_f, device="cuda")
-            t = time_graph(lambda x=x, w=w, s=s: fp8_linear(x, w, s))
-            nb = w.numel() + s.numel() + 4 * n * (in_f + out_f)
-            rows_dec.append((f"fp8 {name} [{out_f}x{in_f}] S={fp8_split(out_f, in_f)}", n, nb, t))
-            print(f"{rows_dec[-1][0]} rows {n}: {t * 1e6:.1f} us, {nb / t / 1e12:.2f} TB/s "
-                  f"({nb / t / bw * 100:.0f}% of copy)", flush=True)
-        x = torch.randn(PROMPT_ROWS, in_f, device="cuda")
-        t = time_graph(lambda x=x, w=w, s=s: fp8_linear(x, w, s))
-        fl = 2 * PROMPT_ROWS * out_f * in_f
-        rows_pre.append((f"fp8 {name} [{out_f}x{in_f}]", fl, t))
-        print(f"{rows_pre[-1][0]} rows {PROMPT_ROWS}: {fl / t / 1e12:.0f} TFLOP/s ({fl / t / mm * 100:.0f}% of bf16)",
-              flush=True)
-    torch.cuda.empty_cache()
-    write(args.out, rows_dec, rows_pre, bw, mm, partial=True, commit=args.commit)
-
-    E = args.experts
-    w13 = torch.randint(-128, 128, (E, 2 * INTER, H // 2), dtype=torch.int8, device="cuda")
-    s13 = torch.randint(118, 122, (E, 2 * INTER, H // 32), dtype=torch.uint8, device="cuda")
-    w2 = torch.randint(-128, 128, (E, H, INTER // 2), dtype=torch.int8, device="cuda")
-    s2 = torch.randint(118, 122, (E, H, INTER // 32), dtype=torch.uint8, device="cuda")
-    per_expert = (w13[0].numel() + s13[0].numel() + w2[0].numel() + s2[0].numel())
-    for scaled in (False, True):
-        how = "tl.dot_scaled" if scaled else "unpacked"
-        for n in DECODE_ROWS + (PROMPT_ROWS,):
-            ids = torch.stack([torch.randperm(E, device="cuda")[:TOPK] for _ in range(n)]).to(torch.int32)
-            wts = torch.rand(n, TOPK, device="cuda")
-            x = torch.randn(n, H, device="cuda")
-            try:
-                t = time_graph(lambda x=x, ids=ids, wts=wts, sc=scaled: fp4_moe(x, w13, s13, w2, s2, ids, wts, LIMIT,
-                                                                              scaled_dot=sc))
-            except Exception as exc:  # noqa: BLE001 -- report the path that fails, keep the others' figures
-                print(f"fp4_moe ({how}) rows {n} failed: {type(exc).__name__}: {exc}"[:400], flush=True)
-                break
-            touched = int(torch.unique(ids).numel())
-            name = f"fp4_moe ({how}) top-{TOPK} of {E} ({touched} touched)"
-            if n == PROMPT_ROWS:
-                fl = 2 * n * TOPK * 3 * INTER * H
-                rows_pre.append((name, fl, t))
-                print(f"{name} rows {n}: {fl / t / 1e12:.0f} TFLOP/s ({fl / t / mm * 100:.0f}% of bf16)", flush=True)
-            else:
-                nb = touched * per_expert + 4 * n * H * 2
-                rows_dec.append((name, n, nb, t))
-                print(f"{name} rows {n}: {t * 1e6:.1f} us, {nb / t / 1e12:.2f} TB/s ({nb / t / bw * 100:.0f}% of copy)",
-                      flush=True)
-
-    write(args.out, rows_dec, rows_pre, bw, mm, partial=True, commit=args.commit)
-    pool = torch.randn(65536, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    sink = torch.randn(HEADS, device="cuda")
-    keys = WINDOW + INDEX_TOPK
-    for n in DECODE_ROWS + (PROMPT_ROWS,):
-        q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        idx = torch.randint(0, pool.shape[0], (n, keys), device="cuda", dtype=torch.int32)
-        t = time_graph(lambda q=q, idx=idx: sparse_attn(q, pool, idx, sink, HEAD_DIM ** -0.5))
-        name = f"sparse_attn {HEADS} heads x {HEAD_DIM}, {keys} keys/row (bf16 latents)"
-        if n == PROMPT_ROWS:
-            fl = 4 * n * HEADS * keys * HEAD_DIM
-            rows_pre.append((name, fl, t))
-            print(f"sparse_attn rows {n}: {fl / t / 1e12:.0f} TFLOP/s ({fl / t / mm * 100:.0f}% of bf16)", flush=True)
+    for name, out_f, in_f in FP8 + BF16:
+        is_fp8 = (name, out_f, in_f) in FP8
+        nbytes = out_f * in_f + (triton.cdiv(out_f, 32) * (in_f // 32) if is_fp8 else out_f * in_f)
+        copies = copies_for(nbytes)
+        if is_fp8:
+            ws = fp8_weights(out_f, in_f, copies)
         else:
-            nb = n * (HEADS * HEAD_DIM * (2 + 4) + keys * (HEAD_DIM * 2 + 4))
-            rows_dec.append((name, n, nb, t))
-            print(f"sparse_attn rows {n}: {t * 1e6:.1f} us, {nb / t / 1e12:.2f} TB/s ({nb / t / bw * 100:.0f}% of copy)",
-                  flush=True)
+            ws = [(torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16), None) for _ in range(copies)]
+        cfgs = FP8_SWEEP if args.sweep else [F.config_for(out_f, in_f, torch.device("cuda", 0))]
+        for cfg in cfgs:
+            try:
+                check = check_fp8(*ws[0], cfg)
+            except Exception as exc:  # noqa: BLE001
+                rep.add(name, "-", short(cfg), nbytes, f"{type(exc).__name__}: {str(exc)[:80]}")
+                continue
+            for n in rows:
+                x = torch.randn(n, in_f, device="cuda")
+                t = time_calls([(lambda w=w, s=s, x=x, cfg=cfg: F.fp8_linear(x, w, s, cfg=cfg)) for w, s in ws])
+                rep.add(f"{'fp8' if is_fp8 else 'bf16'} {name} [{out_f}x{in_f}] S={F.fp8_split(out_f, in_f, cfg)}",
+                        n, short(cfg), nbytes, t, check)
+        del ws
+        if not args.sweep or name in ("wq_b", "wo_b", "wkv", "head"):
+            for n in rows:
+                for what, t in scaled_mm_baseline(out_f, in_f, n).items():
+                    wb = out_f * in_f * (1 if "fp8" in what else 2)
+                    rep.add(f"{what} [{out_f}x{in_f}]", n, "-", wb, t)
+        torch.cuda.empty_cache()
 
-    write(args.out, rows_dec, rows_pre, bw, mm, partial=False, commit=args.commit)
+    stack = experts()
+    cfgs = MOE_SWEEP if args.sweep else [M.config_for(torch.device("cuda", 0))]
+    for cfg in cfgs:
+        try:
+            check = check_moe(stack, cfg)
+        except Exception as exc:  # noqa: BLE001
+            rep.add("fp4_moe", "-", short(cfg), 0, f"{type(exc).__name__}: {str(exc)[:80]}")
+            continue
+        for n in rows:
+            t, nbytes, touched = time_moe(stack, n, cfg)
+            rep.add(f"fp4_moe top-{TOPK} of {N_EXPERTS} ({touched:.0f} touched)", n, short(cfg), nbytes, t, check)
+    del stack
+    torch.cuda.empty_cache()
+    for n in rows:
+        t, nbytes = grouped_mm_baseline(n)
+        rep.add("torch._scaled_grouped_mm fp8 (gate/up + down)", n, "-", nbytes, t)
+    print(f"wrote {args.out}")
     return 0
 
 

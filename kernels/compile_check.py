@@ -19,38 +19,46 @@ CUDA_SMEM_LIMIT = 232448   # bytes of shared memory a Hopper block may use (227 
 def _cases():
     from kernels import fp4_moe, fp8_linear, sparse_attn
     div = [["tt.divisibility", 16]]
-    cfg8 = {"BM": fp8_linear.BLOCK_M, "BN": fp8_linear.BLOCK_N, "BK": fp8_linear.BLOCK_K, "INTERP": False}
-    sig8 = {"x_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "out_ptr": "*fp32", "M": "i32", "N": "i32",
-            "K": "i32", "stride_xm": "i32", "chunk_blocks": "i32", "chunks_per_prog": "i32", "BM": "constexpr",
-            "BN": "constexpr", "BK": "constexpr", "EVEN_K": "constexpr", "INTERP": "constexpr"}
-    opt8 = {"num_warps": fp8_linear.NUM_WARPS, "num_stages": fp8_linear.NUM_STAGES}
-    yield ("fp8_linear fp32 x", fp8_linear._fp8_linear_kernel, sig8, {**cfg8, "EVEN_K": True},
-           {(i,): div for i in (0, 1, 2, 3, 5, 6, 7)}, opt8)
-    yield ("fp8_linear bf16 x", fp8_linear._fp8_linear_kernel, {**sig8, "x_ptr": "*bf16"},
-           {**cfg8, "EVEN_K": True}, {(i,): div for i in (0, 1, 2, 3, 5, 6, 7)}, opt8)
-    yield ("fp8_linear K tail (small test shapes)", fp8_linear._fp8_linear_kernel, sig8, {**cfg8, "EVEN_K": False},
-           {}, opt8)
-    yield ("fp8_linear partial sums", fp8_linear._sum_partials_kernel,
-           {"p_ptr": "*fp32", "out_ptr": "*fp32", "MN": "i32", "S": "i32", "BLOCK": "constexpr"},
-           {"BLOCK": fp8_linear.SUM_BLOCK}, {}, {})
-    opt4 = {"num_warps": fp4_moe.NUM_WARPS, "num_stages": fp4_moe.NUM_STAGES}
+    sig8 = {"x_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32", "part_ptr": "*fp32",
+            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "kb_chunk": "i32",
+            "S": "i32", "BM_": "constexpr", "MT_": "constexpr", "BN": "constexpr", "BK": "constexpr",
+            "SWAP": "constexpr", "W_FP8": "constexpr", "SPLIT_PROGRAMS": "constexpr", "EVEN_K": "constexpr",
+            "INTERP": "constexpr", "POST": "constexpr", "SH0": "constexpr", "SH1": "constexpr"}
+    cfgs = sorted(set(fp8_linear.CONFIGS.values()) | {fp8_linear.DEFAULT}, key=repr)
+    for cfg in cfgs:
+        base = {"BM_": fp8_linear.BM, "MT_": cfg.mt, "BN": cfg.bn, "BK": cfg.bk, "SWAP": cfg.swap,
+                "W_FP8": True, "EVEN_K": True, "INTERP": False, "POST": cfg.post,
+                "SH0": cfg.bn if cfg.swap else fp8_linear.BM, "SH1": fp8_linear.BM if cfg.swap else cfg.bn}
+        opt8 = {"num_warps": cfg.warps, "num_stages": cfg.stages}
+        attrs8 = {(i,): div for i in (0, 1, 2, 3, 4, 5, 7, 8)}
+        for split in (True, False):
+            how = "split programs" if split else "chunks in program"
+            yield (f"fp8_linear {cfg} fp32 x, {how}", fp8_linear._linear_kernel, sig8,
+                   {**base, "SPLIT_PROGRAMS": split}, attrs8, opt8)
+        yield (f"fp8_linear {cfg} bf16 x", fp8_linear._linear_kernel, {**sig8, "x_ptr": "*bf16"},
+               {**base, "SPLIT_PROGRAMS": True}, attrs8, opt8)
+        yield (f"bf16_linear {cfg}", fp8_linear._linear_kernel, {**sig8, "w_ptr": "*bf16", "s_ptr": "*bf16"},
+               {**base, "W_FP8": False, "POST": False, "SPLIT_PROGRAMS": True}, attrs8, opt8)
+    yield ("fp8_linear K tail (small test shapes)", fp8_linear._linear_kernel, sig8,
+           {"BM_": fp8_linear.BM, "MT_": 4, "BN": 128, "BK": 64, "SWAP": True, "W_FP8": True,
+            "EVEN_K": False, "SPLIT_PROGRAMS": True, "INTERP": False, "POST": False, "SH0": 128,
+            "SH1": fp8_linear.BM}, {}, {"num_warps": 4, "num_stages": 4})
+    cfg4 = fp4_moe.DEFAULT
+    opt4 = {"num_warps": cfg4.warps, "num_stages": cfg4.stages}
     work = {"tile_e_ptr": "*i32", "tile_start_ptr": "*i32", "tile_cnt_ptr": "*i32", "order_ptr": "*i32"}
-    for scaled in (False, True):
-        how = "tl.dot_scaled" if scaled else "unpacked"
-        yield (f"fp4_moe gate/up ({how})", fp4_moe._moe_up_kernel,
-               {"x_ptr": "*fp32", "w_ptr": "*i8", "s_ptr": "*u8", **work, "rw_ptr": "*fp32", "h_ptr": "*fp32",
-                "H": "i32", "I": "i32", "TOPK": "i32", "limit": "fp32", "BM": "constexpr", "BN": "constexpr",
-                "BKB": "constexpr", "SCALED": "constexpr", "INTERP": "constexpr"},
-               {"BM": fp4_moe.BLOCK_M, "BN": fp4_moe.BLOCK_N_UP, "BKB": fp4_moe.BLOCK_KB, "SCALED": scaled,
-                "INTERP": False},
-               {(i,): div for i in range(11)}, opt4)
-        yield (f"fp4_moe down ({how})", fp4_moe._moe_down_kernel,
-               {"h_ptr": "*fp32", "w_ptr": "*i8", "s_ptr": "*u8", **work, "y_ptr": "*fp32", "H": "i32",
-                "I": "i32", "BM": "constexpr", "BN": "constexpr", "BKB": "constexpr", "SCALED": "constexpr",
-                "INTERP": "constexpr"},
-               {"BM": fp4_moe.BLOCK_M, "BN": fp4_moe.BLOCK_N_DOWN, "BKB": fp4_moe.BLOCK_KB, "SCALED": scaled,
-                "INTERP": False},
-               {(i,): div for i in range(10)}, opt4)
+    c4 = {"BM": fp4_moe.BLOCK_M, "BP_": fp4_moe.BP, "BKB": cfg4.bkb, "ASM": cfg4.asm, "INTERP": False,
+          "POST": cfg4.post}
+    yield ("fp4_moe gate/up", fp4_moe._moe_up_kernel,
+           {"x_ptr": "*fp32", "w_ptr": "*i8", "s_ptr": "*u8", **work, "rw_ptr": "*fp32", "h_ptr": "*fp32",
+            "H": "i32", "I": "i32", "TOPK": "i32", "limit": "fp32", "BM": "constexpr", "BP_": "constexpr",
+            "BN": "constexpr", "BKB": "constexpr", "ASM": "constexpr", "INTERP": "constexpr",
+            "POST": "constexpr"},
+           {**c4, "BN": cfg4.bn_up}, {(i,): div for i in range(11)}, opt4)
+    yield ("fp4_moe down", fp4_moe._moe_down_kernel,
+           {"h_ptr": "*fp32", "w_ptr": "*i8", "s_ptr": "*u8", **work, "y_ptr": "*fp32", "H": "i32", "I": "i32",
+            "BM": "constexpr", "BP_": "constexpr", "BN": "constexpr", "BKB": "constexpr", "ASM": "constexpr",
+            "INTERP": "constexpr", "POST": "constexpr"},
+           {**c4, "BN": cfg4.bn_down}, {(i,): div for i in range(10)}, opt4)
     yield ("fp4_moe slot sum", fp4_moe._slot_sum_kernel,
            {"y_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*fp32", "N": "i32", "H": "i32", "TOPK": "i32",
             "BR": "constexpr", "BH": "constexpr"}, {"BR": fp4_moe.SUM_ROWS, "BH": fp4_moe.SUM_COLS}, {}, {})
@@ -63,6 +71,29 @@ def _cases():
                 "INTERP": False},
                {(i,): div for i in range(6)},
                {"num_warps": sparse_attn.NUM_WARPS, "num_stages": sparse_attn.NUM_STAGES})
+
+
+def cuda_c(arch: int) -> tuple[bool, str]:
+    """csrc/decode.cu compiled with nvcc for sm_`arch` (when nvcc is here): (ok, what). Fails on a compile error or
+    on registers spilled by a kernel of up to four row tiles (the decode rounds' variants)."""
+    import shutil
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return True, "nvcc not found: not compiled"
+    src = os.path.join(os.path.dirname(__file__), "csrc", "decode.cu")
+    with tempfile.TemporaryDirectory() as d:
+        r = subprocess.run([nvcc, "-cubin", f"-arch=sm_{arch}", "-O3", "-Xptxas", "-v", "-o",
+                            os.path.join(d, "k.cubin"), src], capture_output=True, text=True, check=False)
+    if r.returncode:
+        return False, r.stderr[-2000:]
+    spilled, fn = [], None
+    for line in r.stderr.splitlines():
+        if "Compiling entry function" in line:
+            fn = line.split("'")[1]
+        elif "bytes spill stores" in line and not line.strip().startswith("0 bytes stack") and fn:
+            if not fn.endswith("_t8") and " 0 bytes spill stores" not in line:
+                spilled.append(fn)
+    return not spilled, f"spills in {spilled}" if spilled else "compiled, no spills below 8 row tiles"
 
 
 def _spills(kernel, triton) -> bool:
@@ -114,7 +145,12 @@ def _check(name, k, triton):
 
 
 def main() -> int:
-    return run(_cases(), _check)
+    rc = run(_cases(), _check)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", type=int, default=90)
+    ok, what = cuda_c(ap.parse_args().arch)
+    print(f"{'ok ' if ok else 'BAD'} csrc/decode.cu (nvcc): {what}")
+    return rc or (0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -1,141 +1,314 @@
 """The routed experts of a round (FP4 E2M1 weights, E8M0 scales per 32 along K) as grouped launches over a
 device-built work list.
 
-Reference: the routed part of `dsv41.model.moe.MoE.__call__` on dequantised weights (`dequant_fp4`): for each
-(row, slot) with expert e and routing weight r, `swiglu(x, expert e, limit, r)` = w2(r · silu(min(w1x, limit)) ·
+Reference: the routed part of `dsv41.model.moe.MoE.__call__` on dequantised weights (`dequant_fp4`), with x and h
+rounded to bf16: for each (row, slot) with expert e and routing weight r, w2(r · silu(min(w1x, limit)) ·
 clamp(w3x, ±limit)); the slots of a row summed in slot order. The shared expert is not included (it is FP8: the
-caller adds it with `fp8_linear`, after the routed sum, as moe.py does).
+caller adds it, as moe.py does).
 
-Launches: (1) gate/up: a program takes one tile of up to BLOCK_M (row, slot) pairs of one expert and a column tile
-of the intermediate dimension, reads w1's and w3's rows of that tile together, applies the clamped SwiGLU and the
-routing weight in registers and writes h (fp32); (2) down: the same tiles times w2, each (row, slot) output written
-to its own place; (3) the slot sum per row in slot order. Weights are unpacked in registers (exact in bf16: an E2M1
-value times a power of two); activations (x, then h) are split into bf16 hi + lo parts, both multiplied on the
-tensor cores with fp32 accumulation, so the products are float32's to ~1e-5 relative.
+Launches: (0) the work list (one program: the (row, slot) pairs grouped by expert in tiles of up to BLOCK_M);
+(1) gate/up: a program takes one tile and a column block of the intermediate dimension, streams w1's and w3's
+rows of that block once, applies the clamped SwiGLU and the routing weight in registers and writes h; (2) down: the
+same tiles times w2, each (row, slot) output written to its own place; (3) the slot sum per row in slot order.
 
-Exactness: fixed tile sizes and K order for every row count; each pair's output is computed from its own row only
-and the slot sum has a fixed order, so a row's bits do not depend on the other rows of the round. The work list is
-built on the device (no host synchronisation) and the grid is an upper bound on the number of tiles.
+Numerics (issue 24: like DeepSeek's inference code): x and h go to the tensor cores as bf16, the weights are
+unpacked in registers exactly (an E2M1 value times a power of two is a bf16 value), fp32 accumulation. On the GPU
+the unpacking is a byte-permute table lookup (`prmt`: four E2M1 codes -> four bf16 high/low bytes per instruction)
+and one bf16x2 multiply by the scale; the interpreter computes the same values arithmetically.
+
+Batch invariance by construction: every product is a tensor-core product of BP = 16 pairs (the weight as the A
+operand, the pairs as N); a tile of up to 64 pairs is four such row tiles sharing each unpacked weight tile (a tile
+past its pairs is skipped); the K order is fixed; each pair's output depends only on its own row, and the slot sum
+has a fixed order. So a row's bits do not depend on the other rows of the round. The work list is built on the
+device (no host synchronisation) and the grid is an upper bound on the number of tiles.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_linear import INTERPRET, bf16_operand, mma, split_bf16
+from kernels.fp8_linear import INTERPRET, bf16_operand, mma
 
-BLOCK_M = 64          # (row, slot) pairs per tile
-BLOCK_N_UP = 64       # intermediate columns per gate/up program (w1 and w3 tiles together)
-BLOCK_N_DOWN = 128    # hidden columns per down program
-BLOCK_KB = 32         # packed bytes (64 k) per step
-NUM_WARPS, NUM_STAGES = 4, 3
+BLOCK_M = 64          # (row, slot) pairs per work-list tile: four row tiles of BP
+BP = 16               # pairs per tensor-core product
 SUM_ROWS, SUM_COLS = 8, 512
 
 
-@triton.jit
-def _fp4_pair(q, s_a, s_b, BKB: tl.constexpr, INTERP: tl.constexpr):
-    """Packed bytes q (int8 [BKB, BN], BKB = 32: two 16-byte scale groups) and the E8M0 codes of the two groups
-    (s_a, s_b: [BN]) -> (even-k, odd-k) weights as bf16 operands. E2M1 code c as fp16 bits (c&7)<<9 | (c&8)<<12 is
-    the value times 2^-14 (the subnormal 0.5 included), so the factor is 2^(s-127+14) (codes up to 240)."""
-    b = q.to(tl.int32)
-    f_a = ((s_a.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)     # per column, then per element
-    f_b = ((s_b.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
-    f = tl.where(tl.arange(0, BKB)[:, None] < 16, f_a[None, :], f_b[None, :])
-    vlo = (((b & 0x7) << 9) | ((b & 0x8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    vhi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return bf16_operand(vlo * f, INTERP), bf16_operand(vhi * f, INTERP)
+@dataclass(frozen=True)
+class Config:
+    """impl "cuda": the CUDA C kernels of csrc/decode.cu (kernels/cuda.py; fixed tiling: 64 weight rows a block,
+    16-byte lane steps, the prmt table unpacking). impl "triton": the Triton kernels below with their gate/up column block (w1 and w3 rows each), down column block, packed bytes per K step, warps, stages,
+    and whether the bytes are unpacked by the prmt table (GPU) or arithmetically."""
+    impl: str = "triton"
+    bn_up: int = 64
+    bn_down: int = 128
+    bkb: int = 64
+    warps: int = 4
+    stages: int = 4
+    asm: bool = True
+    post: bool = False   # scales applied to each 16-byte (32-wide K) step's product: bkb 16, no per-weight multiply
+
+
+# The Triton kernels' configuration where the CUDA C ones cannot run: the best of the H200 sweep (2026-12-04: 10-16 %
+# of the copy bandwidth; the CUDA C kernels 22-40 %) that keeps its registers.
+DEFAULT = Config(bn_up=128, bn_down=128, bkb=16, post=True, warps=8, stages=6)
+CUDA = Config(impl="cuda")
+
+
+def config_for(device: torch.device) -> Config:
+    """The CUDA C kernels where they can run (decided once per device), else the Triton ones."""
+    if device.type == "cuda" and not INTERPRET:
+        from kernels import cuda
+        if cuda.available(device.index):
+            return CUDA
+    return DEFAULT
+
+
+# E2M1 magnitudes 0..7 as bf16: high bytes 00 3F 3F 3F 40 40 40 40, low bytes 00 00 80 C0 00 40 80 C0 (0, 0.5, 1,
+# 1.5, 2, 3, 4, 6). prmt looks up four codes (one selector nibble each) in a two-register byte table at once.
+_UNPACK_ASM = tl.constexpr("""
+{
+.reg .b32 m, m2, th0, th1, tl0, tl1, hb, lb, s, t, z;
+mov.b32 z, 0;
+mov.b32 th0, 0x3F3F3F00;
+mov.b32 th1, 0x40404040;
+mov.b32 tl0, 0xC0800000;
+mov.b32 tl1, 0xC0804000;
+and.b32 m, $4, 0x77777777;
+prmt.b32 hb, th0, th1, m;
+prmt.b32 lb, tl0, tl1, m;
+prmt.b32 $0, lb, hb, 0x6240;
+prmt.b32 $2, lb, hb, 0x7351;
+prmt.b32 s, $4, z, 0x1404;
+and.b32 t, s, 0x80008000;
+or.b32 $2, $2, t;
+shl.b32 t, s, 4;
+and.b32 t, t, 0x80008000;
+or.b32 $0, $0, t;
+shr.b32 m2, m, 16;
+prmt.b32 hb, th0, th1, m2;
+prmt.b32 lb, tl0, tl1, m2;
+prmt.b32 $1, lb, hb, 0x6240;
+prmt.b32 $3, lb, hb, 0x7351;
+prmt.b32 s, $4, z, 0x3424;
+and.b32 t, s, 0x80008000;
+or.b32 $3, $3, t;
+shl.b32 t, s, 4;
+and.b32 t, t, 0x80008000;
+or.b32 $1, $1, t;
+mul.rn.bf16x2 $0, $0, $5;
+mul.rn.bf16x2 $1, $1, $6;
+mul.rn.bf16x2 $2, $2, $5;
+mul.rn.bf16x2 $3, $3, $6;
+}
+""")
+
+
+# the same lookup without the scale (post-scaled configurations multiply each 32-wide K step's product instead)
+_UNPACK_ASM_NOSCALE = tl.constexpr("\n".join(line for line in _UNPACK_ASM.value.splitlines()
+                                              if not line.startswith("mul.")))
 
 
 @triton.jit
-def _fp4_mma(xt, wq, s_row, g0, acc, BM: tl.constexpr, BKB: tl.constexpr, SCALED: tl.constexpr,
-             INTERP: tl.constexpr):
-    """acc + xt · W for one K step of 2·BKB: xt [BM, 2·BKB] activations (float32/bf16), wq [BKB, BN] packed bytes of
-    W (low nibble = even k), s_row [BN] pointers to the scale rows, g0 the step's first scale group. xt is split
-    into bf16 hi + lo parts (split_bf16), each multiplied by the same unpacked W, so the product is float32's.
-    SCALED: Triton's microscaling product (tl.dot_scaled, bf16 x e2m1 with E8M0 scales per 32 along K); else the
-    bytes are unpacked here and x is split into even and odd k for bf16 products with the low and high nibbles."""
-    x_hi, x_lo = split_bf16(xt, INTERP)
-    if SCALED:
-        s = tl.load(s_row[:, None] + g0 + tl.arange(0, BKB // 16)[None, :])               # [BN, groups]
-        wu = wq.to(tl.uint8, bitcast=True)
-        acc = tl.dot_scaled(x_hi.to(tl.bfloat16), None, "bf16", wu, s, "e2m1", acc)
-        return tl.dot_scaled(x_lo.to(tl.bfloat16), None, "bf16", wu, s, "e2m1", acc)
+def _e2m1(c):
+    """E2M1 codes (int32 0..15: bit 3 sign, then e1 e0 m) -> float32 values, arithmetically."""
+    mag = c & 7
+    e = mag >> 1
+    frac = (mag & 1).to(tl.float32) * 0.5
+    v = tl.where(e == 0, frac, (1.0 + frac) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
+    return tl.where((c & 8) != 0, -v, v)
+
+
+@triton.jit
+def _unpack(q, code, BKB: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr, POST: tl.constexpr = False):
+    """Packed bytes q (int8 [BN, BKB], low nibble = even k) and the E8M0 code of each byte's 32-wide K group (uint8
+    [BN, BKB]) -> (even-k, odd-k) weights as bf16 operands [BN, BKB], value = E2M1 · 2^(code-127)."""
+    if POST and ASM and not INTERP:
+        lo, hi = tl.inline_asm_elementwise(_UNPACK_ASM_NOSCALE, "=r,=r,=r,=r,r", [q],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return lo, hi
+    elif POST:
+        b = q.to(tl.int32) & 0xFF
+        return bf16_operand(_e2m1(b & 0xF), INTERP), bf16_operand(_e2m1(b >> 4), INTERP)
+    elif ASM and not INTERP:
+        f = (code.to(tl.int16) << 7).to(tl.bfloat16, bitcast=True)           # 2^(code-127) exactly (code >= 1)
+        lo, hi = tl.inline_asm_elementwise(_UNPACK_ASM, "=r,=r,=r,=r,r,r,r", [q, f],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return lo, hi
     else:
-        he, ho = tl.split(tl.reshape(x_hi, (BM, BKB, 2)))                                  # even k, odd k
-        le, lo_ = tl.split(tl.reshape(x_lo, (BM, BKB, 2)))
-        w_even, w_odd = _fp4_pair(wq, tl.load(s_row + g0), tl.load(s_row + g0 + 1), BKB, INTERP)
-        acc = mma(he, w_even, acc, INTERP)
-        acc = mma(le, w_even, acc, INTERP)
-        acc = mma(ho, w_odd, acc, INTERP)
-        return mma(lo_, w_odd, acc, INTERP)
+        b = q.to(tl.int32) & 0xFF
+        f = (code.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        return bf16_operand(_e2m1(b & 0xF) * f, INTERP), bf16_operand(_e2m1(b >> 4) * f, INTERP)
+
+
+@triton.jit
+def _scale_codes(s_row, b0, BN: tl.constexpr, BKB: tl.constexpr):
+    """The E8M0 code of each byte of a [BN, BKB] weight step starting at byte b0 (16 bytes = one 32-wide group):
+    loaded once per group, broadcast along the group's bytes. s_row: [BN] pointers to the rows' scale rows."""
+    G: tl.constexpr = BKB // 16
+    sc = tl.load(s_row[:, None] + b0 // 16 + tl.arange(0, G)[None, :])                   # [BN, G]
+    return tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, G, 16)), (BN, BKB))
 
 
 @triton.jit
 def _tile(tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, BM: tl.constexpr):
     """The prologue both grouped kernels share: this program's work-list tile (axis 0) -> (pair count, expert,
-    first place in `order`, lane offsets, lane mask, the tile's flat (row * k + slot) pair indices). A tile past the
-    real work has count 0 (the caller returns); its other loads stay in bounds (the lists cover every tile)."""
+    first place in `order`). A tile past the real work has count 0 (the caller returns)."""
     t = tl.program_id(0)
     cnt = tl.load(tile_cnt_ptr + t)
     e = tl.load(tile_e_ptr + t).to(tl.int64)
     p0 = tl.load(tile_start_ptr + t)
-    offs_p = tl.arange(0, BM)
-    p_ok = offs_p < cnt
-    pair = tl.load(order_ptr + p0 + offs_p, mask=p_ok, other=0)
-    return cnt, e, p0, offs_p, p_ok, pair
+    return cnt, e, p0
+
+
+@triton.jit
+def _sub(order_ptr, p0, cnt, j: tl.constexpr, BP_: tl.constexpr):
+    """Row tile j of a work-list tile: (places in the tile's h/y rows, the flat pair ids, mask)."""
+    offs = j * BP_ + tl.arange(0, BP_)
+    ok = offs < cnt
+    pair = tl.load(order_ptr + p0 + offs, mask=ok, other=0)
+    return p0 + offs, pair, ok
+
+
+@triton.jit
+def _k_step(wl, wh, xe, xo, acc, f, INTERP: tl.constexpr, POST: tl.constexpr):
+    """acc + W_even · x_evenᵀ + W_odd · x_oddᵀ for one K step; POST: that step's product from zero times the rows'
+    scales f [BN], added on."""
+    if POST:
+        part = mma(wl, tl.trans(xe), tl.zeros_like(acc), INTERP)
+        return acc + mma(wh, tl.trans(xo), part, INTERP) * f[:, None]
+    else:
+        acc = mma(wl, tl.trans(xe), acc, INTERP)
+        return mma(wh, tl.trans(xo), acc, INTERP)
+
+
+@triton.jit
+def _up_step(b0, x_ptr, rows, ok, acc_g, acc_u, wl1, wh1, wl3, wh3, f1, f3, H,
+             BKB: tl.constexpr, INTERP: tl.constexpr, POST: tl.constexpr):
+    ke = 2 * (b0 + tl.arange(0, BKB))                     # even k of the step; odd = ke + 1
+    xr = x_ptr + rows[:, None] * H
+    xe = bf16_operand(tl.load(xr + ke[None, :], mask=ok[:, None], other=0.0), INTERP)
+    xo = bf16_operand(tl.load(xr + ke[None, :] + 1, mask=ok[:, None], other=0.0), INTERP)
+    return _k_step(wl1, wh1, xe, xo, acc_g, f1, INTERP, POST), _k_step(wl3, wh3, xe, xo, acc_u, f3, INTERP, POST)
+
+
+@triton.jit
+def _weights(w, s_row, b0, BN: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr, INTERP: tl.constexpr,
+             POST: tl.constexpr):
+    """One K step of a weight block: (even-k, odd-k) bf16 operands [BN, BKB] and, when POST, the rows' scale
+    factors [BN] of the step's 32-wide group (else 1.0: the scales are in the operands)."""
+    q = tl.load(w + (b0 + tl.arange(0, BKB))[None, :])
+    if POST:
+        code = tl.load(s_row + b0 // 16)
+        f = (code.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        lo, hi = _unpack(q, q, BKB, ASM, INTERP, True)
+        return lo, hi, f
+    else:
+        lo, hi = _unpack(q, _scale_codes(s_row, b0, BN, BKB), BKB, ASM, INTERP, False)
+        return lo, hi, 1.0
+
+
+@triton.jit
+def _swiglu_store(acc_g, acc_u, rw_ptr, pair, ok, h_ptr, place, offs_n, I, limit):
+    """h = silu(min(gate, limit)) · clamp(up, ±limit) · the routing weight, [BN, BP] -> h rows (bf16 values)."""
+    rw = tl.load(rw_ptr + pair, mask=ok, other=0.0)
+    gate = tl.minimum(acc_g, limit)
+    up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    h = gate / (1.0 + tl.exp(-gate)) * up * rw[None, :]
+    tl.store(h_ptr + place[None, :].to(tl.int64) * I + offs_n[:, None], h, mask=ok[None, :])
 
 
 @triton.jit
 def _moe_up_kernel(x_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, rw_ptr, h_ptr,
-                   H, I, TOPK, limit,
-                   BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, SCALED: tl.constexpr,
-                   INTERP: tl.constexpr):
-    cnt, e, p0, offs_p, p_ok, pair = _tile(tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, BM)
+                   H, I, TOPK, limit, BM: tl.constexpr, BP_: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr,
+                   ASM: tl.constexpr, INTERP: tl.constexpr, POST: tl.constexpr = False):
+    cnt, e, p0 = _tile(tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, BM)
     if cnt == 0:
         return
-    rows = (pair // TOPK).to(tl.int64)
-    rw = tl.load(rw_ptr + pair, mask=p_ok, other=0.0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     HB = H // 2
-    w1 = w_ptr + (e * 2 * I + offs_n)[None, :] * HB
+    w1 = w_ptr + (e * 2 * I + offs_n)[:, None] * HB       # [BN, 1] row pointers (w3's rows are I further)
     w3 = w1 + I * HB
-    s1 = s_ptr + (e * 2 * I + offs_n) * (H // 32)      # [BN] scale rows
+    s1 = s_ptr + (e * 2 * I + offs_n) * (H // 32)         # [BN] scale rows
     s3 = s1 + I * (H // 32)
-    xr = x_ptr + rows[:, None] * H
-    acc_g = tl.zeros((BM, BN), tl.float32)
-    acc_u = tl.zeros((BM, BN), tl.float32)
+    place0, pair0, ok0 = _sub(order_ptr, p0, cnt, 0, BP_)
+    place1, pair1, ok1 = _sub(order_ptr, p0, cnt, 1, BP_)
+    place2, pair2, ok2 = _sub(order_ptr, p0, cnt, 2, BP_)
+    place3, pair3, ok3 = _sub(order_ptr, p0, cnt, 3, BP_)
+    rows0 = (pair0 // TOPK).to(tl.int64)
+    rows1 = (pair1 // TOPK).to(tl.int64)
+    rows2 = (pair2 // TOPK).to(tl.int64)
+    rows3 = (pair3 // TOPK).to(tl.int64)
+    g0 = tl.zeros((BN, BP_), tl.float32)
+    u0 = tl.zeros((BN, BP_), tl.float32)
+    g1 = tl.zeros((BN, BP_), tl.float32)
+    u1 = tl.zeros((BN, BP_), tl.float32)
+    g2 = tl.zeros((BN, BP_), tl.float32)
+    u2 = tl.zeros((BN, BP_), tl.float32)
+    g3 = tl.zeros((BN, BP_), tl.float32)
+    u3 = tl.zeros((BN, BP_), tl.float32)
     for b0 in range(0, HB, BKB):
-        b = b0 + tl.arange(0, BKB)
-        xt = tl.load(xr + (2 * b0 + tl.arange(0, 2 * BKB))[None, :], mask=p_ok[:, None], other=0.0)
-        acc_g = _fp4_mma(xt, tl.load(w1 + b[:, None]), s1, b0 // 16, acc_g, BM, BKB, SCALED, INTERP)
-        acc_u = _fp4_mma(xt, tl.load(w3 + b[:, None]), s3, b0 // 16, acc_u, BM, BKB, SCALED, INTERP)
-    gate = tl.minimum(acc_g, limit)
-    up = tl.minimum(tl.maximum(acc_u, -limit), limit)
-    h = gate / (1.0 + tl.exp(-gate)) * up * rw[:, None]
-    dst = h_ptr + (p0 + offs_p)[:, None].to(tl.int64) * I + offs_n[None, :]
-    tl.store(dst, h, mask=p_ok[:, None])
+        wl1, wh1, f1 = _weights(w1, s1, b0, BN, BKB, ASM, INTERP, POST)
+        wl3, wh3, f3 = _weights(w3, s3, b0, BN, BKB, ASM, INTERP, POST)
+        g0, u0 = _up_step(b0, x_ptr, rows0, ok0, g0, u0, wl1, wh1, wl3, wh3, f1, f3, H, BKB, INTERP, POST)
+        if cnt > BP_:
+            g1, u1 = _up_step(b0, x_ptr, rows1, ok1, g1, u1, wl1, wh1, wl3, wh3, f1, f3, H, BKB, INTERP, POST)
+        if cnt > 2 * BP_:
+            g2, u2 = _up_step(b0, x_ptr, rows2, ok2, g2, u2, wl1, wh1, wl3, wh3, f1, f3, H, BKB, INTERP, POST)
+        if cnt > 3 * BP_:
+            g3, u3 = _up_step(b0, x_ptr, rows3, ok3, g3, u3, wl1, wh1, wl3, wh3, f1, f3, H, BKB, INTERP, POST)
+    _swiglu_store(g0, u0, rw_ptr, pair0, ok0, h_ptr, place0, offs_n, I, limit)
+    _swiglu_store(g1, u1, rw_ptr, pair1, ok1, h_ptr, place1, offs_n, I, limit)
+    _swiglu_store(g2, u2, rw_ptr, pair2, ok2, h_ptr, place2, offs_n, I, limit)
+    _swiglu_store(g3, u3, rw_ptr, pair3, ok3, h_ptr, place3, offs_n, I, limit)
+
+
+@triton.jit
+def _down_step(h_ptr, place, ok, b0, acc, wl, wh, f, I, BKB: tl.constexpr, INTERP: tl.constexpr,
+               POST: tl.constexpr):
+    ke = 2 * (b0 + tl.arange(0, BKB))
+    hr = h_ptr + place[:, None].to(tl.int64) * I
+    he = bf16_operand(tl.load(hr + ke[None, :], mask=ok[:, None], other=0.0), INTERP)
+    ho = bf16_operand(tl.load(hr + ke[None, :] + 1, mask=ok[:, None], other=0.0), INTERP)
+    return _k_step(wl, wh, he, ho, acc, f, INTERP, POST)
 
 
 @triton.jit
 def _moe_down_kernel(h_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, y_ptr, H, I,
-                     BM: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, SCALED: tl.constexpr,
-                     INTERP: tl.constexpr):
-    cnt, e, p0, offs_p, p_ok, pair = _tile(tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, BM)
+                     BM: tl.constexpr, BP_: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr,
+                     INTERP: tl.constexpr, POST: tl.constexpr = False):
+    cnt, e, p0 = _tile(tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, BM)
     if cnt == 0:
         return
-    pair = pair.to(tl.int64)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     IB = I // 2
-    w = w_ptr + (e * H + offs_n)[None, :] * IB
-    s = s_ptr + (e * H + offs_n) * (I // 32)           # [BN] scale rows
-    hr = h_ptr + (p0 + offs_p)[:, None].to(tl.int64) * I
-    acc = tl.zeros((BM, BN), tl.float32)
+    w = w_ptr + (e * H + offs_n)[:, None] * IB
+    s = s_ptr + (e * H + offs_n) * (I // 32)
+    place0, pair0, ok0 = _sub(order_ptr, p0, cnt, 0, BP_)
+    place1, pair1, ok1 = _sub(order_ptr, p0, cnt, 1, BP_)
+    place2, pair2, ok2 = _sub(order_ptr, p0, cnt, 2, BP_)
+    place3, pair3, ok3 = _sub(order_ptr, p0, cnt, 3, BP_)
+    a0 = tl.zeros((BN, BP_), tl.float32)
+    a1 = tl.zeros((BN, BP_), tl.float32)
+    a2 = tl.zeros((BN, BP_), tl.float32)
+    a3 = tl.zeros((BN, BP_), tl.float32)
     for b0 in range(0, IB, BKB):
-        b = b0 + tl.arange(0, BKB)
-        ht = tl.load(hr + (2 * b0 + tl.arange(0, 2 * BKB))[None, :], mask=p_ok[:, None], other=0.0)
-        acc = _fp4_mma(ht, tl.load(w + b[:, None]), s, b0 // 16, acc, BM, BKB, SCALED, INTERP)
-    tl.store(y_ptr + pair[:, None] * H + offs_n[None, :], acc, mask=p_ok[:, None])
+        wl, wh, f = _weights(w, s, b0, BN, BKB, ASM, INTERP, POST)
+        a0 = _down_step(h_ptr, place0, ok0, b0, a0, wl, wh, f, I, BKB, INTERP, POST)
+        if cnt > BP_:
+            a1 = _down_step(h_ptr, place1, ok1, b0, a1, wl, wh, f, I, BKB, INTERP, POST)
+        if cnt > 2 * BP_:
+            a2 = _down_step(h_ptr, place2, ok2, b0, a2, wl, wh, f, I, BKB, INTERP, POST)
+        if cnt > 3 * BP_:
+            a3 = _down_step(h_ptr, place3, ok3, b0, a3, wl, wh, f, I, BKB, INTERP, POST)
+    for_store = offs_n[:, None]
+    tl.store(y_ptr + pair0[None, :].to(tl.int64) * H + for_store, a0, mask=ok0[None, :])
+    tl.store(y_ptr + pair1[None, :].to(tl.int64) * H + for_store, a1, mask=ok1[None, :])
+    tl.store(y_ptr + pair2[None, :].to(tl.int64) * H + for_store, a2, mask=ok2[None, :])
+    tl.store(y_ptr + pair3[None, :].to(tl.int64) * H + for_store, a3, mask=ok3[None, :])
 
 
 @triton.jit
@@ -265,7 +438,7 @@ def stack_experts(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     return w13, s13, w2, s2
 
 
-def _check(x, w13, s13, w2, s2, expert_ids, weights):
+def _check(x, w13, s13, w2, s2, expert_ids, weights, cfg: Config):
     if s13.dtype == torch.float8_e8m0fnu:
         s13 = s13.view(torch.uint8)
     if s2.dtype == torch.float8_e8m0fnu:
@@ -286,8 +459,9 @@ def _check(x, w13, s13, w2, s2, expert_ids, weights):
             raise ValueError(f"fp4_moe: {name} must be contiguous on {x.device}")
     if s13.dtype != torch.uint8 or s2.dtype != torch.uint8 or w2.dtype not in (torch.int8, torch.uint8):
         raise TypeError("fp4_moe: scales must be uint8/float8_e8m0fnu and w2 packed int8")
-    if hidden % (2 * BLOCK_KB) or inter % BLOCK_N_UP or inter % (2 * BLOCK_KB) or hidden % BLOCK_N_DOWN:
-        raise ValueError(f"fp4_moe: H={hidden} must be a multiple of {BLOCK_N_DOWN} and I={inter} of {BLOCK_N_UP}")
+    if hidden % (2 * cfg.bkb) or inter % cfg.bn_up or inter % (2 * cfg.bkb) or hidden % cfg.bn_down:
+        raise ValueError(f"fp4_moe: H={hidden} must be a multiple of {max(2 * cfg.bkb, cfg.bn_down)} and "
+                         f"I={inter} of {max(cfg.bn_up, 2 * cfg.bkb)}")
     if expert_ids.dim() != 2 or expert_ids.shape[0] != n or weights.shape != expert_ids.shape:
         raise ValueError(f"fp4_moe: expert_ids and weights must be [{n}, k], got {list(expert_ids.shape)} "
                          f"and {list(weights.shape)}")
@@ -299,13 +473,15 @@ def _check(x, w13, s13, w2, s2, expert_ids, weights):
 
 
 def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-            expert_ids: torch.Tensor, weights: torch.Tensor, limit: float, scaled_dot: bool = False) -> torch.Tensor:
+            expert_ids: torch.Tensor, weights: torch.Tensor, limit: float, cfg: Config | None = None) -> torch.Tensor:
     """Σ over slots (in slot order) of w2(weight · silu(min(w1x, limit)) · clamp(w3x, ±limit)) for each row's
-    experts -> float32 [n, H]; equals the routed part of `MoE.__call__` with `dequant_fp4` weights up to the bf16
-    rounding of x and h. Slots with expert id < 0 (another rank's) contribute nothing. Layouts: docs/kernels.md.
-    scaled_dot: the products through Triton's tl.dot_scaled (bf16 x e2m1) instead of unpacking the bytes in the
-    kernel; the same values up to the fp32 summation order (both paths row-invariant, tested)."""
-    s13, s2 = _check(x, w13, s13, w2, s2, expert_ids, weights)
+    experts -> float32 [n, H]; equals the routed part of `MoE.__call__` with `dequant_fp4` weights and x, h
+    rounded to bf16, up to the fp32 summation order. Slots with expert id < 0 (another rank's) contribute nothing.
+    Layouts: docs/kernels.md. cfg: a configuration other than DEFAULT (the bench's sweep)."""
+    cfg = cfg or config_for(x.device)
+    if cfg.post and cfg.bkb != 16:
+        raise ValueError(f"fp4_moe: a post-scaled configuration steps 16 bytes, not {cfg.bkb}")
+    s13, s2 = _check(x, w13, s13, w2, s2, expert_ids, weights, cfg)
     x = x.contiguous()
     n, hidden = x.shape
     n_exp, two_i, _ = w13.shape
@@ -318,17 +494,34 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
     tile_e, tile_start, tile_cnt, order = work_list_launch(ids, n_exp)
     rw = weights.to(torch.float32).contiguous()
     n_pairs = n * top_k
-    h = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
     y = torch.empty((n_pairs, hidden), dtype=torch.float32, device=x.device)
     tiles = tile_cnt.numel()
-    _moe_up_kernel[(tiles, inter // BLOCK_N_UP)](
+    if cfg.impl == "cuda":
+        from kernels import cuda
+        dev = x.device.index
+        if x.dtype != torch.float32 or x.data_ptr() % 16:
+            x = x.float().clone() if x.data_ptr() % 16 else x.float()
+        # a tile holds at most min(n, 64) pairs (a row picks an expert once): the fewest row tiles of 8 for them
+        from kernels.fp8_linear import row_tiles
+        rt = row_tiles(min(n, BLOCK_M))
+        from kernels.fp8_linear import pack_x
+        xq = pack_x(x, 2)                                # bf16 fragments of the rows (the up kernel's B operand)
+        hq = torch.empty((n_pairs, inter), dtype=torch.int16, device=x.device)   # bf16 h, in the same order
+        cuda.launch(cuda.function("decode.cu", f"moe_up_t{rt}", dev), (tiles, inter // 64, 1), 128,
+                    [xq, w13, s13, tile_e, tile_start, tile_cnt, order, rw, hq, hidden, inter, top_k, float(limit)])
+        cuda.launch(cuda.function("decode.cu", f"moe_down_t{rt}", dev), (tiles, hidden // 64, 1), 128,
+                    [hq, w2, s2, tile_e, tile_start, tile_cnt, order, y, hidden, inter])
+        _slot_sum_kernel[(triton.cdiv(n, SUM_ROWS), triton.cdiv(hidden, SUM_COLS))](
+            y, ids, out, n, hidden, top_k, BR=SUM_ROWS, BH=SUM_COLS)
+        return out
+    h = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
+    common = {"BM": BLOCK_M, "BP_": BP, "BKB": cfg.bkb, "ASM": cfg.asm, "INTERP": INTERPRET, "POST": cfg.post,
+              "num_warps": cfg.warps, "num_stages": cfg.stages}
+    _moe_up_kernel[(tiles, inter // cfg.bn_up)](
         x, w13, s13, tile_e, tile_start, tile_cnt, order, rw, h, hidden, inter, top_k, float(limit),
-        BM=BLOCK_M, BN=BLOCK_N_UP, BKB=BLOCK_KB, SCALED=scaled_dot, INTERP=INTERPRET, num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES)
-    _moe_down_kernel[(tiles, hidden // BLOCK_N_DOWN)](
-        h, w2, s2, tile_e, tile_start, tile_cnt, order, y, hidden, inter,
-        BM=BLOCK_M, BN=BLOCK_N_DOWN, BKB=BLOCK_KB, SCALED=scaled_dot, INTERP=INTERPRET, num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES)
+        BN=cfg.bn_up, **common)
+    _moe_down_kernel[(tiles, hidden // cfg.bn_down)](
+        h, w2, s2, tile_e, tile_start, tile_cnt, order, y, hidden, inter, BN=cfg.bn_down, **common)
     _slot_sum_kernel[(triton.cdiv(n, SUM_ROWS), triton.cdiv(hidden, SUM_COLS))](
         y, ids, out, n, hidden, top_k, BR=SUM_ROWS, BH=SUM_COLS)
     return out

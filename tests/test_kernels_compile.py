@@ -22,4 +22,4 @@ def test_kernels_compile_for_hopper():
     r = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--arch", "90"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert r.stdout.count("ok ") == 12, r.stdout
+    assert "BAD" not in r.stdout and r.stdout.count("ok ") >= 12, r.stdout

@@ -1,10 +1,13 @@
 """kernels/fp4_moe.py against dsv41.model.moe on dequantised (dequant_fp4) weights.
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py) at small shapes; with one (marker gpu) at
-V4.1 shapes (H 5120, I 2304, top-6). Tolerances:
-- against the routed sum in float64: the kernels split x and h into bf16 hi + lo parts (to ~2^-17) against
-  weights exact in bf16, fp32 sums: max|y - ref| <= 1e-4 · max|ref| (rounding x and h to bf16 alone gives ~1e-3);
-- against moe.py's float32 MoE itself: the same bound.
+V4.1 shapes (H 5120, I 2304, top-6): the CUDA C kernels (csrc/decode.cu, what the model runs there) and the Triton
+ones. Numerics (issue 24): x and h go to the tensor cores as bf16, the weights are exact, the sums fp32. Tolerances:
+- against the routed sum in float64 with x and h rounded to bf16 as the kernels round them: max|y - ref| <= 2e-3 ·
+  max|ref| (h is rounded after a gate/up sum whose last bits differ from the reference's, so an element of h may
+  round the other way: one bf16 step of one term; a wrong code, scale or routing is O(1));
+- against moe.py's float32 MoE (no bf16 rounding): within 2e-2 · max|ref|, and not within 1e-5 (the rounding is
+  the function's).
 Batch invariance: a row's output is bit-identical alone, among 64 rows and in a prompt chunk whose experts take
 more than one tile.
 """
@@ -19,7 +22,7 @@ triton = pytest.importorskip("triton")
 
 from dsv41.model import quant
 from dsv41.model.moe import Expert, MoE, swiglu
-from kernels.fp4_moe import BLOCK_M, fp4_moe, max_tiles, stack_experts, work_list
+from kernels.fp4_moe import BLOCK_M, Config, fp4_moe, max_tiles, stack_experts, work_list
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LIMIT = 10.0
@@ -46,10 +49,10 @@ def _deq(raw):
 
 
 def _ref64(x, exps, ids, wts):
-    """The routed sum in float64."""
+    """The routed sum in float64 with x and h rounded to bf16."""
     n, k = ids.shape
     out = torch.zeros(n, x.shape[1], dtype=torch.float64)
-    x = x.double()
+    x = x.bfloat16().double()
     w64 = {}
     for r in range(n):
         for j in range(k):
@@ -61,7 +64,8 @@ def _ref64(x, exps, ids, wts):
             w1, w3, w2 = w64[e]
             gate = torch.clamp(x[r] @ w1.t(), max=LIMIT)
             up = torch.clamp(x[r] @ w3.t(), min=-LIMIT, max=LIMIT)
-            out[r] += (gate / (1 + torch.exp(-gate)) * up * float(wts[r, j])) @ w2.t()
+            h = (gate / (1 + torch.exp(-gate)) * up * float(wts[r, j])).float().bfloat16().double()
+            out[r] += h @ w2.t()
     return out
 
 
@@ -96,9 +100,10 @@ def _inputs(n, hidden, seed):
 def _close(y, x, exps, ids, wts):
     y = y.cpu().double()
     ref = _ref64(x, exps, ids, wts)
-    assert (y - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    assert (y - ref).abs().max().item() <= 2e-3 * ref.abs().max().item()
     ref32 = _ref_fp32(x, exps, ids, wts).double()
-    assert (y - ref32).abs().max().item() <= 1e-4 * ref32.abs().max().item()
+    d32 = (y - ref32).abs().max().item()
+    assert 1e-5 * ref32.abs().max().item() < d32 <= 2e-2 * ref32.abs().max().item()
 
 
 E, H, I, K = 8, 128, 128, 3
@@ -122,15 +127,17 @@ def test_matches_reference(small, n):
     _close(y, x, exps, ids, wts)
 
 
-def test_scaled_dot_path_matches_reference(small):
-    """The tl.dot_scaled path (bf16 x e2m1 microscaling products) gives the same values within the same bounds.
-    Under the interpreter its product is numpy's BLAS, whose rounding depends on a row's place in the tile, so its
-    batch invariance is checked on the GPU only."""
+@pytest.mark.parametrize("cfg", [Config(bkb=16, post=True), Config(bn_up=64, bn_down=64, bkb=32, asm=False)])
+def test_other_configurations_match_reference(small, cfg):
+    """The post-scaled products (scales on each 32-wide K step's sum) and other tiles: the same function within the
+    same bounds, and row-invariant."""
     _, exps, W = small
     x = _inputs(16, H, seed=21)
     ids, wts = _routing(16, E, K, seed=21)
-    y = fp4_moe(x.to(DEV), *W, ids.to(DEV), wts.to(DEV), LIMIT, scaled_dot=True)
+    y = fp4_moe(x.to(DEV), *W, ids.to(DEV), wts.to(DEV), LIMIT, cfg=cfg)
     _close(y, x, exps, ids, wts)
+    one = fp4_moe(x[5:6].to(DEV), *W, ids[5:6].to(DEV), wts[5:6].to(DEV), LIMIT, cfg=cfg)
+    assert torch.equal(one[0], y[5])
 
 
 def test_prompt_chunk_with_multi_tile_experts(small):
@@ -161,7 +168,7 @@ def test_equals_the_moe_module(small):
     wts, ids = moe.route(x)
     y = fp4_moe(x.to(DEV), *W, ids.to(DEV), wts.to(DEV), LIMIT).cpu() + swiglu(x, shared, LIMIT)
     ref = moe(x)
-    assert (y - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    assert (y - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
 
 
 def test_bf16_input_gives_the_same_bits(small):
@@ -212,19 +219,23 @@ def v41():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scaled_dot", [False, True])
-def test_v41_shapes_on_gpu(v41, scaled_dot):
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+def test_v41_shapes_on_gpu(v41, impl):
+    from kernels import cuda
+    if impl == "cuda" and not cuda.available():
+        pytest.skip("no CUDA C compiler here")
+    cfg = Config(impl="cuda") if impl == "cuda" else Config()
     exps, W = v41
     x = _inputs(2048, 5120, seed=2)
     ids, wts = _routing(2048, len(exps), 6, seed=3)
     xd, idd, wd = x.cuda(), ids.cuda(), wts.cuda()
 
     def run(rows):
-        return fp4_moe(xd[rows], *W, idd[rows], wd[rows], LIMIT, scaled_dot=scaled_dot)
+        return fp4_moe(xd[rows], *W, idd[rows], wd[rows], LIMIT, cfg=cfg)
 
     big = run(slice(None))
     pick = [0, 1, 700, 2047]
     _close(big[pick], x[pick], exps, ids[pick], wts[pick])
-    for n in (1, 3, 16, 64):
+    for n in (1, 3, 9, 17, 33, 64):          # every row-tile count of the CUDA kernels
         assert torch.equal(run(slice(0, n)), big[:n]), f"rows 0..{n} differ from the same rows among 2048"
     assert torch.equal(run(slice(700, 701))[0], big[700])

@@ -1,0 +1,583 @@
+// Decode-round products at the memory-bandwidth floor (issue 24): block-scaled FP8 / bf16 linear and the routed
+// FP4 experts, for sm_80+ (mma.sync m16n8k16, bf16 inputs, fp32 accumulation). No headers: NVRTC or nvcc compile
+// this file as it is (kernels/cuda.py), and kernels/fp8_linear.py / fp4_moe.py launch it.
+//
+// Shape of every product: the WEIGHT is the MMA's A operand (16 weight rows per warp), the activation rows are its
+// N side in tiles of 8 ("row tiles"); a block of 4 warps covers 64 weight rows and up to 64 activation rows. The
+// weight bytes go from global memory straight into registers in the A fragment's order and are unpacked there:
+//   FP8 E4M3: sign and exponent/mantissa bits shifted into bf16 positions (value · 2^-120), times one bf16x2 factor
+//             2^(scale-7) per 32x32 block (exact: a power of two);
+//   FP4 E2M1: a byte-permute table lookup (prmt) of four codes at once into the bf16 high and low bytes of the values
+//             already times 2^(scale-127) (tables built once per 32-value group), the sign bits moved in.
+// Because a lane's logical k positions in the A fragment ({2t, 2t+1, 2t+8, 2t+9} of an MMA, t = lane % 4) may be
+// any physical k as long as the activation fragment uses the same ones, each lane reads 16 contiguous bytes of a
+// weight row per step, and the activation fragment is gathered in the same order.
+//
+// Batch invariance by construction: every output element is the same chain of MMAs (same k order, same instruction)
+// whatever the number of rows or the row's place; row tiles beyond the rows are skipped whole; K is cut into S
+// chunks chosen from the weight's shape only, each chunk summed from zero, the chunks added 0 + p_0 + ... + p_{S-1}
+// in order -- by the last of the chunk blocks to finish (an arrival counter) or, for long prompts, by one block.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define DEVI __device__ __forceinline__
+
+DEVI u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+DEVI u32 hmul2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+DEVI u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+DEVI void mma(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+DEVI uint4 ldg16(const u8* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+DEVI float4 ldx4(const float* p) {
+    float4 r;
+    asm("ld.global.nc.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+    return r;
+}
+
+DEVI uint2 ldq2(const u32* p) {
+    uint2 r;
+    asm("ld.global.nc.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+
+DEVI uint4 ldq4(const u32* p) {
+    uint4 r;
+    asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+DEVI float ld_cg(const float* p) {
+    float r;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+    return r;
+}
+
+DEVI u32 word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+
+// ---- activations as bf16 MMA fragments ------------------------------------------------------------------------
+
+// out[m, K/2] (u32 pairs of bf16) = x[m, :K] rounded to bf16, in the order the products read their B fragments:
+// mode 0 (FP8 weights): per 4 values (x0, x2), (x1, x3); mode 1 (bf16 weights): (x0, x1), (x2, x3); mode 2 (FP4
+// weights): per 8 values (x0, x4), (x2, x6), (x1, x5), (x3, x7). Rows `rows` (or all M when null) give x's row.
+// The rounding is the same cvt.rn the kernels apply themselves, so a packed row's products are the same bits.
+extern "C" __global__ void __launch_bounds__(256) pack_x(const float* x, int ldx, const int* rows, int topk,
+                                                          u32* out, int M, int K, int mode) {
+    const int per = mode == 2 ? 8 : 4;
+    const long long idx = (long long)blockIdx.x * 256 + threadIdx.x;
+    const int groups = K / per;
+    if (idx >= (long long)M * groups) return;
+    const int m = (int)(idx / groups), gq = (int)(idx % groups);
+    const long long src = rows ? (long long)(rows[m] / topk) : m;
+    const float* xr = x + src * ldx + (long long)gq * per;
+    u32* o = out + (long long)m * (K / 2) + (long long)gq * (per / 2);
+    float4 u = ldx4(xr);
+    if (mode == 0) {
+        o[0] = pack_bf16(u.x, u.z);
+        o[1] = pack_bf16(u.y, u.w);
+    } else if (mode == 1) {
+        o[0] = pack_bf16(u.x, u.y);
+        o[1] = pack_bf16(u.z, u.w);
+    } else {
+        float4 v = ldx4(xr + 4);
+        o[0] = pack_bf16(u.x, v.x);
+        o[1] = pack_bf16(u.z, v.z);
+        o[2] = pack_bf16(u.y, v.y);
+        o[3] = pack_bf16(u.w, v.w);
+    }
+}
+
+// ---- FP8 / bf16 linear ---------------------------------------------------------------------------------------------
+
+// FP8: 4 bytes (k = p..p+3) -> A halves: lo = (byte0, byte2), hi = (byte1, byte3), each bf16 times f2.
+DEVI void fp8_pairs(u32 q, u32 f2, u32& lo, u32& hi) {
+    hi = hmul2((q & 0x80008000u) | ((q & 0x7F007F00u) >> 4), f2);
+    q <<= 8;
+    lo = hmul2((q & 0x80008000u) | ((q & 0x7F007F00u) >> 4), f2);
+}
+
+// The B fragment of one MMA for activation row pointer xr (nullptr: a row past M -> zeros), physical k base p:
+// FP8: b0 = (x[p], x[p+2]), b1 = (x[p+1], x[p+3]); bf16 weights: b0 = (x[p], x[p+1]), b1 = (x[p+2], x[p+3]).
+template <bool WFP8>
+DEVI void x_frag(const float* xr, int p, u32& b0, u32& b1) {
+    if (xr == nullptr) {
+        b0 = b1 = 0;
+        return;
+    }
+    float4 v = ldx4(xr + p);
+    if (WFP8) {
+        b0 = pack_bf16(v.x, v.z);
+        b1 = pack_bf16(v.y, v.w);
+    } else {
+        b0 = pack_bf16(v.x, v.y);
+        b1 = pack_bf16(v.z, v.w);
+    }
+}
+
+// One 16-byte step of a warp: rows ra (= n0 + g) and rb (= n0 + g + 8) of W, lane t's bytes, into acc[8][4]. The
+// activation fragments of a word are loaded for every live row tile before its MMAs, so the loads overlap.
+template <bool WFP8, int MAXT, bool XB>
+DEVI void linear_step(const uint4& wa, const uint4& wb, u32 f2, const float* const* xr, const u32* const* xq,
+                      int live, int kbase, float (*acc)[4]) {
+    // FP8: 16 values per row per lane -> 4 MMAs (one per 4-byte word); bf16: 8 values -> 2 MMAs (two words each)
+#pragma unroll
+    for (int j = 0; j < (WFP8 ? 4 : 2); ++j) {
+        u32 a0, a1, a2, a3;
+        const int p = kbase + 4 * j;
+        if (WFP8) {
+            fp8_pairs(word(wa, j), f2, a0, a2);
+            fp8_pairs(word(wb, j), f2, a1, a3);
+        } else {
+            a0 = word(wa, 2 * j);
+            a2 = word(wa, 2 * j + 1);
+            a1 = word(wb, 2 * j);
+            a3 = word(wb, 2 * j + 1);
+        }
+        u32 bx[MAXT][2];
+#pragma unroll
+        for (int i = 0; i < MAXT; ++i)
+            if (i < live) {
+                if (XB) {                                  // packed bf16 pairs (pack_x): 8 bytes, no conversion
+                    if (xq[i] != nullptr) {
+                        uint2 v = ldq2(xq[i] + (p >> 1));
+                        bx[i][0] = v.x;
+                        bx[i][1] = v.y;
+                    } else {
+                        bx[i][0] = bx[i][1] = 0;
+                    }
+                } else {
+                    x_frag<WFP8>(xr[i], p, bx[i][0], bx[i][1]);
+                }
+            }
+#pragma unroll
+        for (int i = 0; i < MAXT; ++i)
+            if (i < live) mma(acc[i], a0, a1, a2, a3, bx[i][0], bx[i][1]);
+    }
+}
+
+// y[M, N] = bf16(x[M, K]) . W[N, K]^T (fp32 out). Grid (N/64, S or 1, ceil(M/(8 MAXT))), 128 threads; a block
+// holds MAXT row tiles of 8 (the launch picks the smallest MAXT for the rows: every tile's MMA chain is the same
+// instructions in the same order whatever MAXT, so the choice never changes a bit).
+// split (S > 1, few rows): block (nb, c, mb) computes chunk c, stores it to part[c], and the last of the S blocks of
+// (nb, mb) adds part[0..S-1] in order into y. Else (S == 1 or IN_PROGRAM) the block runs every chunk in order.
+constexpr int PF = 4;                                      // 16-byte weight steps a lane has in flight
+
+template <bool WFP8, bool IN_PROGRAM, int MAXT, bool XB>
+DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict__ w, const u8* __restrict__ s,
+                      float* __restrict__ y, float* __restrict__ part, int* __restrict__ cnt, int M, int N, int K,
+                      int kchunk, int S) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 64 + warp * 16;
+    const int m0 = blockIdx.z * (8 * MAXT);
+    const int live = min(MAXT, (M - m0 + 7) >> 3);
+    const bool rows_ok = n0 < N;
+    const int esz = WFP8 ? 1 : 2;
+    const int step = WFP8 ? 64 : 32;                     // k per 16-byte lane step (4 lanes of a row group)
+    // XB: x is the packed bf16 buffer of pack_x ([M, K/2] u32, row stride ldx); else float32 rows
+    const float* xr[MAXT];
+    const u32* xq[MAXT];
+#pragma unroll
+    for (int i = 0; i < MAXT; ++i) {
+        int m = m0 + 8 * i + g;
+        xr[i] = m < M ? x + (long long)m * ldx : nullptr;
+        xq[i] = m < M ? reinterpret_cast<const u32*>(x) + (long long)m * ldx : nullptr;
+    }
+    const u8* wa_row = w + (long long)(rows_ok ? n0 + g : 0) * K * esz;
+    const u8* wb_row = wa_row + (long long)8 * K * esz;
+    const u8* s_row = s + (long long)((rows_ok ? n0 : 0) >> 5) * (K >> 5);
+    // IN_PROGRAM: tot = ((0 + p_0) + p_1) + ...; else this block's one chunk, acc (summed from zero by the last block)
+    float acc[MAXT][4], tot[IN_PROGRAM ? MAXT : 1][4];
+#pragma unroll
+    for (int i = 0; i < (IN_PROGRAM ? MAXT : 1); ++i)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) tot[i][r] = 0.f;
+    const int c_lo = IN_PROGRAM ? 0 : blockIdx.y, c_hi = IN_PROGRAM ? S : blockIdx.y + 1;
+    for (int c = c_lo; c < c_hi; ++c) {
+#pragma unroll
+        for (int i = 0; i < MAXT; ++i)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[i][r] = 0.f;
+        if (rows_ok) {
+            // a ring of PF steps of weights (and FP8 scale codes) in flight ahead of the products
+            const int k_beg = c * kchunk, k_end = (c + 1) * kchunk, lk = (step / 4) * t;
+            uint4 ba[PF], bb[PF];
+            u32 be[PF];
+#pragma unroll
+            for (int p = 0; p < PF; ++p) {
+                const int k = k_beg + p * step;
+                if (k < k_end) {
+                    ba[p] = ldg16(wa_row + (k + lk) * esz);
+                    bb[p] = ldg16(wb_row + (k + lk) * esz);
+                    be[p] = WFP8 ? s_row[(k + 16 * t) >> 5] : 0;
+                }
+            }
+            for (int k0 = k_beg; k0 < k_end; k0 += PF * step) {
+#pragma unroll
+                for (int p = 0; p < PF; ++p) {
+                    const int k = k0 + p * step;
+                    if (k < k_end) {
+                        const uint4 wa = ba[p], wb = bb[p];
+                        const u32 e = be[p];
+                        const int kn = k + PF * step;
+                        if (kn < k_end) {
+                            ba[p] = ldg16(wa_row + (kn + lk) * esz);
+                            bb[p] = ldg16(wb_row + (kn + lk) * esz);
+                            if (WFP8) be[p] = s_row[(kn + 16 * t) >> 5];
+                        }
+                        u32 f2 = 0;
+                        if (WFP8) {
+                            const u32 hb = (e + 120u) << 7;    // bf16 of 2^(e-7): the E8M0 factor times 2^120
+                            f2 = hb | (hb << 16);
+                        }
+                        linear_step<WFP8, MAXT, XB>(wa, wb, f2, xr, xq, live, k + lk, acc);
+                    }
+                }
+            }
+        }
+        if (IN_PROGRAM) {
+#pragma unroll
+            for (int i = 0; i < MAXT; ++i)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) tot[IN_PROGRAM ? i : 0][r] = tot[IN_PROGRAM ? i : 0][r] + acc[i][r];
+        }
+    }
+    // C fragment of row tile i: (n0 + g, m0 + 8i + 2t), (.., +1), (n0 + g + 8, ..), (.., +1)
+    const bool split = S > 1 && !IN_PROGRAM;
+    float* dst = split ? part + (long long)blockIdx.y * M * N : y;
+    if (rows_ok) {
+#pragma unroll
+        for (int i = 0; i < MAXT; ++i) {
+            if (i < live) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    int n = n0 + g + (r >> 1) * 8, m = m0 + 8 * i + 2 * t + (r & 1);
+                    if (m < M) dst[(long long)m * N + n] = IN_PROGRAM ? tot[IN_PROGRAM ? i : 0][r] : acc[i][r];
+                }
+            }
+        }
+    }
+    if (!split) return;
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int tile = blockIdx.z * gridDim.x + blockIdx.x;
+        int old = atomicAdd(cnt + tile, 1);
+        last = old == S - 1;
+        if (last) cnt[tile] = 0;                           // every chunk has arrived: ready for the next launch
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (!rows_ok) return;
+    for (int i = 0; i < live; ++i) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            int n = n0 + g + (r >> 1) * 8, m = m0 + 8 * i + 2 * t + (r & 1);
+            if (m < M) {
+                float sum = 0.f;
+                for (int c = 0; c < S; ++c) sum = sum + ld_cg(part + ((long long)c * M + m) * N + n);
+                y[(long long)m * N + n] = sum;
+            }
+        }
+    }
+}
+
+// one row tile reads float32 x itself; more read the packed bf16 fragments of pack_x (the same rounding)
+#define LINEAR_KERNEL(name, WFP8, IN_PROGRAM, MAXT)                                                          \
+    extern "C" __global__ void __launch_bounds__(128) name(const float* x, int ldx, const u8* w, const u8* s,     \
+                                                           float* y, float* part, int* cnt, int M, int N, int K,  \
+                                                           int kchunk, int S) {                                   \
+        linear_body<WFP8, IN_PROGRAM, MAXT, (MAXT > 1)>(x, ldx, w, s, y, part, cnt, M, N, K, kchunk, S);         \
+    }
+#define LINEAR_KERNELS(T)                                   \
+    LINEAR_KERNEL(fp8_linear_split_t##T, true, false, T)    \
+    LINEAR_KERNEL(fp8_linear_whole_t##T, true, true, T)     \
+    LINEAR_KERNEL(bf16_linear_split_t##T, false, false, T)  \
+    LINEAR_KERNEL(bf16_linear_whole_t##T, false, true, T)
+LINEAR_KERNELS(1)
+LINEAR_KERNELS(2)
+LINEAR_KERNELS(4)
+LINEAR_KERNELS(8)
+
+// ---- FP4 routed experts ------------------------------------------------------------------------------------------
+
+// The E2M1 lookup tables of one 32-value group with E8M0 code e: values {0, .5, 1, 1.5, 2, 3, 4, 6} * 2^(e-127) as
+// bf16 (exponent field += e - 127: exact for codes 2..252), split into high bytes (th0: entries 0-3, th1: 4-7) and
+// low bytes (tl0, tl1) for prmt.
+DEVI void e2m1_tables(u32 e, u32& th0, u32& th1, u32& tl0, u32& tl1) {
+    int d = ((int)e - 127) << 7;
+    u32 dd = (u32)(d * 0x10001);
+    u32 p01 = (u32)(0x3F00 + d) << 16;                     // entry 0 stays 0
+    u32 p23 = 0x3FC03F80u + dd, p45 = 0x40404000u + dd, p67 = 0x40C04080u + dd;
+    th0 = prmt(p01, p23, 0x7531);
+    tl0 = prmt(p01, p23, 0x6420);
+    th1 = prmt(p45, p67, 0x7531);
+    tl1 = prmt(p45, p67, 0x6420);
+}
+
+// 4 packed bytes (8 codes: nibble n = byte n/2, high nibble when n odd) -> four bf16 pairs
+// P0 = (n0, n4), P1 = (n2, n6), P2 = (n1, n5), P3 = (n3, n7).
+DEVI void e2m1_pairs(u32 q, u32 th0, u32 th1, u32 tl0, u32 tl1, u32& P0, u32& P1, u32& P2, u32& P3) {
+    u32 ml = q & 0x07070707u, mh = (q >> 4) & 0x07070707u;
+    u32 sl = ml | (ml >> 12), sh = mh | (mh >> 12);        // selector nibbles (n0, n4, n2, n6) / (n1, n5, n3, n7)
+    u32 hl = prmt(th0, th1, sl), ll = prmt(tl0, tl1, sl);
+    u32 hh = prmt(th0, th1, sh), lh = prmt(tl0, tl1, sh);
+    P0 = prmt(ll, hl, 0x5140) | ((q << 12) & 0x80008000u);
+    P1 = prmt(ll, hl, 0x7362) | ((q << 4) & 0x80008000u);
+    P2 = prmt(lh, hh, 0x5140) | ((q << 8) & 0x80008000u);
+    P3 = prmt(lh, hh, 0x7362) | (q & 0x80008000u);
+}
+
+// B fragments of the two MMAs of a 4-byte word at value index base: MMA 2j: b0 = (x[b], x[b+4]), b1 = (x[b+2],
+// x[b+6]); MMA 2j+1: b0 = (x[b+1], x[b+5]), b1 = (x[b+3], x[b+7]).
+// (from the packed bf16 rows of pack_x mode 2, or the up kernel's h: 16 bytes, no conversion)
+DEVI void e2m1_x(const u32* xr, int base, u32& b00, u32& b01, u32& b10, u32& b11) {
+    if (xr == nullptr) {
+        b00 = b01 = b10 = b11 = 0;
+        return;
+    }
+    uint4 v = ldq4(xr + (base >> 1));
+    b00 = v.x;
+    b01 = v.y;
+    b10 = v.z;
+    b11 = v.w;
+}
+
+struct Tile {
+    int cnt, e, p0;
+};
+
+DEVI Tile load_tile(const int* tile_e, const int* tile_start, const int* tile_cnt) {
+    Tile tl;
+    tl.cnt = tile_cnt[blockIdx.x];
+    tl.e = tile_e[blockIdx.x];
+    tl.p0 = tile_start[blockIdx.x];
+    return tl;
+}
+
+// One step of NMAT weight matrices (rows g and g+8 of each: 16 bytes a row) against the same activation rows:
+// per 4-byte word, the activation fragments of every live row tile once, then 2 MMAs per matrix and tile.
+template <int NMAT, int MAXT>
+DEVI void e2m1_step(const uint4* qa, const uint4* qb, const u32* ea, const u32* eb, const u32* const* xr, int live,
+                    int vbase, float (*acc)[MAXT][4]) {
+    u32 ta[NMAT][4], tb[NMAT][4];
+#pragma unroll
+    for (int mt = 0; mt < NMAT; ++mt) {
+        e2m1_tables(ea[mt], ta[mt][0], ta[mt][1], ta[mt][2], ta[mt][3]);
+        e2m1_tables(eb[mt], tb[mt][0], tb[mt][1], tb[mt][2], tb[mt][3]);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        u32 bx[MAXT][4];
+#pragma unroll
+        for (int i = 0; i < MAXT; ++i)
+            if (i < live) e2m1_x(xr[i], vbase + 8 * j, bx[i][0], bx[i][1], bx[i][2], bx[i][3]);
+#pragma unroll
+        for (int mt = 0; mt < NMAT; ++mt) {
+            u32 A0, A1, A2, A3, B0, B1, B2, B3;
+            e2m1_pairs(word(qa[mt], j), ta[mt][0], ta[mt][1], ta[mt][2], ta[mt][3], A0, A1, A2, A3);
+            e2m1_pairs(word(qb[mt], j), tb[mt][0], tb[mt][1], tb[mt][2], tb[mt][3], B0, B1, B2, B3);
+#pragma unroll
+            for (int i = 0; i < MAXT; ++i) {
+                if (i < live) {
+                    mma(acc[mt][i], A0, B0, A1, B1, bx[i][0], bx[i][1]);   // logical slots: (n0, n4 | n2, n6)
+                    mma(acc[mt][i], A2, B2, A3, B3, bx[i][2], bx[i][3]);   // (n1, n5 | n3, n7)
+                }
+            }
+        }
+    }
+}
+
+// The K loop of NMAT weight matrices' rows (g, g+8) (pointers wa[mt], wb[mt], scale rows sa[mt], sb[mt]) over
+// nbytes packed bytes: a ring of PF4 steps of bytes and scale codes in flight ahead of the products.
+constexpr int PF4 = 2;
+
+template <int NMAT, int MAXT>
+DEVI void e2m1_loop(const u8* const* wa, const u8* const* wb, const u8* const* sa, const u8* const* sb, int nbytes,
+                    int t, const u32* const* xr, int live, float (*acc)[MAXT][4]) {
+    const int off = 16 * t;
+    uint4 qa[PF4][NMAT], qb[PF4][NMAT];
+    u32 ea[PF4][NMAT], eb[PF4][NMAT];
+#pragma unroll
+    for (int p = 0; p < PF4; ++p) {
+        const int o = p * 64 + off;
+        if (p * 64 < nbytes) {
+#pragma unroll
+            for (int mt = 0; mt < NMAT; ++mt) {
+                qa[p][mt] = ldg16(wa[mt] + o);
+                qb[p][mt] = ldg16(wb[mt] + o);
+                ea[p][mt] = sa[mt][o >> 4];
+                eb[p][mt] = sb[mt][o >> 4];
+            }
+        }
+    }
+    for (int b0 = 0; b0 < nbytes; b0 += PF4 * 64) {
+#pragma unroll
+        for (int p = 0; p < PF4; ++p) {
+            const int b = b0 + p * 64;
+            if (b < nbytes) {
+                uint4 ca[NMAT], cb[NMAT];
+                u32 fa[NMAT], fb[NMAT];
+#pragma unroll
+                for (int mt = 0; mt < NMAT; ++mt) {
+                    ca[mt] = qa[p][mt]; cb[mt] = qb[p][mt]; fa[mt] = ea[p][mt]; fb[mt] = eb[p][mt];
+                }
+                const int bn = b + PF4 * 64;
+                if (bn < nbytes) {
+                    const int o = bn + off;
+#pragma unroll
+                    for (int mt = 0; mt < NMAT; ++mt) {
+                        qa[p][mt] = ldg16(wa[mt] + o);
+                        qb[p][mt] = ldg16(wb[mt] + o);
+                        ea[p][mt] = sa[mt][o >> 4];
+                        eb[p][mt] = sb[mt][o >> 4];
+                    }
+                }
+                // a lane's 16 bytes are one 32-value scale group
+                e2m1_step<NMAT, MAXT>(ca, cb, fa, fb, xr, live, 2 * (b + off), acc);
+            }
+        }
+    }
+}
+
+// Gate/up: grid (work-list tiles, I/64), 128 threads; MAXT row tiles of 8 pairs (the launch picks the smallest that
+// holds a tile's pairs: every pair's MMA chain is the same whatever MAXT).
+// h[place, I] = silu(min(x.w1, limit)) * clamp(x.w3, +-limit) * rw.
+template <int MAXT>
+DEVI void moe_up_body(const u32* x, const u8* w13, const u8* s13, const int* tile_e, const int* tile_start,
+                      const int* tile_cnt, const int* order, const float* rw, unsigned short* h, int H, int I, int topk,
+                      float limit) {
+    Tile tl = load_tile(tile_e, tile_start, tile_cnt);
+    if (tl.cnt == 0) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = blockIdx.y * 64 + warp * 16;          // intermediate rows of this warp
+    const int live = min(MAXT, (tl.cnt + 7) >> 3);
+    const u32* xr[MAXT];                                  // packed bf16 rows of x (pack_x mode 2): H/2 words each
+#pragma unroll
+    for (int i = 0; i < MAXT; ++i) {
+        int q = 8 * i + g;
+        xr[i] = q < tl.cnt ? x + (long long)(order[tl.p0 + q] / topk) * (H >> 1) : nullptr;
+    }
+    const int HB = H >> 1;
+    const long long e = tl.e;
+    const u8* w1a = w13 + ((e * 2 * I) + r0 + g) * HB;
+    const u8* s1a = s13 + ((e * 2 * I) + r0 + g) * (H >> 5);
+    const u8* wa[2] = {w1a, w1a + (long long)I * HB};
+    const u8* wb[2] = {w1a + 8LL * HB, w1a + (long long)(I + 8) * HB};
+    const u8* sa[2] = {s1a, s1a + (long long)I * (H >> 5)};
+    const u8* sb[2] = {s1a + 8LL * (H >> 5), s1a + (long long)(I + 8) * (H >> 5)};
+    float acc[2][MAXT][4];                               // gate (w1), up (w3)
+#pragma unroll
+    for (int i = 0; i < MAXT; ++i)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[0][i][r] = acc[1][i][r] = 0.f;
+    e2m1_loop<2, MAXT>(wa, wb, sa, sb, HB, t, xr, live, acc);
+#pragma unroll
+    for (int i = 0; i < MAXT; ++i) {
+        if (i < live) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                int q = 8 * i + 2 * t + (r & 1);
+                if (q < tl.cnt) {
+                    int row = r0 + g + (r >> 1) * 8;
+                    float gt = fminf(acc[0][i][r], limit);
+                    float up = fminf(fmaxf(acc[1][i][r], -limit), limit);
+                    float wgt = rw[order[tl.p0 + q]];
+                    // h rounded to bf16 (as the down product reads it), stored in pack_x mode 2's order
+                    float hv = gt / (1.0f + expf(-gt)) * up * wgt;
+                    unsigned short hb;
+                    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(hb) : "f"(hv));
+                    const int r8 = row & 7, pos = (row & ~7) | ((r8 & 1) << 2) | (r8 & 2) | (r8 >> 2);   // its place there
+                    h[(long long)(tl.p0 + q) * I + pos] = hb;
+                }
+            }
+        }
+    }
+}
+
+// Down: grid (work-list tiles, H/64), 128 threads. y[pair, H] = h[place] . w2^T.
+template <int MAXT>
+DEVI void moe_down_body(const u32* h, const u8* w2, const u8* s2, const int* tile_e, const int* tile_start,
+                        const int* tile_cnt, const int* order, float* y, int H, int I) {
+    Tile tl = load_tile(tile_e, tile_start, tile_cnt);
+    if (tl.cnt == 0) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = blockIdx.y * 64 + warp * 16;
+    const int live = min(MAXT, (tl.cnt + 7) >> 3);
+    const u32* hr[MAXT];                                  // the up kernel's packed bf16 h: I/2 words a pair
+#pragma unroll
+    for (int i = 0; i < MAXT; ++i) {
+        int q = 8 * i + g;
+        hr[i] = q < tl.cnt ? h + (long long)(tl.p0 + q) * (I >> 1) : nullptr;
+    }
+    const int IB = I >> 1;
+    const long long e = tl.e;
+    const u8* wa[1] = {w2 + (e * H + r0 + g) * IB};
+    const u8* wb[1] = {wa[0] + 8LL * IB};
+    const u8* sa[1] = {s2 + (e * H + r0 + g) * (I >> 5)};
+    const u8* sb[1] = {sa[0] + 8LL * (I >> 5)};
+    float acc[1][MAXT][4];
+#pragma unroll
+    for (int i = 0; i < MAXT; ++i)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[0][i][r] = 0.f;
+    e2m1_loop<1, MAXT>(wa, wb, sa, sb, IB, t, hr, live, acc);
+#pragma unroll
+    for (int i = 0; i < MAXT; ++i) {
+        if (i < live) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                int q = 8 * i + 2 * t + (r & 1);
+                if (q < tl.cnt) y[(long long)order[tl.p0 + q] * H + r0 + g + (r >> 1) * 8] = acc[0][i][r];
+            }
+        }
+    }
+}
+
+#define MOE_KERNELS(T)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) moe_up_t##T(                                               \
+        const u32* x, const u8* w13, const u8* s13, const int* tile_e, const int* tile_start,                    \
+        const int* tile_cnt, const int* order, const float* rw, unsigned short* h, int H, int I, int topk,        \
+        float limit) {                                                                                          \
+        moe_up_body<T>(x, w13, s13, tile_e, tile_start, tile_cnt, order, rw, h, H, I, topk, limit);             \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) moe_down_t##T(                                             \
+        const u32* h, const u8* w2, const u8* s2, const int* tile_e, const int* tile_start,                      \
+        const int* tile_cnt, const int* order, float* y, int H, int I) {                                         \
+        moe_down_body<T>(h, w2, s2, tile_e, tile_start, tile_cnt, order, y, H, I);                               \
+    }
+MOE_KERNELS(1)
+MOE_KERNELS(2)
+MOE_KERNELS(4)
+MOE_KERNELS(8)
