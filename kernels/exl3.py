@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.model.exl3 import HAD_DIM, HAD_SCALE_F32, Exl3FormatError, _parse, _sylvester
+from kernels.exl3_format import HAD_DIM, HAD_SCALE_F32, Exl3FormatError
+from kernels.exl3_format import parse_exl3 as _parse
+from kernels.exl3_format import sylvester as _sylvester
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64     # fixed: a row's arithmetic must not depend on the row count
 TARGET_PROGRAMS = 512                      # split the input dimension until (out/BLOCK_N)*split reaches this

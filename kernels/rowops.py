@@ -3,7 +3,7 @@ mHC Sinkhorn normalisation of all rows' comb matrices, and the mHC stream collap
 
 Reference (the torch fallbacks, which the kernels must equal BITWISE on the same device):
 - `rms_norm(x, w, eps)` = `dsv41.model.linear.rms_norm` on the CUDA path: y = x · (1 / sqrt(Σ_tree(x·x) · (1/n) +
-  eps)) · w, where Σ_tree is `dsv41.model.device.tree_row_sum` (level by level: s[i] = s[i] + s[i + L//2] for
+  eps)) · w, where Σ_tree is `kernels.numerics.tree_row_sum` (level by level: s[i] = s[i] + s[i + L//2] for
   i < L//2, an odd length's last element carried to position L//2) and 1/n is float32(1)/float32(n) (torch's CUDA
   `t / n` multiplies by that; linear.row_mean writes it out);
 - `sinkhorn(comb, iters, eps)` = the Sinkhorn part of `dsv41.model.mhc.hc_mixes`: norm_cols, then (iters - 1) ×
@@ -32,6 +32,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels.numerics import inv_count
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 NORM_BLOCK, NORM_WARPS = 1024, 4
@@ -176,7 +178,6 @@ def _check_device(x: torch.Tensor, name: str) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x · rsqrt(mean_tree(x²) + eps) · weight over the last dim (float32), one launch; bitwise the CUDA path of
     dsv41.model.linear.rms_norm."""
-    from dsv41.model.linear import inv_count
     _check_device(x, "rms_norm")
     x = x.float()
     shape = x.shape

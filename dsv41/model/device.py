@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.model import quant
+from kernels.numerics import tree_row_sum  # noqa: F401 - the CUDA path's row sum, re-exported
 
 # Rows per product tile on CUDA: one fixed shape for cuBLAS whatever the round holds. 64 covers a decode round of
 # 64 rows in one tile; a 2048-row prompt chunk is 32 tiles.
@@ -259,17 +260,6 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: fl
     """The indexer's scores [n, T] (before the visibility mask) in one kernel launch, or None (the torch path)."""
     k = kernel("index_scores", q)
     return None if k is None or keys.shape[1] & (keys.shape[1] - 1) else k(q, w, keys, scale)
-
-
-def tree_row_sum(x: torch.Tensor) -> torch.Tensor:
-    """Σ over the last dim (keepdim) as a fixed pairwise tree of elementwise adds: every element is computed by
-    itself, so a row's sum is the same bits whatever the tensor's row count (a CUDA reduction's is not)."""
-    while x.shape[-1] > 1:
-        n = x.shape[-1]
-        half = n // 2
-        s = x[..., :half] + x[..., half:2 * half]
-        x = torch.cat([s, x[..., 2 * half:]], dim=-1) if n % 2 else s
-    return x
 
 
 # ---- routed experts as one stack (the grouped kernel's layout) ---------------------------------------------------

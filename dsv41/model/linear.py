@@ -14,12 +14,12 @@ Last-dim reductions (sum, mean, amax) and last-dim softmax run row by row and ar
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 
 from dsv41.model import device as _device
+from kernels.numerics import inv_count
 
 ROW_TILE = 16
 
@@ -81,14 +81,6 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
     """Σ over the last dim, keepdim. CPU: torch's sum (row by row, row-invariant). CUDA: a fixed pairwise tree
     (device.tree_row_sum), since a CUDA reduction's summation order depends on the tensor's row count."""
     return _device.tree_row_sum(x) if _device.on_cuda_path(x) else x.sum(-1, keepdim=True)
-
-
-@functools.lru_cache(maxsize=64)
-def inv_count(n: int) -> float:
-    """float32(1) / float32(n), the factor torch's CUDA division by a host scalar multiplies by (its
-    div_true_kernel_cuda computes a / s as a · (1/s) in float32); exactly representable as a Python float."""
-    one = torch.tensor(1.0, dtype=torch.float32, device="cpu")
-    return float(one / torch.tensor(float(n), dtype=torch.float32, device="cpu"))
 
 
 def row_mean(x: torch.Tensor) -> torch.Tensor:
