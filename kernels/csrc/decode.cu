@@ -80,6 +80,29 @@ DEVI float ld_cg(const float* p) {
     return r;
 }
 
+// 16 bytes global -> shared without a register on the way (cp.async, L2 only); each lane copies and later reads its
+// own chunks, so a lane's wait_group is all the synchronisation needed.
+DEVI u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+DEVI void cp16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+}
+
+DEVI void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+DEVI void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+
+DEVI uint4 lds16(u32 addr) {
+    uint4 r;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+    return r;
+}
+
 DEVI u32 word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
 
 // ---- activations as bf16 MMA fragments ------------------------------------------------------------------------
@@ -187,7 +210,8 @@ DEVI void linear_step(const uint4& wa, const uint4& wb, u32 f2, const float* con
 // instructions in the same order whatever MAXT, so the choice never changes a bit).
 // split (S > 1, few rows): block (nb, c, mb) computes chunk c, stores it to part[c], and the last of the S blocks of
 // (nb, mb) adds part[0..S-1] in order into y. Else (S == 1 or IN_PROGRAM) the block runs every chunk in order.
-constexpr int PF = 4;                                      // 16-byte weight steps a lane has in flight
+constexpr int PF = 8;                                      // 16-byte weight steps a lane has in flight (a row each)
+constexpr int RING_STAGE = 2 * 128 * 16;                   // bytes of one ring stage: rows a and b of 128 lanes
 
 template <bool WFP8, bool IN_PROGRAM, int MAXT, bool XB>
 DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict__ w, const u8* __restrict__ s,
@@ -213,6 +237,8 @@ DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict
     const u8* wa_row = w + (long long)(rows_ok ? n0 + g : 0) * K * esz;
     const u8* wb_row = wa_row + (long long)8 * K * esz;
     const u8* s_row = s + (long long)((rows_ok ? n0 : 0) >> 5) * (K >> 5);
+    __shared__ __align__(16) u8 ring[PF * RING_STAGE];      // [stage][row a | row b][lane] x 16 bytes
+    const u32 ring_a = smem_addr(ring) + threadIdx.x * 16, ring_b = ring_a + 128 * 16;
     // IN_PROGRAM: tot = ((0 + p_0) + p_1) + ...; else this block's one chunk, acc (summed from zero by the last block)
     float acc[MAXT][4], tot[IN_PROGRAM ? MAXT : 1][4];
 #pragma unroll
@@ -226,32 +252,35 @@ DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict
 #pragma unroll
             for (int r = 0; r < 4; ++r) acc[i][r] = 0.f;
         if (rows_ok) {
-            // a ring of PF steps of weights (and FP8 scale codes) in flight ahead of the products
+            // a ring of PF steps of weight bytes in flight ahead of the products, in shared memory (cp.async: no
+            // registers held), and their FP8 scale codes in registers
             const int k_beg = c * kchunk, k_end = (c + 1) * kchunk, lk = (step / 4) * t;
-            uint4 ba[PF], bb[PF];
             u32 be[PF];
 #pragma unroll
             for (int p = 0; p < PF; ++p) {
                 const int k = k_beg + p * step;
                 if (k < k_end) {
-                    ba[p] = ldg16(wa_row + (k + lk) * esz);
-                    bb[p] = ldg16(wb_row + (k + lk) * esz);
+                    cp16(ring_a + p * RING_STAGE, wa_row + (k + lk) * esz);
+                    cp16(ring_b + p * RING_STAGE, wb_row + (k + lk) * esz);
                     be[p] = WFP8 ? s_row[(k + 16 * t) >> 5] : 0;
                 }
+                cp_commit();
             }
             for (int k0 = k_beg; k0 < k_end; k0 += PF * step) {
 #pragma unroll
                 for (int p = 0; p < PF; ++p) {
                     const int k = k0 + p * step;
                     if (k < k_end) {
-                        const uint4 wa = ba[p], wb = bb[p];
+                        cp_wait<PF - 1>();                 // this lane's copies of step k are in
+                        const uint4 wa = lds16(ring_a + p * RING_STAGE), wb = lds16(ring_b + p * RING_STAGE);
                         const u32 e = be[p];
                         const int kn = k + PF * step;
                         if (kn < k_end) {
-                            ba[p] = ldg16(wa_row + (kn + lk) * esz);
-                            bb[p] = ldg16(wb_row + (kn + lk) * esz);
+                            cp16(ring_a + p * RING_STAGE, wa_row + (kn + lk) * esz);
+                            cp16(ring_b + p * RING_STAGE, wb_row + (kn + lk) * esz);
                             if (WFP8) be[p] = s_row[(kn + 16 * t) >> 5];
                         }
+                        cp_commit();
                         u32 f2 = 0;
                         if (WFP8) {
                             const u32 hb = (e + 120u) << 7;    // bf16 of 2^(e-7): the E8M0 factor times 2^120
@@ -261,6 +290,7 @@ DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict
                     }
                 }
             }
+            cp_wait<0>();
         }
         if (IN_PROGRAM) {
 #pragma unroll
@@ -418,55 +448,69 @@ DEVI void e2m1_step(const uint4* qa, const uint4* qb, const u32* ea, const u32* 
 }
 
 // The K loop of NMAT weight matrices' rows (g, g+8) (pointers wa[mt], wb[mt], scale rows sa[mt], sb[mt]) over
-// nbytes packed bytes: a ring of PF4 steps of bytes and scale codes in flight ahead of the products.
-constexpr int PF4 = 2;
+// nbytes packed bytes: a ring of PFM steps of bytes in shared memory (cp.async) and their scale codes in registers,
+// in flight ahead of the products.
+template <int NMAT>
+struct MoeRing {
+    static constexpr int PFM = NMAT == 2 ? 3 : 6;
+    static constexpr int STAGE = NMAT * 2 * 128 * 16;     // [mt][row a | row b][lane] x 16 bytes
+};
 
 template <int NMAT, int MAXT>
 DEVI void e2m1_loop(const u8* const* wa, const u8* const* wb, const u8* const* sa, const u8* const* sb, int nbytes,
                     int t, const u32* const* xr, int live, float (*acc)[MAXT][4]) {
+    constexpr int PFM = MoeRing<NMAT>::PFM, STAGE = MoeRing<NMAT>::STAGE;
+    __shared__ __align__(16) u8 ring[PFM * STAGE];
+    const u32 base = smem_addr(ring) + threadIdx.x * 16;
     const int off = 16 * t;
-    uint4 qa[PF4][NMAT], qb[PF4][NMAT];
-    u32 ea[PF4][NMAT], eb[PF4][NMAT];
+    u32 ea[PFM][NMAT], eb[PFM][NMAT];
 #pragma unroll
-    for (int p = 0; p < PF4; ++p) {
+    for (int p = 0; p < PFM; ++p) {
         const int o = p * 64 + off;
         if (p * 64 < nbytes) {
 #pragma unroll
             for (int mt = 0; mt < NMAT; ++mt) {
-                qa[p][mt] = ldg16(wa[mt] + o);
-                qb[p][mt] = ldg16(wb[mt] + o);
+                cp16(base + p * STAGE + (2 * mt) * 2048, wa[mt] + o);
+                cp16(base + p * STAGE + (2 * mt + 1) * 2048, wb[mt] + o);
                 ea[p][mt] = sa[mt][o >> 4];
                 eb[p][mt] = sb[mt][o >> 4];
             }
         }
+        cp_commit();
     }
-    for (int b0 = 0; b0 < nbytes; b0 += PF4 * 64) {
+    for (int b0 = 0; b0 < nbytes; b0 += PFM * 64) {
 #pragma unroll
-        for (int p = 0; p < PF4; ++p) {
+        for (int p = 0; p < PFM; ++p) {
             const int b = b0 + p * 64;
             if (b < nbytes) {
+                cp_wait<PFM - 1>();                        // this lane's copies of step b are in
                 uint4 ca[NMAT], cb[NMAT];
                 u32 fa[NMAT], fb[NMAT];
 #pragma unroll
                 for (int mt = 0; mt < NMAT; ++mt) {
-                    ca[mt] = qa[p][mt]; cb[mt] = qb[p][mt]; fa[mt] = ea[p][mt]; fb[mt] = eb[p][mt];
+                    ca[mt] = lds16(base + p * STAGE + (2 * mt) * 2048);
+                    cb[mt] = lds16(base + p * STAGE + (2 * mt + 1) * 2048);
+                    fa[mt] = ea[p][mt];
+                    fb[mt] = eb[p][mt];
                 }
-                const int bn = b + PF4 * 64;
+                const int bn = b + PFM * 64;
                 if (bn < nbytes) {
                     const int o = bn + off;
 #pragma unroll
                     for (int mt = 0; mt < NMAT; ++mt) {
-                        qa[p][mt] = ldg16(wa[mt] + o);
-                        qb[p][mt] = ldg16(wb[mt] + o);
+                        cp16(base + p * STAGE + (2 * mt) * 2048, wa[mt] + o);
+                        cp16(base + p * STAGE + (2 * mt + 1) * 2048, wb[mt] + o);
                         ea[p][mt] = sa[mt][o >> 4];
                         eb[p][mt] = sb[mt][o >> 4];
                     }
                 }
+                cp_commit();
                 // a lane's 16 bytes are one 32-value scale group
                 e2m1_step<NMAT, MAXT>(ca, cb, fa, fb, xr, live, 2 * (b + off), acc);
             }
         }
     }
+    cp_wait<0>();
 }
 
 // Gate/up: grid (work-list tiles, I/64), 128 threads; MAXT row tiles of 8 pairs (the launch picks the smallest that
