@@ -439,8 +439,10 @@ def row_tiles(n: int) -> int:
     return 1 if n <= 8 else 2 if n <= 16 else 4 if n <= 32 else 8
 
 
-def _linear_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
-    """The CUDA C kernel (csrc/decode.cu): the same function, its own fixed tiling (one for every row count)."""
+def _linear_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, y: torch.Tensor,
+                 groups: int = 1) -> torch.Tensor:
+    """The CUDA C kernel (csrc/decode.cu): the same function, its own fixed tiling (one for every row count).
+    groups > 1: w's row groups multiply x's column groups (x [n, groups * in], w [groups * rows, in])."""
     from kernels import cuda
     n = x.shape[0]
     out_f, in_f = w.shape
@@ -449,8 +451,9 @@ def _linear_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, y
     if x.stride(0) % 4 or x.data_ptr() % 16:
         x = x.contiguous()
     fp8 = w.dtype == torch.float8_e4m3fn
-    S = split_for(out_f, in_f, CUDA)
+    S = split_for(out_f // groups, in_f, CUDA)     # the split of one group's weight (a shape-only choice)
     kchunk = in_f // S
+    xg = out_f // groups if groups > 1 else 0
     tiles = row_tiles(n)
     nb, mb = triton.cdiv(out_f, 64), triton.cdiv(n, 8 * tiles)
     dev = x.device.index
@@ -463,11 +466,32 @@ def _linear_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, y
         part = torch.empty((S, n, out_f), dtype=torch.float32, device=x.device)
         fn = cuda.function("decode.cu", f"{kind}_split_t{tiles}", dev)
         cuda.launch(fn, (nb, S, mb), 128, [x, ldx, w, scale if fp8 else w, y, part,
-                                           _counter(x.device, nb * mb), n, out_f, in_f, kchunk, S])
+                                           _counter(x.device, nb * mb), n, out_f, in_f, kchunk, S, xg])
     else:
         fn = cuda.function("decode.cu", f"{kind}_whole_t{tiles}", dev)
-        cuda.launch(fn, (nb, 1, mb), 128, [x, ldx, w, scale if fp8 else w, y, y, y, n, out_f, in_f, kchunk, S])
+        cuda.launch(fn, (nb, 1, mb), 128, [x, ldx, w, scale if fp8 else w, y, y, y, n, out_f, in_f, kchunk, S, xg])
     return y
+
+
+def fp8_linear_grouped(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, groups: int) -> torch.Tensor:
+    """The block-diagonal product of a grouped projection (wo_a): x [n, groups * in] (group g's columns), w [groups *
+    rows, in] (group g's rows) -> float32 [n, groups * rows] = cat over g of fp8_linear(x[:, g], w[g]) in one launch
+    where the CUDA C kernel runs (rows a multiple of 64), else group by group. The same function either way; each
+    group's bits follow one shape-only configuration."""
+    out_f, in_f = w.shape
+    rows = out_f // groups
+    if x.dim() != 2 or x.shape[1] != groups * in_f or out_f % groups:
+        raise ValueError(f"fp8_linear_grouped: x {list(x.shape)} and w {list(w.shape)} for {groups} groups")
+    if x.device.type == "cuda" and config_for(rows, in_f, x.device).impl == "cuda" and rows % 64 == 0:
+        _check(x[:, :in_f], w[:rows], scale[:rows // 32] if scale is not None else None)
+        y = torch.empty((x.shape[0], out_f), dtype=torch.float32, device=x.device)
+        if x.shape[0] == 0:
+            return y
+        return _linear_cuda(x, w, scale.view(torch.uint8) if scale is not None else None, y, groups)
+    s_rows = rows // 32
+    return torch.cat([fp8_linear(x[:, g * in_f:(g + 1) * in_f], w[g * rows:(g + 1) * rows],
+                                 scale[g * s_rows:(g + 1) * s_rows] if scale is not None else None)
+                      for g in range(groups)], dim=1)
 
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from dsv41.model import quant
-from kernels.fp8_linear import DEFAULT, Config, fp8_linear, split_for
+from kernels.fp8_linear import DEFAULT, Config, fp8_linear, fp8_linear_grouped, split_for
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -148,3 +148,31 @@ def test_v41_shapes_on_gpu(impl, name, out_f, in_f):
     yb = fp8_linear(x[:40], wb, None, cfg=cfg)
     _check_close(yb, x[:40], W)
     assert torch.equal(fp8_linear(x[7:8], wb, None, cfg=cfg)[0], yb[7])
+
+
+def test_grouped_equals_the_groups_one_by_one():
+    """wo_a's block-diagonal product: group g's weight rows times x's group g columns, concatenated."""
+    w, s = _weight(4 * 64, 128, seed=9)
+    x = _x(5, 4 * 128, seed=10)
+    y = fp8_linear_grouped(x.to(DEV), w.to(DEV), s.to(DEV), 4)
+    want = torch.cat([fp8_linear(x[:, g * 128:(g + 1) * 128].to(DEV), w[g * 64:(g + 1) * 64].to(DEV),
+                                 s[g * 2:(g + 1) * 2].to(DEV)) for g in range(4)], dim=1)
+    assert torch.equal(y, want)
+    with pytest.raises(ValueError):
+        fp8_linear_grouped(x[:, :300].to(DEV), w.to(DEV), s.to(DEV), 4)
+
+
+@pytest.mark.gpu
+def test_grouped_in_one_launch_equals_the_groups_on_gpu():
+    """The CUDA C kernel's grouped launch (wo_a at V4.1 shapes: 8 groups of 1024 rows x 4096) gives each group's
+    bits exactly, for every row-tile count."""
+    from kernels import cuda
+    if not cuda.available():
+        pytest.skip("no CUDA C compiler here")
+    w, s = (t.cuda() for t in _weight(8 * 1024, 4096, seed=11))
+    x = _x(40, 8 * 4096, seed=12).cuda()
+    for n in (1, 9, 40):
+        y = fp8_linear_grouped(x[:n], w, s, 8)
+        want = torch.cat([fp8_linear(x[:n, g * 4096:(g + 1) * 4096], w[g * 1024:(g + 1) * 1024],
+                                     s[g * 32:(g + 1) * 32]) for g in range(8)], dim=1)
+        assert torch.equal(y, want), n

@@ -216,7 +216,7 @@ constexpr int RING_STAGE = 2 * 128 * 16;                   // bytes of one ring 
 template <bool WFP8, bool IN_PROGRAM, int MAXT, bool XB>
 DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict__ w, const u8* __restrict__ s,
                       float* __restrict__ y, float* __restrict__ part, int* __restrict__ cnt, int M, int N, int K,
-                      int kchunk, int S) {
+                      int kchunk, int S, int xg) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 64 + warp * 16;
@@ -225,14 +225,16 @@ DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict
     const bool rows_ok = n0 < N;
     const int esz = WFP8 ? 1 : 2;
     const int step = WFP8 ? 64 : 32;                     // k per 16-byte lane step (4 lanes of a row group)
-    // XB: x is the packed bf16 buffer of pack_x ([M, K/2] u32, row stride ldx); else float32 rows
+    // XB: x is the packed bf16 buffer of pack_x ([M, K/2] u32, row stride ldx); else float32 rows.
+    // xg > 0 (grouped, e.g. wo_a): weight rows [g*xg, (g+1)*xg) multiply x's columns [g*K, (g+1)*K)
+    const int xoff = xg > 0 ? (n0 / xg) * K : 0;
     const float* xr[MAXT];
     const u32* xq[MAXT];
 #pragma unroll
     for (int i = 0; i < MAXT; ++i) {
         int m = m0 + 8 * i + g;
-        xr[i] = m < M ? x + (long long)m * ldx : nullptr;
-        xq[i] = m < M ? reinterpret_cast<const u32*>(x) + (long long)m * ldx : nullptr;
+        xr[i] = m < M ? x + (long long)m * ldx + xoff : nullptr;
+        xq[i] = m < M ? reinterpret_cast<const u32*>(x) + (long long)m * ldx + (xoff >> 1) : nullptr;
     }
     const u8* wa_row = w + (long long)(rows_ok ? n0 + g : 0) * K * esz;
     const u8* wb_row = wa_row + (long long)8 * K * esz;
@@ -345,8 +347,8 @@ DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict
 #define LINEAR_KERNEL(name, WFP8, IN_PROGRAM, MAXT)                                                          \
     extern "C" __global__ void __launch_bounds__(128) name(const float* x, int ldx, const u8* w, const u8* s,     \
                                                            float* y, float* part, int* cnt, int M, int N, int K,  \
-                                                           int kchunk, int S) {                                   \
-        linear_body<WFP8, IN_PROGRAM, MAXT, (MAXT > 1)>(x, ldx, w, s, y, part, cnt, M, N, K, kchunk, S);         \
+                                                           int kchunk, int S, int xg) {                           \
+        linear_body<WFP8, IN_PROGRAM, MAXT, (MAXT > 1)>(x, ldx, w, s, y, part, cnt, M, N, K, kchunk, S, xg);     \
     }
 #define LINEAR_KERNELS(T)                                   \
     LINEAR_KERNEL(fp8_linear_split_t##T, true, false, T)    \
