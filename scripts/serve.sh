@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Serve dsv41 (OpenAI-compatible). Installs what it needs, then `python -m dsv41 serve "$@"`.
+# Serve dsv41 (OpenAI-compatible). Sets up .venv (scripts/setup.sh), then `python -m dsv41 serve "$@"` in it.
 # No arguments: the built-in tiny checkpoint (made once, cached under ${XDG_CACHE_HOME:-~/.cache}/dsv41/) on
 # 127.0.0.1:8000, on the GPU when there is one. `--model DIR`, `--host`, `--port`, all flags: docs/server.md.
 # `--tp 2` (no --rank): both ranks on this host, rank 1 in the background, stopped with rank 0 (docs/tp.md).
 # `--tp 2 --rank 1 --master HOST:PORT`: only that rank (a follower on another node).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-PY=${PYTHON:-python3}
+scripts/setup.sh                     # .venv, made and filled when needed (PYTHON=... : that Python as it is)
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  PY="${DSV41_VENV:-$PWD/.venv}/bin/python"
+fi
 
 tp=${DSV41_TP:-1}
 rank_given=${DSV41_RANK:+1}

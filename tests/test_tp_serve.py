@@ -42,7 +42,9 @@ class Proc:
 
     def __init__(self, *args: str, script: bool = False, env: dict | None = None):
         cmd = ([str(ROOT / "scripts/serve.sh")] if script else [sys.executable, "-m", "dsv41", "serve"]) + list(args)
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, **ENV, **(env or {})),
+        # serve.sh runs the suite's own Python (PYTHON: as it is, no .venv of its own)
+        env = {**(env or {}), **({"PYTHON": sys.executable} if script else {})}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, **ENV, **env),
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         self.lines: list[tuple[float, str]] = []

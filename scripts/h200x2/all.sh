@@ -34,6 +34,7 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0 PYTHONUNBUFFERED=1
+export PYTHON=${PYTHON:-python3}            # serve.sh runs this Python as it is (no .venv: the host has no registry)
 VEC=${DSV41_SHARED:-$PWD/.gpu-shared}/vectors/model/tiny-a
 COMMIT=${DSV41_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}
 B="python3 bench/tp2_bench.py"
