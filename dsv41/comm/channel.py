@@ -29,7 +29,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import msgspec
 import zmq
@@ -38,6 +38,9 @@ from dsv41.comm.plan import (
     WIRE_VERSION, CommError, Digest, DigestMismatch, Error, Heartbeat, Hello, ProtocolError, RankLost, RemoteError,
     RoundDigest, Shutdown, StartTimeout, StepPlan, decode, encode,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 _SLICE_S = 0.05          # how often a waiting call looks at the heartbeat verdict
 _KEEP_DIGESTS = 256      # a follower remembers this many of its own digests to check rank 0's `prev`
