@@ -80,6 +80,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 30.0
     tp_start_timeout_s: float = 300.0
+    rank_lost_s: float = 1.0             # a same-host rank stopped, or a rank's connection closed, this long is lost
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ServeConfigError:
@@ -145,6 +146,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                                               f"({self.heartbeat_timeout_s:g})")
         if self.tp_start_timeout_s <= 0:
             raise bad("tp_start_timeout_s", "must be positive")
+        if self.rank_lost_s < 0:
+            raise bad("rank_lost_s", "must not be negative (0 = heartbeats only)")
 
 
 FIELD_HELP: dict[str, str] = {
@@ -236,6 +239,10 @@ FIELD_HELP: dict[str, str] = {
     "heartbeat_timeout_s": "a rank silent this long is lost: the other stops with a line naming it (in-flight "
                            "requests end with an error)",
     "tp_start_timeout_s": "how long a rank waits at start-up for the others (either may start first)",
+    "rank_lost_s": "besides heartbeats, each rank watches the others' processes (same host) and connections (any "
+                   "host) every 0.1 s: a process gone is lost at once, one stopped (SIGSTOP) or a connection closed "
+                   "this many seconds is lost (the other stops naming it, in-flight requests end with an error); 0 "
+                   "= heartbeats only",
 }
 
 

@@ -14,6 +14,7 @@ from dsv41.comm.plan import (
 )
 
 HB = dict(heartbeat_interval=0.1, heartbeat_timeout=1.0)
+HB_ONLY = dict(HB, lost_after=0)          # heartbeats alone judge a peer (no process or socket watch)
 CTX = mp.get_context("spawn")
 
 
@@ -27,11 +28,15 @@ def plan_digest(p: StepPlan) -> bytes:
     return round_digest([t for r in p.rows for t in [r.seq, r.start, *r.ids, *r.logits]] + [len(p.ops)])
 
 
-def follower_main(master, q, delay=0.0, diverge_at=-1, hang_at=-1):
-    """Rank 1: receive plans until shutdown, answer digests; report what happened on q."""
+def follower_main(master, q, delay=0.0, diverge_at=-1, hang_at=-1, hb=HB, other_host=False):
+    """Rank 1: receive plans until shutdown, answer digests; report what happened on q. other_host: say another
+    host's identity (rank 0 then cannot watch this process, only its connection)."""
     time.sleep(delay)
+    if other_host:
+        from dsv41.comm import channel
+        channel.host_identity = lambda: "elsewhere/0/0"
     try:
-        with Follower(master, 1, 2, start_timeout=20, **HB) as f:
+        with Follower(master, 1, 2, start_timeout=20, **hb) as f:
             q.put(("session", f.session, f.same_host))
             while True:
                 p = f.recv()
@@ -49,10 +54,13 @@ def follower_main(master, q, delay=0.0, diverge_at=-1, hang_at=-1):
         q.put(("error", type(e).__name__, str(e), getattr(e, "rank", None)))
 
 
-def leader_main(master, q, rounds, delay=0.0):
+def leader_main(master, q, rounds, delay=0.0, hb=HB, other_host=False):
     time.sleep(delay)
+    if other_host:
+        from dsv41.comm import channel
+        channel.host_identity = lambda: "elsewhere/0/0"
     try:
-        with Leader(master, 2, start_timeout=20, **HB) as lead:
+        with Leader(master, 2, start_timeout=20, **hb) as lead:
             q.put(("session", lead.session, lead.same_host))
             for r in range(rounds):
                 p = StepPlan(r, rows=[SeqRows(1, r, [r], [0])])
@@ -159,17 +167,20 @@ def test_follower_checks_rank0_digest_too():
         fp.kill()
 
 
+@pytest.mark.parametrize("watch", [True, False])
 @pytest.mark.parametrize("when", ["in_step", "between_steps"])
-def test_killed_follower_is_named_within_heartbeat_timeout(when):
-    """in_step: rank 0 waits for round 2's digest when rank 1 dies (the heartbeat finds it);
-    between_steps: rank 1 dies after answering round 2, rank 0 finds it when it sends round 3 (or by heartbeat)."""
+def test_killed_follower_is_named_within_heartbeat_timeout(when, watch):
+    """in_step: rank 0 waits for round 2's digest when rank 1 dies (its process is gone at once; heartbeats only:
+    the heartbeat finds it); between_steps: rank 1 dies after answering round 2, rank 0 finds it when it sends
+    round 3 (or by the watch or the heartbeat)."""
+    hb = HB if watch else HB_ONLY
     master = free_master()
     q = CTX.Queue()
-    fp = CTX.Process(target=follower_main, args=(master, q, 0.0, -1, 2 if when == "in_step" else -1))
+    fp = CTX.Process(target=follower_main, args=(master, q, 0.0, -1, 2 if when == "in_step" else -1, hb))
     fp.start()
     try:
         with pytest.raises(RankLost) as e:
-            with Leader(master, 2, start_timeout=20, **HB) as lead:
+            with Leader(master, 2, start_timeout=20, **hb) as lead:
                 get(q)
                 for p in plans():
                     lead.send(p)
@@ -187,19 +198,21 @@ def test_killed_follower_is_named_within_heartbeat_timeout(when):
         took = time.monotonic() - t0
         assert e.value.rank == 1 and str(e.value).startswith("rank 1 lost: ")
         if when == "in_step":
-            assert "no heartbeat for 1 s" in str(e.value)
-        assert took < HB["heartbeat_timeout"] + 1.0, took
+            assert (f"its process {fp.pid} exited" if watch else "no heartbeat for 1 s") in str(e.value)
+        assert took < (0.5 if watch else HB["heartbeat_timeout"] + 1.0), took
     finally:
         fp.kill()
 
 
-def test_killed_leader_is_named_by_the_follower():
+@pytest.mark.parametrize("watch", [True, False])
+def test_killed_leader_is_named_by_the_follower(watch):
+    hb = HB if watch else HB_ONLY
     master = free_master()
     q = CTX.Queue()
-    lp = CTX.Process(target=leader_main, args=(master, q, 2))
+    lp = CTX.Process(target=leader_main, args=(master, q, 2, 0.0, hb))
     lp.start()
     try:
-        with Follower(master, 1, 2, start_timeout=20, **HB) as f:
+        with Follower(master, 1, 2, start_timeout=20, **hb) as f:
             assert get(q)[0] == "session"
             for _ in range(2):
                 p = f.recv()
@@ -207,10 +220,86 @@ def test_killed_leader_is_named_by_the_follower():
             assert get(q) == ("ran",)
             lp.kill()
             t0 = time.monotonic()
-            with pytest.raises(RankLost, match="rank 0 lost: no heartbeat") as e:
+            want = f"rank 0 lost: its process {lp.pid} exited" if watch else "rank 0 lost: no heartbeat"
+            with pytest.raises(RankLost, match=want) as e:
                 f.recv()
             assert e.value.rank == 0
-            assert time.monotonic() - t0 < HB["heartbeat_timeout"] + 1.0
+            assert time.monotonic() - t0 < (0.5 if watch else HB["heartbeat_timeout"] + 1.0)
+    finally:
+        lp.kill()
+
+
+def wait_lost(hb, timeout: float) -> float:
+    """Seconds until the heartbeat thread judges a peer lost (AssertionError after `timeout`)."""
+    t0 = time.monotonic()
+    while hb.lost is None:
+        assert time.monotonic() - t0 < timeout, "the peer was never judged lost"
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def test_stopped_follower_is_lost_within_lost_after_while_idle():
+    """SIGSTOP keeps the socket open and the kernel answering: heartbeats alone would wait heartbeat_timeout. The
+    process state (same host) shows it stopped; after lost_after it is lost, naming the rank and the pid."""
+    import os
+    import signal
+    master = free_master()
+    q = CTX.Queue()
+    fp = CTX.Process(target=follower_main, args=(master, q, 0.0, -1, -1, dict(HB, heartbeat_timeout=30.0,
+                                                                             lost_after=0.5)))
+    fp.start()
+    try:
+        with Leader(master, 2, start_timeout=20, **dict(HB, heartbeat_timeout=30.0, lost_after=0.5)) as lead:
+            get(q)
+            time.sleep(0.3)
+            assert lead.hb.lost is None                # a live, idle follower is not lost
+            os.kill(fp.pid, signal.SIGSTOP)
+            took = wait_lost(lead.hb, 5)
+            assert 0.5 <= took < 1.0, took
+            assert str(lead.hb.lost).startswith(f"rank 1 lost: its process {fp.pid} is stopped")
+            with pytest.raises(RankLost, match="is stopped"):      # the next channel call raises it
+                lead.send(StepPlan(0))
+    finally:
+        os.kill(fp.pid, signal.SIGCONT)
+        fp.kill()
+
+
+def test_follower_on_another_host_is_lost_when_its_connection_closes():
+    """No process to watch (another host): the heartbeat connection closing is the sign, judged after lost_after
+    (a live peer reconnects within 0.1 s), long before heartbeat_timeout."""
+    master = free_master()
+    q = CTX.Queue()
+    hb = dict(HB, heartbeat_interval=1.0, heartbeat_timeout=30.0, lost_after=0.5)
+    fp = CTX.Process(target=follower_main, args=(master, q, 0.0, -1, -1, hb, True))
+    fp.start()
+    try:
+        with Leader(master, 2, start_timeout=20, **hb) as lead:
+            get(q)
+            assert not lead.same_host and lead.hb.pids == {}
+            time.sleep(1.5)                              # its beats came: its connection is known to have been up
+            fp.kill()
+            took = wait_lost(lead.hb, 5)
+            assert took < 1.5, took
+            assert str(lead.hb.lost).startswith("rank 1 lost: its connection closed")
+    finally:
+        fp.kill()
+    # the other way round: a follower sees rank 0's connection close
+    hb = dict(hb, lost_after=0.5)
+    master = free_master()
+    lp = CTX.Process(target=leader_main, args=(master, q, 1, 0.0, hb, True))
+    lp.start()
+    try:
+        with Follower(master, 1, 2, start_timeout=20, **hb) as f:
+            assert get(q)[0] == "session" and not f.same_host
+            p = f.recv()
+            f.reply(p.round, plan_digest(p))
+            assert get(q) == ("ran",)
+            time.sleep(1.5)
+            lp.kill()
+            took = wait_lost(f.hb, 5)
+            assert took < 1.5, took
+            with pytest.raises(RankLost, match="rank 0 lost: its connection closed"):
+                f.recv()
     finally:
         lp.kill()
 

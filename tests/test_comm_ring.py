@@ -171,3 +171,29 @@ def test_shm_ring_in_one_process_two_threads():
     want = rank_order_sum([partial(7, j, 3, torch.float32) for j in range(2)])
     assert torch.equal(out[0], want) and torch.equal(out[1], want)
     assert not os.path.exists(f"/dev/shm/dsv41_shm_threads{os.getpid()}")
+
+
+def test_a_ring_wait_ends_when_the_lane_finds_a_rank_lost():
+    """A peer that never reaches the collective (stopped, hung) holds a ring wait until the ring's timeout; the
+    lane's verdict (Ring.set_abort) ends it within the 10 ms check instead, with the lane's RankLost."""
+    import threading
+    rings, opened = {}, threading.Barrier(2)
+
+    def open_rank(r):
+        rings[r] = ShmRing(r, 2, f"abort{os.getpid()}", timeout=60, capacity=4096)
+        opened.wait(20)
+
+    ts = [threading.Thread(target=open_rank, args=(r,)) for r in (1, 0)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    verdict = []
+    rings[0].set_abort(lambda: verdict[0] if verdict else None)
+    threading.Timer(0.3, lambda: verdict.append(RankLost(1, "its process 1 is stopped"))).start()
+    t0 = time.monotonic()
+    with pytest.raises(RankLost, match="rank 1 lost: its process 1 is stopped"):
+        rings[0].all_reduce_sum(torch.ones(4))          # rank 1 never calls it
+    assert 0.3 <= time.monotonic() - t0 < 1.0
+    for r in rings.values():
+        r.close()

@@ -186,7 +186,7 @@ def _load_tp(cfg: ServeConfig, metrics, ckpt: Path, raw: dict, text: dict, devic
 
     lane = TPLane.open(cfg.master, cfg.tp, device, heartbeat_interval=cfg.heartbeat_interval_s,
                        heartbeat_timeout=cfg.heartbeat_timeout_s, start_timeout=cfg.tp_start_timeout_s,
-                       step_timeout=900.0)
+                       step_timeout=900.0, lost_after=cfg.rank_lost_s)
     try:
         t0 = time.monotonic()
         model = load_model(cfg, ckpt, device=device, dtype=torch.float32, share=RankShare(0, cfg.tp), comm=lane.comm)

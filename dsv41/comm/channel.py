@@ -12,6 +12,10 @@ Sockets (ports counted from `--master HOST:PORT`):
 Either rank may start first: ZeroMQ's connect retries until the leader binds; the handshake (`Hello` each way) then
 waits up to `start_timeout` and names the missing rank. After it, silence longer than `heartbeat_timeout` makes the
 other side raise `RankLost(rank)` at its next call (the wait loops check every 50 ms, so within the timeout).
+Heartbeats alone are slow to judge a peer (a busy rank may be silent for a while), so the heartbeat thread also
+watches what the operating system knows, every 0.1 s (`lost_after` > 0): the peer's process when it runs on this
+host (gone or a zombie: lost at once; stopped, e.g. SIGSTOP: lost after `lost_after` s) and, on any host, its
+heartbeat connection (closed for `lost_after` s: lost; a live peer's ZeroMQ reconnects within 0.1 s).
 PORT should lie below the host's ephemeral port range (Linux: 32768-60999): a follower's retried connect to a port
 in that range can be given that very port as its own source port, connect to itself and hold it, and rank 0's bind
 then fails (seen once in CI with a test's random port; `free_lane_port` picks below the range).
@@ -106,13 +110,34 @@ def _bind_endpoint(host: str, port: int) -> str:
 
 
 def host_identity() -> str:
-    """Hostname plus this boot's id: two processes with equal strings share memory (and /dev/shm)."""
+    """Hostname, this boot's id and the pid namespace: two processes with equal strings share memory (and
+    /dev/shm) and see each other's pids (the ring and the heartbeat watch a same-host peer by its pid)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        pidns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        pidns = ""
+    return f"{socket.gethostname()}/{boot}/{pidns}"
+
+
+_HAVE_PROC = os.path.exists("/proc/self/stat")
+
+
+def process_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks) of process `pid` on this host, None when there is none. The start
+    time tells a reused pid apart; state "?" = unreadable (never judged)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            tail = f.read().rpartition(")")[2].split()
+        return tail[0], int(tail[19])
+    except FileNotFoundError:
+        return None
+    except (OSError, IndexError, ValueError):
+        return "?", 0
 
 
 # ---------------------------------------------------------------------------------------------------- digests
@@ -149,22 +174,37 @@ def round_digest(tokens: Iterable[int] = (), logits: Sequence | None = None) -> 
 
 class _Heartbeat(threading.Thread):
     """Beats every `interval` to the peers and watches theirs. Once armed, a peer silent for `timeout` seconds sets
-    `lost` (the channel's calls raise it). A peer that said Shutdown is not lost, it left."""
+    `lost` (the channel's calls raise it). With `lost_after` > 0 it also watches, every 0.1 s, each peer's process
+    on this host (`watch(rank, pid)`: gone at once, stopped for `lost_after` s) and each peer's heartbeat
+    connection (closed for `lost_after` s). A follower that said Shutdown is not lost, it left; rank 0 counts a
+    follower that leaves by itself as lost (only rank 0 ends a lane cleanly)."""
 
     def __init__(self, ctx: zmq.Context, rank: int, world: int, endpoint: str, leader: bool,
-                 interval: float, timeout: float):
+                 interval: float, timeout: float, lost_after: float = 1.0):
         super().__init__(name=f"dsv41-heartbeat-r{rank}", daemon=True)
         self.ctx, self.rank, self.endpoint, self.leader = ctx, rank, endpoint, leader
-        self.interval, self.timeout = interval, timeout
+        self.interval, self.timeout, self.lost_after = interval, timeout, lost_after
         self.peers = list(range(1, world)) if leader else [0]
         self.last_seen: dict[int, float] = {}
         self.left: set[int] = set()
         self.lost: RankLost | None = None
         self.armed_at: float | None = None
+        self.pids: dict[int, tuple[int, int]] = {}        # rank -> (pid, start time) of a peer on this host
+        self._stopped_since: dict[int, float] = {}
+        self._down_since: dict[int, float] = {}           # rank -> when its heartbeat connection was seen closed
+        self._heard: set[int] = set()                     # peers whose beats arrived (their connection was up)
+        self._probe = False
         self._halt = threading.Event()
         self._bye = False
         self._ready = threading.Event()
         self._error: BaseException | None = None
+
+    def watch(self, rank: int, pid: int) -> None:
+        """Watch peer `rank`'s process `pid` (on this host; call before `arm`)."""
+        if self.lost_after <= 0 or not _HAVE_PROC or pid <= 0:
+            return
+        st = process_state(pid)
+        self.pids[rank] = (pid, -1 if st is None else st[1])
 
     def start_and_wait(self) -> None:
         self.start()
@@ -184,53 +224,88 @@ class _Heartbeat(threading.Thread):
             self.join(5)
 
     def run(self) -> None:
+        mon = None
         try:
             sock = self.ctx.socket(zmq.ROUTER if self.leader else zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 200)
             if self.leader:
+                sock.setsockopt(zmq.ROUTER_MANDATORY, 1)      # a send to a follower whose connection closed fails
                 sock.bind(self.endpoint)
             else:
                 sock.setsockopt(zmq.IDENTITY, f"rank{self.rank}".encode())
                 sock.connect(self.endpoint)
+            if self.lost_after > 0:
+                mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         except zmq.ZMQError as e:
             self._error = e
             self._ready.set()
             return
         self._ready.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if mon is not None:
+            poller.register(mon, zmq.POLLIN)
         beat = 0
         next_beat = 0.0
         try:
             while not self._halt.is_set():
                 now = time.monotonic()
-                if now >= next_beat:
+                if now >= next_beat or self._probe:
                     self._send(sock, encode(Heartbeat(self.rank, beat)))
                     beat += 1
-                    next_beat = now + self.interval
-                if sock.poll(int(min(self.interval, 0.1) * 1000)):
+                    if now >= next_beat:
+                        next_beat = now + self.interval
+                ready = dict(poller.poll(int(min(self.interval, 0.1) * 1000)))
+                if sock in ready:
                     while True:
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
                         self._on_frame(frames[-1])
+                if mon is not None and mon in ready:
+                    self._on_monitor(mon)
                 self._judge()
             if self._bye:
                 self._send(sock, encode(Shutdown(self.rank)))
         finally:
+            if mon is not None:
+                sock.disable_monitor()
+                mon.close(0)
             sock.close()
 
     def _send(self, sock, data: bytes) -> None:
+        now = time.monotonic()
         if self.leader:
             for r in self.peers:
                 try:
                     sock.send_multipart([f"rank{r}".encode(), data], zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass       # not connected (yet, or any more): the peer's own watchdog handles it
+                    self._down_since.pop(r, None)
+                except zmq.ZMQError as e:
+                    # not connected (yet, or any more): once its beats came, a closed connection is watched
+                    if e.errno == zmq.EHOSTUNREACH and r in self._heard:
+                        self._down_since.setdefault(r, now)
+            self._probe = bool(self._down_since)      # look again every 0.1 s while a connection is down
         else:
             try:
                 sock.send(data, zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+
+    def _on_monitor(self, mon) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+        while True:
+            try:
+                ev = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if self.leader:
+                # which follower's connection closed is not in the event: probe them all now (ROUTER_MANDATORY)
+                self._probe = self._probe or ev == zmq.EVENT_DISCONNECTED
+            elif ev == zmq.EVENT_DISCONNECTED and 0 in self._heard:
+                self._down_since.setdefault(0, time.monotonic())
+            elif ev == zmq.EVENT_CONNECTED:
+                self._down_since.pop(0, None)
 
     def _on_frame(self, data: bytes) -> None:
         try:
@@ -239,6 +314,7 @@ class _Heartbeat(threading.Thread):
             return
         if isinstance(msg, Heartbeat) and msg.rank in self.peers:
             self.last_seen[msg.rank] = time.monotonic()
+            self._heard.add(msg.rank)
         elif isinstance(msg, Shutdown) and msg.rank in self.peers:
             self.left.add(msg.rank)
 
@@ -247,16 +323,42 @@ class _Heartbeat(threading.Thread):
             return
         now = time.monotonic()
         for r in self.peers:
-            if r not in self.left and now - self.last_seen.get(r, self.armed_at) > self.timeout:
-                self.lost = RankLost(r, f"no heartbeat for {self.timeout:g} s (heartbeat_timeout)")
+            if r in self.left:
+                if self.leader:
+                    self.lost = RankLost(r, "it shut down by itself")
+                    return
+                continue
+            why = self._os_verdict(r, now) if self.lost_after > 0 else None
+            if why is None and now - self.last_seen.get(r, self.armed_at) > self.timeout:
+                why = f"no heartbeat for {self.timeout:g} s (heartbeat_timeout)"
+            if why is not None:
+                self.lost = RankLost(r, why)
                 return
+
+    def _os_verdict(self, r: int, now: float) -> str | None:
+        """Why peer r is lost by what this host knows (its process, its connection), or None."""
+        if r in self.pids:
+            pid, start = self.pids[r]
+            st = process_state(pid)
+            if st is None or (st[0] != "?" and (st[1] != start or st[0] in "ZX")):
+                return f"its process {pid} exited"
+            if st[0] == "T":                           # stopped by a signal (SIGSTOP, SIGTSTP); "t" = a debugger
+                since = self._stopped_since.setdefault(r, now)
+                if now - since >= self.lost_after:
+                    return f"its process {pid} is stopped (SIGSTOP?) for {now - since:.1f} s"
+            else:
+                self._stopped_since.pop(r, None)
+        down = self._down_since.get(r)
+        if down is not None and now - down >= self.lost_after:
+            return f"its connection closed {now - down:.1f} s ago"
+        return None
 
 
 # ---------------------------------------------------------------------------------------------------- channels
 
 class _Channel:
     def __init__(self, rank: int, world: int, master: str, *, leader: bool, heartbeat_interval: float,
-                 heartbeat_timeout: float, start_timeout: float):
+                 heartbeat_timeout: float, start_timeout: float, lost_after: float = 1.0):
         if world < 2:
             raise CommError(f"a channel needs world >= 2, got {world}")
         if not 0 <= rank < world:
@@ -286,7 +388,7 @@ class _Channel:
             raise CommError(f"rank {rank}: cannot {'bind' if leader else 'connect'} "
                             f"{_endpoint(self.host, self.port)}: {e}") from None
         hb_at = _bind_endpoint(self.host, self.port + 1) if leader else _endpoint(self.host, self.port + 1)
-        self.hb = _Heartbeat(self.ctx, rank, world, hb_at, leader, heartbeat_interval, heartbeat_timeout)
+        self.hb = _Heartbeat(self.ctx, rank, world, hb_at, leader, heartbeat_interval, heartbeat_timeout, lost_after)
         try:
             self.hb.start_and_wait()
         except CommError:
@@ -298,7 +400,8 @@ class _Channel:
     def _recv(self, timeout: float) -> tuple[int | None, object] | None:
         deadline = time.monotonic() + timeout
         while True:
-            if self.hb.lost is not None:
+            # what the peer sent before it went (an Error saying why) is read before the heartbeat's verdict
+            if self.hb.lost is not None and not self.sock.poll(0):
                 raise self.hb.lost
             left = deadline - time.monotonic()
             if left <= 0:
@@ -333,9 +436,10 @@ class Leader(_Channel):
     """Rank 0's end. `send(plan)` to every follower, `verify(round, digest)` against theirs."""
 
     def __init__(self, master: str, world: int = 2, *, heartbeat_interval: float = 1.0,
-                 heartbeat_timeout: float = 30.0, start_timeout: float = 120.0, step_timeout: float = 900.0):
+                 heartbeat_timeout: float = 30.0, start_timeout: float = 120.0, step_timeout: float = 900.0,
+                 lost_after: float = 1.0):
         super().__init__(0, world, master, leader=True, heartbeat_interval=heartbeat_interval,
-                         heartbeat_timeout=heartbeat_timeout, start_timeout=start_timeout)
+                         heartbeat_timeout=heartbeat_timeout, start_timeout=start_timeout, lost_after=lost_after)
         self.step_timeout = step_timeout
         self._digests: dict[tuple[int, int], bytes] = {}
         self._last: Digest | None = None
@@ -350,6 +454,7 @@ class Leader(_Channel):
 
     def _handshake(self) -> None:
         hosts = {0: host_identity()}
+        pids: dict[int, int] = {}
         deadline = time.monotonic() + self.start_timeout
         while len(hosts) < self.world:
             got = self._recv(deadline - time.monotonic())
@@ -368,10 +473,13 @@ class Leader(_Channel):
                 raise ProtocolError(f"rank {msg.rank} (socket identity {sender}) says world {msg.world}, rank 0 "
                                     f"has world {self.world}")
             hosts[msg.rank] = msg.host
+            pids[msg.rank] = msg.pid
         self.session = secrets.token_hex(8)
         self.same_host = len(set(hosts.values())) == 1
         for r in range(1, self.world):
             self._send_to(r, Hello(WIRE_VERSION, 0, self.world, hosts[0], os.getpid(), self.session, self.same_host))
+            if hosts[r] == hosts[0]:
+                self.hb.watch(r, pids[r])
         self.hb.arm()
 
     def _send_to(self, rank: int, msg) -> None:
@@ -449,11 +557,11 @@ class Follower(_Channel):
     """Rank r's end (r >= 1). `recv()` the next plan, `reply(round, digest)` after running it."""
 
     def __init__(self, master: str, rank: int = 1, world: int = 2, *, heartbeat_interval: float = 1.0,
-                 heartbeat_timeout: float = 30.0, start_timeout: float = 120.0):
+                 heartbeat_timeout: float = 30.0, start_timeout: float = 120.0, lost_after: float = 1.0):
         if rank < 1:
             raise CommError(f"a follower has rank >= 1, got {rank}")
         super().__init__(rank, world, master, leader=False, heartbeat_interval=heartbeat_interval,
-                         heartbeat_timeout=heartbeat_timeout, start_timeout=start_timeout)
+                         heartbeat_timeout=heartbeat_timeout, start_timeout=start_timeout, lost_after=lost_after)
         self._mine: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         try:
             self._handshake()
@@ -480,6 +588,8 @@ class Follower(_Channel):
         if msg.version != WIRE_VERSION:
             raise ProtocolError(f"rank 0 speaks wire version {msg.version}, rank {self.rank} {WIRE_VERSION}")
         self.session, self.same_host = msg.session, msg.same_host
+        if self.same_host:
+            self.hb.watch(0, msg.pid)
         self.hb.arm()
 
     def recv(self, timeout: float | None = None) -> StepPlan | None:

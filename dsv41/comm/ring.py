@@ -100,6 +100,12 @@ class Ring:
     def close(self) -> None:
         pass
 
+    def set_abort(self, check) -> None:
+        """`check()` -> an exception or None, looked at while this ring waits for another rank (every 10 ms on the
+        shared-memory transports): a lane that knows a rank is lost (its process stopped, its socket closed) ends a
+        collective at once instead of after the ring's timeout. The torch.distributed rings cannot be interrupted;
+        they keep their own timeout."""
+
     def __enter__(self):
         return self
 
@@ -222,6 +228,7 @@ class _Control:
         if world < 2 or not 0 <= rank < world:
             raise CommError(f"a ring needs world >= 2 and 0 <= rank < world, got rank {rank} of {world}")
         self.rank, self.world, self.timeout = rank, world, timeout
+        self.abort = None                # Ring.set_abort's check
         self.load, self.store = _atomics() or (None, None)
         if self.load is None:
             raise CommError(f"no shared-memory atomics on {platform.machine()}: use the gloo ring")
@@ -321,6 +328,8 @@ class _Control:
                     t0 = now
                     next_check = now + 0.01
                 elif now >= next_check:
+                    if self.abort is not None and (err := self.abort()) is not None:
+                        raise err
                     if _process_gone(self.pids[j]):
                         raise RankLost(j, f"its process {self.pids[j]} exited (ring op {k})")
                     if now - t0 > self.timeout:
@@ -353,6 +362,9 @@ class ShmRing(Ring):
 
     def _slot(self, r: int, k: int) -> torch.Tensor:
         return self.slots[r][k % 2]
+
+    def set_abort(self, check) -> None:
+        self.ctl.abort = check
 
     def _pieces(self, nbytes: int, esize: int):
         step = self.cap // esize * esize
@@ -451,6 +463,9 @@ class CudaIpcRing(Ring):
             self.peer_buf[j] = rebuild(*args)
             self.peer_ready[j] = [torch.cuda.Event.from_ipc_handle(dev, h) for h in ready]
             self.peer_done[j] = [torch.cuda.Event.from_ipc_handle(dev, h) for h in done]
+
+    def set_abort(self, check) -> None:
+        self.ctl.abort = check
 
     def _push(self, src_bytes: torch.Tensor | None, n: int) -> tuple[int, torch.cuda.Stream]:
         self.op += 1

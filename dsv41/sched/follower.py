@@ -47,12 +47,14 @@ def run_follower(cfg: ServeConfig) -> int:
     rounds = 0
     try:
         with Follower(cfg.master, rank, world, heartbeat_interval=cfg.heartbeat_interval_s,
-                      heartbeat_timeout=cfg.heartbeat_timeout_s, start_timeout=cfg.tp_start_timeout_s) as chan:
+                      heartbeat_timeout=cfg.heartbeat_timeout_s, start_timeout=cfg.tp_start_timeout_s,
+                      lost_after=cfg.rank_lost_s) as chan:
             device = follower_device(cfg.device, rank, chan.same_host)
             if device.startswith("cuda"):
                 torch.cuda.set_device(device)    # Triton launches and bare "cuda" tensors go to the current device
             ring = open_ring(rank, world, device, master=cfg.master, session=chan.session,
                              same_host=chan.same_host, timeout=cfg.heartbeat_timeout_s)
+            ring.set_abort(lambda: chan.hb.lost)
             try:
                 t0 = time.monotonic()
                 model = load_model(cfg, ckpt, device=device, dtype=torch.float32, share=RankShare(rank, world),

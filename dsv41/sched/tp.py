@@ -76,11 +76,13 @@ class TPLane:
 
     @classmethod
     def open(cls, master: str, world: int, device: str, *, heartbeat_interval: float, heartbeat_timeout: float,
-             start_timeout: float, step_timeout: float) -> TPLane:
-        """Wait for every follower (start_timeout), then open the ring with them."""
+             start_timeout: float, step_timeout: float, lost_after: float = 1.0) -> TPLane:
+        """Wait for every follower (start_timeout), then open the ring with them. `lost_after`: the channel's watch
+        of the followers' processes and connections (dsv41/comm/channel.py); the ring's waits end as soon as it
+        finds a rank lost."""
         print(f"dsv41: rank 0 of {world}: waiting for the other ranks at {master}", flush=True)
         leader = Leader(master, world, heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
-                        start_timeout=start_timeout, step_timeout=step_timeout)
+                        start_timeout=start_timeout, step_timeout=step_timeout, lost_after=lost_after)
         try:
             ring = open_ring(0, world, device, master=master, session=leader.session, same_host=leader.same_host,
                              timeout=heartbeat_timeout)
@@ -88,6 +90,7 @@ class TPLane:
             leader.fail(f"rank 0 could not open the ring: {e}")
             leader.close()
             raise
+        ring.set_abort(lambda: leader.hb.lost)
         print(f"dsv41: rank 0: {world} ranks joined, ring {ring.kind}", flush=True)
         return cls(leader, ring, world)
 
