@@ -81,6 +81,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     heartbeat_timeout_s: float = 30.0
     tp_start_timeout_s: float = 300.0
     rank_lost_s: float = 1.0             # a same-host rank stopped, or a rank's connection closed, this long is lost
+    kill_grace_s: float = 10.0           # scripts/serve.sh --tp N: seconds before the ranks left get SIGKILL
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ServeConfigError:
@@ -148,6 +149,8 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise bad("tp_start_timeout_s", "must be positive")
         if self.rank_lost_s < 0:
             raise bad("rank_lost_s", "must not be negative (0 = heartbeats only)")
+        if self.kill_grace_s <= 0:
+            raise bad("kill_grace_s", "must be positive")
 
 
 FIELD_HELP: dict[str, str] = {
@@ -243,6 +246,9 @@ FIELD_HELP: dict[str, str] = {
                    "host) every 0.1 s: a process gone is lost at once, one stopped (SIGSTOP) or a connection closed "
                    "this many seconds is lost (the other stops naming it, in-flight requests end with an error); 0 "
                    "= heartbeats only",
+    "kill_grace_s": "scripts/serve.sh --tp N (both ranks on one host): once a rank exits, the others get half of "
+                    "this to end by themselves, then SIGTERM, then SIGKILL at its end; the script then exits non-zero "
+                    "unless every rank ended cleanly (rank 0 is given --shutdown-grace-s more to drain on SIGTERM)",
 }
 
 

@@ -301,6 +301,85 @@ def test_serve_sh_tp2_starts_both_ranks_and_stops_them(one_rank):
         s.stop()
 
 
+def _rank_pid(master: str, rank: int) -> int:
+    out = subprocess.run(["pgrep", "-f", f"{master}.*--rank {rank}"], capture_output=True, text=True).stdout.split()
+    assert len(out) == 1, out
+    return int(out[0])
+
+
+def _health_503_after(url: str, t0: float, limit: float) -> tuple[float, str]:
+    """Seconds from t0 until /health answers 503 (polled every 20 ms), and its body."""
+    while time.monotonic() - t0 < limit:
+        r = httpx.get(url + "/health", timeout=2)
+        if r.status_code == 503:
+            return time.monotonic() - t0, r.text
+        assert r.status_code == 200
+        time.sleep(0.02)
+    raise AssertionError(f"/health did not turn 503 within {limit} s")
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_serve_sh_rank_1_killed_or_stopped_while_idle(sig):
+    """Issue 27: rank 1 killed or stopped while nothing runs (heartbeat timeout 30 s, so only the process watch can
+    see it in time): /health answers 503 naming rank 1 within 2 s, and serve.sh exits non-zero, the stopped rank
+    taken down within --kill-grace-s of rank 0's exit (SIGTERM + SIGCONT), no rank process left."""
+    grace = 4.0
+    master = f"127.0.0.1:{free_lane_port()}"
+    s = Proc("--tp", "2", "--master", master, "--port", "0", *COMMON, "--no-drafts", "--heartbeat-timeout-s", "30",
+             "--kill-grace-s", str(grace), script=True, env={"PYTHON": sys.executable})
+    pid = None
+    try:
+        s.wait_ready()
+        assert complete(s.url, PROMPTS[0], None)["ids"]          # served, then idle
+        pid = _rank_pid(master, 1)
+        time.sleep(0.5)
+        os.kill(pid, getattr(signal, sig))
+        t0 = time.monotonic()
+        took, body = _health_503_after(s.url, t0, 5)
+        assert took < 2.0, took
+        assert f"rank 1 lost: its process {pid} " in body, body
+        rc = s.proc.wait(timeout=grace + 30)
+        ended = time.monotonic() - t0
+        assert rc != 0, s.text()[-2000:]
+        r0_exit = s.first(r"Finished server process")
+        assert r0_exit is not None, s.text()[-2000:]
+        assert time.monotonic() - r0_exit < grace + 1 and ended < 2.0 + 5 + grace, (ended, s.text()[-2000:])
+        left = subprocess.run(["pgrep", "-f", master], capture_output=True, text=True).stdout.split()
+        assert left == [], f"ranks left running: {left}"
+    finally:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        s.stop()
+
+
+def test_rank_1_stopped_mid_stream_ends_the_stream_naming_it():
+    """Busy: rank 0 waits in a ring collective for a stopped rank 1; the watch's verdict ends that wait, the stream
+    gets an error event naming rank 1 within 2 s (heartbeat timeout 30 s)."""
+    master = f"127.0.0.1:{free_lane_port()}"
+    knobs = ["--tp", "2", "--master", master, "--heartbeat-timeout-s", "30", "--no-drafts"]
+    r1 = Proc(*knobs, "--rank", "1", *COMMON)
+    r0 = Proc(*knobs, "--port", "0", *COMMON)
+    stopped = []
+    try:
+        r0.wait_ready()
+
+        def stop():
+            r1.proc.send_signal(signal.SIGSTOP)
+            stopped.append(time.monotonic())
+
+        n, err = _stream_until_error(r0.url, stop)
+        took = time.monotonic() - stopped[0]
+        assert err is not None and "rank 1 lost: its process" in err["error"]["message"], err
+        assert took < 2.5, took
+        assert r0.proc.wait(timeout=30) == 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            r1.proc.send_signal(signal.SIGCONT)
+        r0.stop()
+        r1.stop()
+
+
 def test_kept_states_resume_on_both_ranks(one_rank, two_ranks):
     """A second turn resumes from the state kept after the first (RestoreState runs on both ranks): same tokens as
     one rank, and rank 1 agrees (the lane stays up)."""

@@ -659,6 +659,11 @@ async def health(request: HttpRequest) -> Response:
     eng = st.engine
     if eng is None:
         return json_response({"status": "error" if st.load_error else "loading", "error": st.load_error}, 503)
+    lane = eng.lane
+    if lane is not None and (lane.fatal is not None or lane.leader.hb.lost is not None):
+        # a rank is lost (docs/tp.md): 503 from the moment the channel's watch knows, before the server stops
+        why = lane.message() or f"tensor-parallel lane failed: {lane.leader.hb.lost}"
+        return json_response({"status": "error"} if st.keys.enabled else {"status": "error", "error": why}, 503)
     if st.keys.enabled:
         return json_response({"status": "ok"})
     s = eng.sched
