@@ -66,6 +66,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     image_urls: bool = False             # fetch http(s) image URLs (else only base64 data URLs)
     image_url_max_bytes: int = 20 << 20  # largest image file fetched from a URL
     image_url_timeout_s: float = 10.0    # whole fetch of one image URL
+    image_url_allow_nets: list[str] = [] # networks fetched although not public (default: public addresses only)
     image_max_pixels: int = 8192 * 8192  # larger images (stored width x height) get 400 (decompression bombs)
     image_exif_orientation: bool = False # turn images upright by their EXIF tag first (the reference ignores it)
     # streaming and life cycle
@@ -134,6 +135,12 @@ class ServeConfig(msgspec.Struct, kw_only=True):
             raise bad("image_url_max_bytes", "must be at least 1")
         if self.image_url_timeout_s <= 0:
             raise bad("image_url_timeout_s", "must be positive")
+        for net in self.image_url_allow_nets:
+            import ipaddress
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise bad("image_url_allow_nets", f"{net!r} is not a network (e.g. 10.1.2.0/24, fd00::/8)") from None
         if self.image_max_pixels < 1:
             raise bad("image_max_pixels", "must be at least 1")
         if self.tp < 1:
@@ -224,6 +231,10 @@ FIELD_HELP: dict[str, str] = {
                   "--image-url-timeout-s (off: only base64 data URLs)",
     "image_url_max_bytes": "largest image file fetched from a URL; a larger one gets 400",
     "image_url_timeout_s": "seconds one image URL fetch may take (connect + download); slower gets 400",
+    "image_url_allow_nets": "networks (CIDR, repeat the flag; env: comma-separated) whose addresses image URLs may "
+                            "reach although they are not public; by default every address a URL's host resolves to "
+                            "(and each redirect's) must be public: loopback, private, link-local (cloud metadata), "
+                            "multicast, reserved and shared addresses get 400",
     "image_max_pixels": "images whose stored width x height is larger get 400 (decompression bombs); Pillow itself "
                         "refuses above about 179 M pixels",
     "image_exif_orientation": "turn each image upright by its EXIF orientation tag before preprocessing (phone "

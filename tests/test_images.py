@@ -324,6 +324,7 @@ def test_policy_refusals():
 def test_url_images_within_size_and_time_limits(service):
     """--image-urls: an http(s) URL is fetched, within the byte and time limits; each failure is a 400."""
     import asyncio
+    import ipaddress
     import threading
     import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -357,7 +358,8 @@ def test_url_images_within_size_and_time_limits(service):
     threading.Thread(target=http.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{http.server_address[1]}"
     svc = ImageService(service.tower, (service.start_row, service.newline_row, service.end_row),
-                       service.image_token_id, UrlPolicy(True, len(png) * 2, 0.5))
+                       service.image_token_id, UrlPolicy(True, len(png) * 2, 0.5,
+                                                         (ipaddress.ip_network("127.0.0.0/8"),)))   # loopback allowed
     off = ImageService(service.tower, (service.start_row, service.newline_row, service.end_row),
                        service.image_token_id)
     try:

@@ -3,7 +3,12 @@
 The chat policy renders one `image_token_id` placeholder per image and hands over each image's bytes (or its
 http(s) URL when --image-urls is on). Here, per request:
 
-1. fetch URL images (http/https only, at most --image-url-max-bytes within --image-url-timeout-s);
+1. fetch URL images (http/https only, at most --image-url-max-bytes within --image-url-timeout-s). The host is
+   resolved first and every address it resolves to must be public (`address_refusal`: no loopback, private,
+   link-local (cloud metadata), multicast, reserved or shared addresses, IPv4 inside IPv6 unwrapped) unless it lies
+   in --image-url-allow-nets; the connection goes to the address that was checked (the Host header and TLS name
+   stay the URL's), so a second lookup cannot swap it; redirects (3 at most) are followed by hand, each one checked
+   the same way; no proxy from the environment is used;
 2. decode + preprocess (dsv41.model.image_prep) and run the tower and the aligner (dsv41.model.vision), in one
    worker thread, one image per call, so an image's rows are a pure function of its bytes (Exactness);
 3. expand each placeholder into its span `[START] ([IMAGE]*n_w [NEWLINE])*n_h [END]`.
@@ -15,7 +20,9 @@ once (a weak cache: rows go away with the last request that uses them).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import socket
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,11 +52,73 @@ log = logging.getLogger("dsv41.images")
 PARAM = "messages"
 
 
+MAX_REDIRECTS = 3
+_REDIRECTS = (301, 302, 303, 307, 308)
+
+
 @dataclass(frozen=True)
 class UrlPolicy:
     allow: bool = False
     max_bytes: int = 20 << 20
     timeout_s: float = 10.0
+    allow_nets: tuple = ()          # ipaddress networks fetched although not public (--image-url-allow-nets)
+
+
+def _embedded_v4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 one carries to the same host: v4-mapped, v4-compatible, NAT64 (64:ff9b::/96), 6to4."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip in _NAT64 or ip in _V4COMPAT:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    return None
+
+
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_V4COMPAT = ipaddress.ip_network("::/96")
+# special-purpose blocks that Python's is_private/is_global miss in some versions (192.0.0.192 is Oracle Cloud's
+# metadata service; 100.64.0.0/10 holds Alibaba Cloud's 100.100.100.200)
+_NOT_PUBLIC = (ipaddress.ip_network("192.0.0.0/24"), ipaddress.ip_network("100.64.0.0/10"),
+               ipaddress.ip_network("0.0.0.0/8"))
+
+
+def address_refusal(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, allow_nets=()) -> str | None:
+    """Why the server must not fetch from `ip` (None: it may): anything but a public unicast address, unless it
+    lies in one of `allow_nets`."""
+    if any(ip.version == n.version and ip in n for n in allow_nets):
+        return None
+    if ip.version == 6 and not (ip.is_loopback or ip.is_unspecified) and (v4 := _embedded_v4(ip)) is not None:
+        why = address_refusal(v4, allow_nets)
+        return None if why is None else f"{why} (inside the IPv6 address {ip})"
+    for test, what in (("is_loopback", "a loopback address"),
+                       ("is_link_local", "a link-local address (where cloud metadata services answer)"),
+                       ("is_multicast", "a multicast address"), ("is_unspecified", "the unspecified address"),
+                       ("is_private", "a private address"), ("is_reserved", "a reserved address")):
+        if getattr(ip, test):
+            return f"{ip} is {what}"
+    if not ip.is_global or any(ip.version == n.version and ip in n for n in _NOT_PUBLIC):
+        return f"{ip} is not a public address (special-purpose, shared or metadata)"
+    return None
+
+
+async def checked_address(host: str, port: int, allow_nets=()) -> str:
+    """Resolve `host` and return the address to connect to; ValueError saying why when any address it resolves to
+    is refused (a name that answers with one public and one private address is refused too)."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"the host {host!r} does not resolve ({e})") from None
+    addrs = list(dict.fromkeys(i[4][0] for i in infos))
+    if not addrs:
+        raise ValueError(f"the host {host!r} does not resolve")
+    for a in addrs:
+        why = address_refusal(ipaddress.ip_address(a.split("%", 1)[0]), allow_nets)
+        if why is not None:
+            what = why if a == host.strip("[]") else f"the host {host!r} resolves to {why}"
+            raise ValueError(f"{what}; this server fetches image URLs from public addresses only "
+                             "(--image-url-allow-nets allows others)")
+    return addrs[0]
 
 
 class ImageService:
@@ -83,7 +152,8 @@ class ImageService:
         tower = VisionTower.load(w, mc.vision, dtype=torch.float32, device=device, prep=prep)
         rows = tuple(w[n].float() for n in ("image_start", "image_newline", "image_end"))
         return cls(tower, rows, mc.image_token_id,
-                   UrlPolicy(cfg.image_urls, cfg.image_url_max_bytes, cfg.image_url_timeout_s))
+                   UrlPolicy(cfg.image_urls, cfg.image_url_max_bytes, cfg.image_url_timeout_s,
+                             tuple(ipaddress.ip_network(n, strict=False) for n in cfg.image_url_allow_nets)))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -149,21 +219,45 @@ class ImageService:
             raise bad_request("image input: image URLs are off on this server (send a base64 data URL)", param=PARAM)
         where = f"image {k + 1} ({url[:200]})"
 
+        async def open_checked(c: httpx.AsyncClient, cur: str) -> tuple[httpx.URL, httpx.Response]:
+            """GET `cur` from the address its host resolved to, once that address is checked."""
+            u = httpx.URL(cur)
+            if u.scheme not in ("http", "https") or not u.host:
+                raise bad_request(f"{where}: {cur[:200]!r} is not an http(s) URL", param=PARAM)
+            try:
+                ip = await checked_address(u.host, u.port or (443 if u.scheme == "https" else 80), pol.allow_nets)
+            except ValueError as e:
+                raise bad_request(f"{where}: {e}", param=PARAM) from None
+            req = c.build_request("GET", u.copy_with(host=ip), headers={"Host": u.netloc.decode("ascii")},
+                                  extensions={"sni_hostname": u.host} if u.scheme == "https" else {})
+            return u, await c.send(req, stream=True)
+
         async def get() -> bytes:
-            async with httpx.AsyncClient(follow_redirects=True, max_redirects=3, timeout=pol.timeout_s) as c, \
-                    c.stream("GET", url) as r:
-                if r.status_code != 200:
-                    raise bad_request(f"{where}: the server answered HTTP {r.status_code}; send the image as a "
-                                      "base64 data URL or a URL that serves it", param=PARAM)
-                size = r.headers.get("content-length")
-                if size is not None and size.isdigit() and int(size) > pol.max_bytes:
-                    raise _too_big(where, pol.max_bytes)
-                buf = bytearray()
-                async for piece in r.aiter_bytes():
-                    buf += piece
-                    if len(buf) > pol.max_bytes:
-                        raise _too_big(where, pol.max_bytes)
-                return bytes(buf)
+            # redirects by hand: every hop's host is resolved and checked like the first one's
+            async with httpx.AsyncClient(follow_redirects=False, timeout=pol.timeout_s, trust_env=False) as c:
+                cur = url
+                for _ in range(MAX_REDIRECTS + 1):
+                    u, r = await open_checked(c, cur)
+                    try:
+                        if r.status_code in _REDIRECTS and r.headers.get("location"):
+                            cur = str(u.join(r.headers["location"]))
+                            continue
+                        if r.status_code != 200:
+                            raise bad_request(f"{where}: the server answered HTTP {r.status_code}; send the image as "
+                                              "a base64 data URL or a URL that serves it", param=PARAM)
+                        size = r.headers.get("content-length")
+                        if size is not None and size.isdigit() and int(size) > pol.max_bytes:
+                            raise _too_big(where, pol.max_bytes)
+                        buf = bytearray()
+                        async for piece in r.aiter_bytes():
+                            buf += piece
+                            if len(buf) > pol.max_bytes:
+                                raise _too_big(where, pol.max_bytes)
+                        return bytes(buf)
+                    finally:
+                        await r.aclose()
+                raise bad_request(f"{where}: more than {MAX_REDIRECTS} redirects; send the image as a base64 data "
+                                  "URL", param=PARAM)
 
         try:
             return await asyncio.wait_for(get(), pol.timeout_s)
@@ -182,4 +276,4 @@ def _too_big(where: str, limit: int) -> ApiError:
                        "recompress it", param=PARAM)
 
 
-__all__ = ["EncodedImage", "ImageService", "PromptImage", "UrlPolicy"]
+__all__ = ["EncodedImage", "ImageService", "PromptImage", "UrlPolicy", "address_refusal", "checked_address"]
