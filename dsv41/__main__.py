@@ -17,6 +17,10 @@ def main(argv: list[str] | None = None) -> int:
         except ServeConfigError as e:
             print(f"dsv41: {e}", file=sys.stderr)
             return 2
+        if any(a == "--api-key" or a.startswith("--api-key=") for a in rest):
+            print("dsv41: warning: --api-key on the command line is visible to every user of this host (ps, "
+                  "/proc/PID/cmdline); prefer --api-key-file FILE (mode 600, re-read on SIGHUP) or DSV41_API_KEY "
+                  "(scripts/serve.sh moves --api-key there for the ranks it starts)", file=sys.stderr, flush=True)
         from dsv41.api.server import serve
         return serve(cfg)
     print(f"dsv41: unknown command {cmd!r} (try: serve)", file=sys.stderr)

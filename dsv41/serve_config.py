@@ -172,10 +172,12 @@ FIELD_HELP: dict[str, str] = {
     "host": "address to listen on",
     "port": "TCP port to listen on (0 = any free port; the chosen one is printed)",
     "api_key": "accepted API key (repeat the flag; env: comma-separated). Set = every route but /health needs "
-               "'Authorization: Bearer K' or 'x-api-key: K'",
+               "'Authorization: Bearer K' or 'x-api-key: K'. On a command line it shows in `ps` (the server warns): "
+               "prefer --api-key-file or the env",
     "api_key_file": "file of accepted API keys, one a line: `key` or `label: key`, `#` comments and blank lines "
-                    "skipped; read at start, added to --api-key's; a missing or unreadable file, or one with no "
-                    "key, stops the server from starting",
+                    "skipped; read at start and again on SIGHUP, added to --api-key's; a missing or unreadable file, "
+                    "one its group or others may read or write (chmod 600), or one with no key, stops the server "
+                    "from starting (on SIGHUP: the keys in use stay)",
     "metrics_open": "serve /metrics without a key even when keys are set",
     "context": "the older name of --max-model-len (positions one request may hold, prompt + max_tokens); 0 = not "
                "given",

@@ -104,6 +104,7 @@ def test_key_flag_and_file_and_env(tmp_path):
     """--api-key wins over the env; --api-key-file's keys are added to the flag's; no key reaches the log."""
     kf = tmp_path / "keys"
     kf.write_text(KEY_FILE)
+    kf.chmod(0o600)
     s = LiveServer("--context", "256", "--state-budget-gib", "1", "--api-key", "flag-key", "--api-key-file", str(kf),
                    "--name", "tiny", "--log-level", "debug", env={"DSV41_API_KEY": "env-key"})
     try:
@@ -128,6 +129,8 @@ def test_key_flag_and_file_and_env(tmp_path):
     ("# only a comment\n\n", "holds no key"),
     ("secret with blanks\n", "line 1"),
     (b"\xff\xfe\n", "not UTF-8"),
+    ("secret-key-1\n", "open to its group or others (mode 0644)"),
+    ("secret-key-1\n", "open to its group or others (mode 0640)"),
 ])
 def test_bad_key_file_refuses_to_start(tmp_path, content, why):
     import subprocess
@@ -137,6 +140,8 @@ def test_bad_key_file_refuses_to_start(tmp_path, content, why):
         kf.write_text(content)
     elif content is not None:
         kf.write_bytes(content)
+    if content is not None:
+        kf.chmod(int(why.split("mode ")[1][:4], 8) if "mode" in why else 0o600)
     p = subprocess.run([sys.executable, "-m", "dsv41", "serve", "--port", "0", "--api-key-file", str(kf)],
                        capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")))
     assert p.returncode == 2 and "--api-key-file" in p.stderr and why in p.stderr, p.stderr

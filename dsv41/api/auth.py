@@ -1,12 +1,15 @@
 """API keys: `Authorization: Bearer K` or `x-api-key: K`, compared in constant time on sha256 digests.
 
-Keys come from `--api-key` (repeated; env DSV41_API_KEY comma-separated) and `--api-key-file` (read once at start).
-The server keeps only their digests and never writes a key (or a presented one) to a log or an error message.
+Keys come from `--api-key` (repeated; env DSV41_API_KEY comma-separated) and `--api-key-file` (read at start and
+again on SIGHUP; refused when the group or others may read or write it). The server keeps only their digests and
+never writes a key (or a presented one) to a log or an error message.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import stat
 
 OPEN_PATHS = frozenset({"/", "/health", "/v1/health", "/openapi.json"})   # docs/apis.md: why these
 
@@ -17,10 +20,15 @@ class KeyFileError(ValueError):
 
 def read_key_file(path: str) -> list[str]:
     """The keys of a key file: one a line, `key` or `label: key` (the label names the key for people; it is not
-    part of it), `#` comment lines and blank lines skipped. A missing or unreadable file, or one holding no key,
-    raises KeyFileError: a server told to use keys must not start open."""
+    part of it), `#` comment lines and blank lines skipped. A missing or unreadable file, one the group or others
+    may read or write (mode & 0o077, checked on the open file), or one holding no key raises KeyFileError: a server
+    told to use keys must not start open, nor trust keys that others can read or add."""
     try:
         with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if mode & 0o077:
+                raise KeyFileError(f"the key file {path!r} is open to its group or others (mode "
+                                   f"{stat.S_IMODE(mode):04o}); `chmod 600 {path}` and start again")
             data = f.read()
     except OSError as e:
         raise KeyFileError(f"cannot read the key file {path!r}: {e.strerror or type(e).__name__}") from None
@@ -45,16 +53,16 @@ def read_key_file(path: str) -> list[str]:
 
 
 class KeyCheck:
-    def __init__(self, keys: list[str]):
+    def __init__(self, keys: list[str], from_file: int = 0):
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
+        self.from_file = from_file                # how many of the keys came from --api-key-file
 
     @classmethod
     def from_config(cls, cfg) -> KeyCheck:
         """`--api-key` keys plus those of `--api-key-file` (either source alone enables the check)."""
         keys = list(cfg.api_key)
-        if cfg.api_key_file:
-            keys += read_key_file(cfg.api_key_file)
-        return cls(keys)
+        file_keys = read_key_file(cfg.api_key_file) if cfg.api_key_file else []
+        return cls(keys + file_keys, len(file_keys))
 
     @property
     def enabled(self) -> bool:

@@ -2,12 +2,14 @@
 
 Start-up prints where it listens at once (/health answers 503 "loading" until the model is up) and `ready` when
 requests are served. SIGTERM / SIGINT: stop admitting (new requests get 503), let running replies finish for
---shutdown-grace-s, cancel what is left, then exit. A second signal exits at once.
+--shutdown-grace-s, cancel what is left, then exit. A second signal exits at once. SIGHUP re-reads --api-key-file
+(a file that cannot be used leaves the keys as they were, and says why).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 
 import uvicorn
@@ -77,9 +79,26 @@ async def _serve(cfg: ServeConfig) -> int:
             server.dsv41.engine.sched.begin_drain()
         server.should_exit = True
 
+    def reload_keys(state) -> None:
+        from dsv41.api.auth import KeyCheck, KeyFileError
+        if not cfg.api_key_file:
+            print("dsv41: SIGHUP: no --api-key-file to re-read; keys unchanged", flush=True)
+            return
+        try:
+            keys = KeyCheck.from_config(cfg)
+        except KeyFileError as e:
+            log.error("SIGHUP: keeping the keys in use: %s", e)
+            print(f"dsv41: SIGHUP: keeping the keys in use: {e}", file=sys.stderr, flush=True)
+            return
+        state.keys = keys
+        print(f"dsv41: SIGHUP: re-read {cfg.api_key_file}: {keys.from_file} keys from it, "
+              f"{len(cfg.api_key)} from --api-key / DSV41_API_KEY", flush=True)
+
     async def on_startup(state) -> None:
         server._loop = asyncio.get_running_loop()
         state.load_task = asyncio.ensure_future(load(state))
+        if hasattr(signal, "SIGHUP"):
+            server._loop.add_signal_handler(signal.SIGHUP, reload_keys, state)
 
     async def on_shutdown(state) -> None:
         if state.engine is not None:
