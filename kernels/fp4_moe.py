@@ -426,6 +426,22 @@ def work_list_launch(expert_ids: torch.Tensor, n_experts: int):
     return tile_e, tile_start, tile_cnt, order
 
 
+def work_list_cuda(expert_ids: torch.Tensor, n_experts: int):
+    """`work_list` for up to 1024 pairs and 1023 experts in one CUDA C block (csrc/decode.cu `work_list_small`): the
+    same four tensors, bit for bit (tests/test_kernels_fp4_worklist.py), in a few microseconds where the one-program
+    Triton version took ~50 (bench/results/round-profile.md)."""
+    from kernels import cuda
+    flat = expert_ids.reshape(-1).to(torch.int32).contiguous()
+    n_pairs = flat.numel()
+    n_tiles = max_tiles(n_pairs, n_experts)
+    dev = flat.device
+    order = torch.empty(n_pairs, dtype=torch.int32, device=dev)
+    tile_e, tile_start, tile_cnt = (torch.empty(n_tiles, dtype=torch.int32, device=dev) for _ in range(3))
+    cuda.launch(cuda.function("decode.cu", "work_list_small", dev.index), (1, 1, 1), 1024,
+                [flat, n_pairs, n_experts, n_tiles, order, tile_e, tile_start, tile_cnt])
+    return tile_e, tile_start, tile_cnt, order
+
+
 def stack_experts(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """[(w1, s1, w3, s3, w2, s2), …] (checkpoint tensors of each local expert, in local id order) -> (w13 int8
     [E, 2I, H/2], s13 uint8 [E, 2I, H/32], w2 int8 [E, H, I/2], s2 uint8 [E, H, I/32]) on the first one's device."""
@@ -491,7 +507,10 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
     if n == 0 or top_k == 0:
         return out.zero_()
     ids = expert_ids.to(torch.int32).contiguous()
-    tile_e, tile_start, tile_cnt, order = work_list_launch(ids, n_exp)
+    if cfg.impl == "cuda" and n * top_k <= 1024 and n_exp < 1024:
+        tile_e, tile_start, tile_cnt, order = work_list_cuda(ids, n_exp)
+    else:
+        tile_e, tile_start, tile_cnt, order = work_list_launch(ids, n_exp)
     rw = weights.to(torch.float32).contiguous()
     n_pairs = n * top_k
     y = torch.empty((n_pairs, hidden), dtype=torch.float32, device=x.device)

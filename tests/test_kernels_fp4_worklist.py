@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.fp4_moe import INTERPRET, work_list, work_list_launch
+from kernels.fp4_moe import INTERPRET, work_list, work_list_cuda, work_list_launch
 
 CASES = [(1, 6, 384), (8, 6, 384), (64, 6, 384), (37, 6, 16), (100, 6, 6), (3, 2, 5)]
 
@@ -41,3 +41,22 @@ def test_work_list_launch_equals_work_list_on_cuda():
         _same(ids, n_exp)
     g = torch.Generator().manual_seed(1)
     _same(torch.randint(-1, 384, (2048, 6), generator=g).cuda(), 384)   # a prompt chunk's pairs
+
+
+@pytest.mark.gpu
+def test_work_list_in_one_cuda_block_equals_work_list():
+    """The CUDA C version the decode rounds use (up to 1024 pairs): the same four tensors exactly."""
+    from kernels import cuda
+    if not cuda.available():
+        pytest.skip("no CUDA C compiler here")
+    for ids, n_exp in _cases("cuda"):
+        if ids.numel() <= 1024:
+            want, got = work_list(ids, n_exp), work_list_cuda(ids, n_exp)
+            for w, g in zip(want, got):
+                assert torch.equal(g, w)
+    g = torch.Generator().manual_seed(2)
+    for n in (1, 8, 32, 64, 170):
+        ids = torch.stack([torch.randperm(384, generator=g)[:6] for _ in range(n)]).cuda()
+        ids[0, 1] = -1
+        for w, got in zip(work_list(ids, 384), work_list_cuda(ids, 384)):
+            assert torch.equal(got, w), n

@@ -627,3 +627,76 @@ MOE_KERNELS(1)
 MOE_KERNELS(2)
 MOE_KERNELS(4)
 MOE_KERNELS(8)
+
+// ---- the routed experts' work list for a decode round ---------------------------------------------------------------
+
+// Inclusive sum of v over the block's threads (blockDim.x a multiple of 32, at most 1024).
+DEVI int block_scan(int v, int* warp_sums) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        int u = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += u;
+    }
+    if (lane == 31) warp_sums[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < (int)(blockDim.x >> 5) ? warp_sums[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            int u = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += u;
+        }
+        warp_sums[lane] = w;
+    }
+    __syncthreads();
+    return v + (warp > 0 ? warp_sums[warp - 1] : 0);
+}
+
+// fp4_moe.py's `work_list` (the same four arrays, bit for bit) in one block, for up to 1024 (row, slot) pairs and
+// 1023 experts: keys (id, or E for another rank's slot) counted with shared atomics, scanned, each pair placed by its
+// rank among the earlier pairs of its key (stable), then the tiles of up to 64 pairs of each expert.
+extern "C" __global__ void __launch_bounds__(1024) work_list_small(const int* ids, int P, int E, int n_tiles,
+                                                                    int* order, int* tile_e, int* tile_start,
+                                                                    int* tile_cnt) {
+    __shared__ int key[1024], cnt[1024], start[1024], tend[1024], warp_sums[32];
+    const int tid = threadIdx.x;
+    cnt[tid] = 0;
+    if (tid < P) {
+        int k = ids[tid];
+        key[tid] = k >= 0 ? k : E;
+    }
+    __syncthreads();
+    if (tid < P) atomicAdd(cnt + key[tid], 1);
+    __syncthreads();
+    const int c = tid <= E ? cnt[tid] : 0;
+    const int tiles = tid < E ? (c + 63) >> 6 : 0;
+    const int ic = block_scan(c, warp_sums);
+    __syncthreads();
+    const int it = block_scan(tiles, warp_sums);
+    start[tid] = ic - c;
+    tend[tid] = it;
+    __syncthreads();
+    if (tid < P) {
+        const int k = key[tid];
+        int rank = 0;
+        for (int q = 0; q < tid; ++q) rank += key[q] == k;
+        order[start[k] + rank] = tid;
+    }
+    for (int t = tid; t < n_tiles; t += blockDim.x) {
+        int lo = 0, hi = E;                                // searchsorted(tend[:E], t, right=True)
+        while (lo < hi) {
+            int mid = (lo + hi) >> 1;
+            if (tend[mid] <= t) lo = mid + 1; else hi = mid;
+        }
+        const bool live = lo < E;
+        const int e = live ? lo : E - 1;
+        const int te = (cnt[e] + 63) >> 6;
+        const int off = (t - (tend[e] - te)) * 64;
+        int n = cnt[e] - off;
+        n = n < 0 ? 0 : n > 64 ? 64 : n;
+        tile_e[t] = e;
+        tile_start[t] = start[e] + off;
+        tile_cnt[t] = live ? n : 0;
+    }
+}
