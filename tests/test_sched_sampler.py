@@ -5,8 +5,8 @@ import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dsv41.sched.sampler import (CANDIDATE_WIDTH, SamplingParams, clamp_top_k, gumbel, prompt_seed, sample_row,
-                                 uniform_keys)
+from dsv41.sched.sampler import (CANDIDATE_WIDTH, SamplingParams, adjust_row, clamp_top_k, gumbel, prompt_seed,
+                                 sample_row, uniform_keys)
 
 
 def _row(seed: int, vocab: int = 300) -> torch.Tensor:
@@ -117,3 +117,18 @@ def test_draw_is_a_kept_candidate(seed, pos, t, top_p, top_k, min_p):
     rank = int((row > row[tok]).sum())
     assert rank < k
     assert row[tok] / t >= row.max() / t + math.log(min_p) - 1e-9 if min_p > 0 else True
+
+
+def test_adjust_row_is_vllms_order_and_arithmetic():
+    row = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    p = SamplingParams(temperature=0, logit_bias=((1, 5.0),), repetition_penalty=2.0, prompt_tokens=(0,),
+                       frequency_penalty=0.5, presence_penalty=0.25, prompt_len=4)
+    out = adjust_row(row, p, [3, 3, 4])
+    # 0: in the prompt, > 0: halved. 1: bias first (-1 + 5 = 4 > 0), not seen. 2: untouched.
+    # 3: seen twice: 3 / 2 - 0.5 * 2 - 0.25. 4: seen once, < 0: doubled, - 0.5 - 0.25
+    assert out.tolist() == [1.0, 4.0, 0.5, 1.5 - 1.0 - 0.25, -4.0 - 0.5 - 0.25]
+    assert row.tolist() == [2.0, -1.0, 0.5, 3.0, -2.0]                    # the input is left alone
+    assert sample_row(row, 4, p, [3, 3, 4]).token_id == 1                 # greedy reads the adjusted row
+    s = sample_row(row, 4, SamplingParams(temperature=0, logprobs=True, logit_bias=((1, 5.0),)))
+    assert s.token_id == 1                                                # the bias decides the draw,
+    assert math.isclose(s.logprob, float(torch.log_softmax(row.double(), 0)[1]))   # logprobs stay the raw row's

@@ -56,6 +56,8 @@ class ModelRunner:
         self.SeqInput = seq_input_cls
         self.states: dict[int, object] = {}
         self.params: dict[int, SamplingParams] = {}
+        self.replies: dict[int, list[int]] = {}   # seq -> its reply's tokens fed so far (only when params adjust)
+        self.grammar_seconds = 0.0                # computing grammar masks (/metrics dsv41:grammar_seconds_total)
         self.kept = KeptStates()                  # kept prompt states (snapshots), key -> SeqState
         layout = getattr(model, "layout", None)
         self.ratios = {r.index: r.ratio for r in layout.layers if r.owns_compressor} if layout else {}
@@ -72,6 +74,7 @@ class ModelRunner:
             if isinstance(op, FreeSeq):
                 self.states.pop(op.seq, None)
                 self.params.pop(op.seq, None)
+                self.replies.pop(op.seq, None)
             elif isinstance(op, NewSeq):
                 if op.seq in self.states:
                     raise PlanError(f"round {plan.round}: sequence {op.seq} opened twice")
@@ -97,6 +100,11 @@ class ModelRunner:
                 raise PlanError(f"round {plan.round}: sequence {r.seq}: a verify row wants every row's logits")
             if r.logits and not verify and r.logits != [len(r.ids) - 1]:
                 raise PlanError(f"round {plan.round}: sequence {r.seq}: only the last row's logits are served")
+            p = self.params[r.seq]
+            if p.adjusts:   # the reply's tokens by position; a row starts where the state ends (past a rollback)
+                rep = self.replies.setdefault(r.seq, [])
+                del rep[max(0, r.start - p.prompt_len):]
+                rep.extend(r.ids[max(0, p.prompt_len - r.start):])
             if verify:
                 st.mark(len(r.ids), self.model.t.sliding_window)
             else:
@@ -118,7 +126,9 @@ class ModelRunner:
             rows = [out for _, out in wanted]
             ms = [matchers.get(r.seq) for r, _ in wanted] if matchers else []
             if any(m is not None for m in ms):
+                t1 = time.perf_counter()
                 rows = self._mask(wanted, ms)
+                self.grammar_seconds += time.perf_counter() - t1
             decisions = []
             for k, ((r, _), row) in enumerate(zip(wanted, rows)):
                 m = ms[k] if ms else None
@@ -160,8 +170,10 @@ class ModelRunner:
         params = self.params[r.seq]
         out = []
         n = rows.shape[0]
+        rep = self.replies.get(r.seq, ())
         for j in range(n):
-            s = sample_row(rows[j], r.start + len(r.ids) - n + j + 1, params)
+            pos = r.start + len(r.ids) - n + j + 1
+            s = sample_row(rows[j], pos, params, rep[:max(0, pos - params.prompt_len)] if params.adjusts else ())
             if m is not None and not m.consume(s.token_id):
                 errors[r.seq] = f"the grammar refused token {s.token_id}: {m.error}"
                 break
@@ -238,6 +250,7 @@ class ModelRunner:
         for s in seqs:
             self.states.pop(s, None)
             self.params.pop(s, None)
+            self.replies.pop(s, None)
 
     def state_bytes(self) -> int:
         return sum(int(st.nbytes()) for st in self.states.values())

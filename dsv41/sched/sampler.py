@@ -14,6 +14,9 @@ T <= 0 is greedy: argmax of the raw row, ties to the lower id.
 
 logprobs are of the model's raw distribution (log_softmax of the row, before temperature or truncation), as vLLM
 reports them.
+
+Before step 1 (and before greedy's argmax) a request's logit bias and penalties change the row (adjust_row, vLLM's
+order: bias, then repetition, frequency and presence penalties over the reply so far); logprobs stay the raw row's.
 """
 from __future__ import annotations
 
@@ -43,10 +46,23 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     seed: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
+    # OpenAI / vLLM logits processing, applied to the row before the draw (see adjust_row)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_len: int = 0                  # the reply's first position: tokens from here on are the reply's
+    prompt_tokens: tuple[int, ...] = ()  # the prompt's distinct ids (sent only when repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the row is changed before the draw (penalties or a logit bias)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
 
 class Sample(msgspec.Struct, array_like=True, gc=False):
@@ -97,9 +113,34 @@ def _lowest_id_argmax(values: np.ndarray, ids: np.ndarray) -> int:
     return int(ids[values == best].min())
 
 
-def sample_row(logits: torch.Tensor, position: int, params: SamplingParams) -> Sample:
-    """Draw the token at absolute `position` from one logits row [vocab]. Pure: same inputs, same token."""
-    row = logits.detach().to("cpu", torch.float32).reshape(-1)
+def adjust_row(row: torch.Tensor, params: SamplingParams, reply: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """The row the draw reads, as vLLM processes it: the logit bias added, then the penalties over `reply`, the
+    reply's tokens so far (each once per occurrence): repetition (vLLM / HF: a logit > 0 of a token seen in the
+    prompt or the reply divided by it, one <= 0 multiplied), frequency (minus penalty x count) and presence (minus
+    penalty once). float32 on the host, one row at a time: the same whatever the batch. `row` is not changed."""
+    out = row.clone()
+    if params.logit_bias:
+        ids = torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long)
+        out[ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(out.numel(), dtype=torch.bool)
+        if params.prompt_tokens:
+            seen[torch.tensor(params.prompt_tokens, dtype=torch.long)] = True
+        if reply:
+            seen[torch.tensor(reply, dtype=torch.long)] = True
+        rp = float(params.repetition_penalty)
+        out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
+    if reply and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(reply, dtype=torch.long), minlength=out.numel()).to(torch.float32)
+        out -= float(params.frequency_penalty) * counts + float(params.presence_penalty) * (counts > 0).float()
+    return out
+
+
+def sample_row(logits: torch.Tensor, position: int, params: SamplingParams, reply=()) -> Sample:
+    """Draw the token at absolute `position` from one logits row [vocab]. Pure: same inputs, same token. `reply`:
+    the reply's tokens before `position` (penalties; see adjust_row). logprobs are of the row as given."""
+    raw = logits.detach().to("cpu", torch.float32).reshape(-1)
+    row = adjust_row(raw, params, reply) if params.adjusts else raw
     if params.greedy:
         token = int(torch.argmax(row))          # torch returns the first maximal index: ties to the lower id
     else:
@@ -120,7 +161,7 @@ def sample_row(logits: torch.Tensor, position: int, params: SamplingParams) -> S
         token = _lowest_id_argmax(scaled + gumbel(params.seed, position, ids), ids)
     if not params.logprobs:
         return Sample(token)
-    logp = torch.log_softmax(row.double(), dim=-1)
+    logp = torch.log_softmax(raw.double(), dim=-1)
     top = None
     if params.top_logprobs > 0:
         n = min(params.top_logprobs, MAX_TOP_LOGPROBS, row.numel())
