@@ -199,3 +199,19 @@ def test_shield_switch(tok):
     user_id = tok.added["<｜User｜>"]
     assert on.token_ids.count(user_id) == 1 and off.token_ids.count(user_id) == 2
     assert tok.think_end_id not in on.token_ids and tok.think_end_id in off.token_ids
+
+
+@pytest.mark.parametrize("params,ok", [
+    (None, True), ({"type": "object", "properties": {"q": {"type": ["string", "null"]}}, "required": ["q"]}, True),
+    ({"$defs": {"a": {"type": "integer"}}, "anyOf": [{"$ref": "#/$defs/a"}, True]}, True),
+    (7, False), ({"type": "dict"}, False), ({"properties": {"q": "string"}}, False), ({"required": [1]}, False),
+    ({"items": {"type": "objekt"}}, False), ({"oneOf": "x"}, False), ({"minItems": -1}, False)])
+def test_tool_parameters_must_be_a_json_schema(tok, params, ok):
+    fn = {"name": "f", **({} if params is None else {"parameters": params})}
+    req = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": fn}]}
+    if ok:
+        assert build(tok, **req).tools
+    else:
+        with pytest.raises(ChatError) as e:
+            build(tok, **req)
+        assert e.value.param == "tools" and "invalid schema for function 'f'" in e.value.message

@@ -15,6 +15,7 @@ from typing import Any
 
 from dsv41.chat.encoding import DEFAULT_EFFORT, encode_messages
 from dsv41.chat.errors import ChatError
+from dsv41.chat.schema_check import schema_problem
 from dsv41.chat.tokenizer import Tokenizer
 
 EFFORTS = {"minimal": 25, "low": 50, "medium": 62, "high": 75, "xhigh": 88, "max": 100}
@@ -210,6 +211,10 @@ def _tools(req: dict) -> tuple[list[dict], Any]:
             raise ChatError(f"tools[{k}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ChatError(f"tools[{k}].function.name must be a non-empty string", "tools")
+        if fn.get("parameters") is not None:      # OpenAI refuses a tool whose parameters are no JSON Schema
+            problem = schema_problem(fn["parameters"], f"tools[{k}].function.parameters")
+            if problem is not None:
+                raise ChatError(f"invalid schema for function {fn['name']!r}: {problem}", "tools")
         names.add(fn["name"])
     choice = req.get("tool_choice")
     if choice in (None, "auto", "required"):
