@@ -64,6 +64,7 @@ async def _serve(cfg: ServeConfig) -> int:
                 print(f"dsv41: {line}", flush=True)
         eng.sched.start()
         metrics.scheduler = eng.sched
+        metrics.model_name = eng.name
         state.engine = eng
         if eng.lane is not None:
             eng.lane.attach(loop, lane_failed)

@@ -227,20 +227,16 @@ class KeptIndex:
         assert total == self.bytes, f"byte accounting {self.bytes} != sum of entries {total}"
         assert self.bytes <= self.budget, f"kept bytes {self.bytes} exceed the budget {self.budget}"
 
-    def metric_lines(self, prefix: str) -> list[str]:
-        """Prometheus families for /metrics."""
-        out = []
-        for kind, name, value, help_ in (
-                ("gauge", "kept_states", len(self), "kept prompt states"),
+    def metric_values(self) -> list[tuple[str, str, float, str]]:
+        """(kind, name, value, help) of the kept-state families on /metrics (dsv41/api/metrics.py)."""
+        return [("gauge", "kept_states", len(self), "kept prompt states"),
                 ("gauge", "kept_state_bytes", self.bytes, "bytes charged to kept prompt states"),
                 ("gauge", "kept_state_budget_bytes", self.budget, "budget of kept prompt states (--prompt-cache-gib)"),
                 ("counter", "kept_state_hits_total", self.hits, "prompts resumed from a kept state"),
                 ("counter", "kept_state_misses_total", self.misses, "prompts with no kept state to resume"),
                 ("counter", "kept_state_evictions_total", self.evictions, "kept states evicted for room"),
                 ("counter", "kept_state_saves_total", self.saves, "kept states written"),
-                ("counter", "kept_cached_tokens_total", self.hit_tokens, "prompt tokens resumed instead of computed")):
-            out += [f"# HELP {prefix}{name} {help_}", f"# TYPE {prefix}{name} {kind}", f"{prefix}{name} {value}"]
-        return out
+                ("counter", "kept_cached_tokens_total", self.hit_tokens, "prompt tokens resumed instead of computed")]
 
     # --- internals -----------------------------------------------------------------------------------------------
     def _usable(self, e: Kept, images: Sequence[ImageSpan]) -> bool:
