@@ -23,6 +23,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     # what to serve
     model: str = ""                      # checkpoint dir; "" = the built-in tiny checkpoint (made once, cached)
     name: str = ""                       # served model id; "" = the checkpoint folder's name
+    served_model_name: list[str] = []    # more ids a request's `model` may name (aliases; vLLM's flag)
     tokenizer: str = ""                  # tokenizer dir; "" = the checkpoint's tokenizer.json, else kit/tokenizer
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cuda_graphs: bool = True             # on CUDA, decode rounds replay their row-only pieces as CUDA graphs
@@ -164,6 +165,8 @@ FIELD_HELP: dict[str, str] = {
     "model": "checkpoint folder (config.json + safetensors); empty = the built-in tiny checkpoint, made once by "
              "dsv41.tools.make_tiny with the real tokenizer and cached under ${XDG_CACHE_HOME:-~/.cache}/dsv41/",
     "name": "model id served in /v1/models and echoed in replies; empty = the checkpoint folder's name",
+    "served_model_name": "another id a request's `model` may name (repeat the flag; env: comma-separated); replies "
+                         "report --name. A request naming no served id (nor `dsv41`) gets 404 model_not_found",
     "tokenizer": "tokenizer folder (tokenizer.json); empty = the checkpoint's own, else kit/tokenizer",
     "device": "auto (cuda when there is a GPU, else cpu), cpu or cuda",
     "cuda_graphs": "on CUDA, replay each decode round's row-only pieces (mHC, norms, projections, attention over the "

@@ -158,8 +158,16 @@ def _ensure_context(device: int) -> None:
         _check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
+# Every kernel of each source, resolved when its module loads: the first launch of a kernel may come inside a CUDA
+# graph capture, where loading a module (and perhaps resolving a function) must not happen.
+KERNELS = {"decode.cu": [f"{k}_linear_{m}_t{t}" for k in ("fp8", "bf16") for m in ("split", "whole")
+                         for t in (1, 2, 4, 8)]
+           + [f"moe_{p}_t{t}" for p in ("up", "down") for t in (1, 2, 4, 8)] + ["pack_x", "work_list_small"]}
+
+
 def function(source: str, name: str, device: int | None = None) -> ctypes.c_void_p:
-    """The CUfunction `name` of csrc/`source` on `device` (compiled and loaded on first use)."""
+    """The CUfunction `name` of csrc/`source` on `device` (the module compiled and loaded on first use, every kernel
+    of KERNELS resolved then)."""
     device = torch.cuda.current_device() if device is None else device
     key = (source, name, device)
     fn = _functions.get(key)
@@ -182,6 +190,13 @@ def function(source: str, name: str, device: int | None = None) -> ctypes.c_void
             mod = ctypes.c_void_p()
             _check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(img)), f"loading {source}")
             _modules[mkey] = mod
+            for other in KERNELS.get(source, []):
+                f = ctypes.c_void_p()
+                _check(cu.cuModuleGetFunction(ctypes.byref(f), mod, other.encode()), f"finding {other} in {source}")
+                _functions[(source, other, device)] = f
+            fn = _functions.get(key)
+            if fn is not None:
+                return fn
         fn = ctypes.c_void_p()
         _check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()), f"finding {name} in {source}")
         _functions[key] = fn
@@ -227,6 +242,8 @@ def available(device: int | None = None) -> bool:
             ok = _arch(device) >= 80 and _cuda() is not None
             if ok:
                 function("decode.cu", "fp8_linear_split_t1", device)
+                from kernels.fp8_linear import _counter
+                _counter(torch.device("cuda", device), 1)      # the arrival counters, outside any graph capture
         except (CudaKernelError, OSError) as exc:
             print(f"kernels/cuda.py: the CUDA C kernels are not used ({exc})", file=sys.stderr)
             ok = False

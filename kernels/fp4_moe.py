@@ -58,12 +58,17 @@ DEFAULT = Config(bn_up=128, bn_down=128, bkb=16, post=True, warps=8, stages=6)
 CUDA = Config(impl="cuda")
 
 
-def config_for(device: torch.device) -> Config:
-    """The CUDA C kernels where they can run (decided once per device), else the Triton ones."""
-    if device.type == "cuda" and not INTERPRET:
+def config_for(device: torch.device, hidden: int = 0, inter: int = 0) -> Config:
+    """The CUDA C kernels where they can run (decided once per device; H and I multiples of 128: whole 64-byte steps
+    of both matrices' rows), else the Triton ones (their column blocks cut to the shapes: the small test models'
+    I is 64)."""
+    if device.type == "cuda" and not INTERPRET and hidden % 128 == 0 and inter % 128 == 0:
         from kernels import cuda
         if cuda.available(device.index):
             return CUDA
+    if inter and (inter % DEFAULT.bn_up or hidden % DEFAULT.bn_down):
+        return Config(bn_up=64 if inter % 128 else 128, bn_down=64 if hidden % 128 else 128, bkb=16, post=True,
+                      warps=4, stages=6)
     return DEFAULT
 
 
@@ -494,7 +499,7 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
     experts -> float32 [n, H]; equals the routed part of `MoE.__call__` with `dequant_fp4` weights and x, h
     rounded to bf16, up to the fp32 summation order. Slots with expert id < 0 (another rank's) contribute nothing.
     Layouts: docs/kernels.md. cfg: a configuration other than DEFAULT (the bench's sweep)."""
-    cfg = cfg or config_for(x.device)
+    cfg = cfg or config_for(x.device, x.shape[1], w13.shape[1] // 2)
     if cfg.post and cfg.bkb != 16:
         raise ValueError(f"fp4_moe: a post-scaled configuration steps 16 bytes, not {cfg.bkb}")
     s13, s2 = _check(x, w13, s13, w2, s2, expert_ids, weights, cfg)

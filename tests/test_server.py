@@ -337,7 +337,7 @@ def test_bad_requests_get_400_while_a_stream_goes_on(server):
         (chat, {"messages": msgs, "max_tokens": True}, "max_tokens", "max_tokens"),
         (chat, {"messages": msgs, "reasoning_effort": "extreme"}, "reasoning_effort", "reasoning_effort"),
         (chat, {"messages": [{"role": "wizard", "content": "x"}]}, "messages", "role"),
-        (chat, {"messages": msgs, "n": 2}, "n", "`n` must be 1"),
+        (chat, {"messages": msgs, "n": 17}, "n", "`n` must be in 1..16"),
         (chat, {"messages": msgs, "top_p": 0}, "top_p", "top_p"),
         (chat, {"messages": msgs, "max_tokens": CONTEXT}, "messages", "maximum context length"),
         (server.url + "/v1/completions", {"prompt": ids_prompt(1, CONTEXT + 5)}, "prompt", "maximum context length"),

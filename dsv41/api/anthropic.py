@@ -43,8 +43,9 @@ from dsv41.api.errors import ApiError, bad_request
 from dsv41.api.schemas import ReasoningEffort
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-               501: "not_found_error", 503: "overloaded_error", 529: "overloaded_error"}
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+               429: "rate_limit_error", 500: "api_error", 501: "not_found_error", 503: "overloaded_error",
+               529: "overloaded_error"}
 PARAMS = {"max_tokens": "max_tokens", "response_format": "output_format", "stop": "stop_sequences",
           "chat_template_kwargs": "thinking"}
 _PASS = ("temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "thinking_budget", "loop_guard",

@@ -29,6 +29,7 @@ from starlette.routing import Route
 from dsv41.api import sse
 from dsv41.api.auth import OPEN_PATHS, KeyCheck
 from dsv41.api.errors import ApiError, bad_request, context_exceeded, from_decode_error
+from dsv41.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from dsv41.api.metrics import Metrics
 from dsv41.api.schemas import (ChatCompletionRequest, CompletionRequest, CompletionTokensDetails, DetokenizeRequest,
                                ModelCard, ModelList, PromptTokensDetails, SamplingFields, TokenizeRequest, Usage,
@@ -124,28 +125,48 @@ def _stops(stop) -> list[str]:
     return [s for s in stops if s]
 
 
-def _sampling(eng, f: SamplingFields, prompt_ids: list[int], logprobs: bool, top_logprobs: int) -> SamplingParams:
+def _logit_bias(eng, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: token ids (JSON keys, so strings) -> a bias in [-100, 100] added to the logit."""
+    out = []
+    for k, v in (bias or {}).items():
+        if not k.strip().isdigit() or not 0 <= int(k) < eng.vocab_size:
+            raise bad_request(f"`logit_bias` keys must be token ids in 0..{eng.vocab_size - 1}, got {k!r}",
+                              param="logit_bias")
+        _check_number("logit_bias", v, -100.0, 100.0)
+        out.append((int(k), float(v)))
+    return tuple(sorted(out))
+
+
+def _sampling(eng, f: SamplingFields, prompt_ids: list[int], logprobs: bool, top_logprobs: int,
+              choice: int = 0) -> SamplingParams:
+    """The request's SamplingParams; choice i of an `n` > 1 request samples with seed + i (vLLM's rule), so it is
+    the reply a request of n = 1 with that seed gets."""
     cfg = eng.cfg
-    if f.n is not None and f.n != 1:
-        raise bad_request(f"`n` must be 1 (this server returns one choice per request), got {f.n}", param="n")
     _check_number("temperature", f.temperature)
+    _check_number("frequency_penalty", f.frequency_penalty, -2.0, 2.0)
+    _check_number("presence_penalty", f.presence_penalty, -2.0, 2.0)
+    _check_number("repetition_penalty", f.repetition_penalty, 0.0, lo_open=True)
     _check_number("top_p", f.top_p, 0.0, 1.0, lo_open=True)
     _check_number("min_p", f.min_p, 0.0, 1.0)
     if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"`top_logprobs` must be in 0..{MAX_TOP_LOGPROBS}, got {top_logprobs}",
                           param="top_logprobs")
     if f.seed is not None:
-        seed = f.seed & ((1 << 64) - 1)
+        seed = f.seed
     elif cfg.seed_random:
         seed = random_seed()
     else:
         seed = prompt_seed(prompt_ids, cfg.seed_salt)
+    rp = 1.0 if f.repetition_penalty is None else f.repetition_penalty
     return SamplingParams(
         temperature=cfg.temperature if f.temperature is None else f.temperature,
         top_p=cfg.top_p if f.top_p is None else f.top_p,
         top_k=cfg.top_k if f.top_k is None else f.top_k,
         min_p=cfg.min_p if f.min_p is None else f.min_p,
-        seed=seed, logprobs=logprobs, top_logprobs=top_logprobs)
+        seed=(seed + choice) & ((1 << 64) - 1), logprobs=logprobs, top_logprobs=top_logprobs,
+        frequency_penalty=f.frequency_penalty or 0.0, presence_penalty=f.presence_penalty or 0.0,
+        repetition_penalty=rp, logit_bias=_logit_bias(eng, f.logit_bias), prompt_len=len(prompt_ids),
+        prompt_tokens=tuple(sorted(set(prompt_ids))) if rp != 1.0 else ())
 
 
 def _max_tokens(eng, prompt_len: int, asked: int | None, param: str, asked_name: str = "max_tokens") -> int:
@@ -178,7 +199,11 @@ def _detokenizer(eng):
 
 
 def _served_name(eng, asked: str | None) -> str:
-    return asked if asked == eng.name else eng.name
+    """The id a reply reports (--name); a `model` this server does not serve is a 404, as OpenAI and vLLM answer."""
+    if not eng.serves(asked):
+        raise ApiError(404, f"The model `{asked}` does not exist. This server serves `{eng.name}`.",
+                       param="model", code="model_not_found")
+    return eng.name
 
 
 # ------------------------------------------------------------------------------------------------ reply pieces
@@ -264,10 +289,15 @@ def chat_prompt(eng, raw: dict):
 def chat_grammar(eng, raw: dict, prompt):
     """The reply's grammar matcher (structured output, forced tool calls), or None; GrammarError -> 400."""
     from dsv41.grammar.compile import GrammarError, compile_request
+    t0 = time.perf_counter()
     try:
         spec = compile_request(raw, eng.tok, tools=prompt.tools, thinking=prompt.thinking)
     except GrammarError as e:
         raise bad_request(e.message, param=e.param) from None
+    finally:
+        metrics = getattr(eng.sched, "metrics", None)
+        if metrics is not None:
+            metrics.grammar_compile_seconds += time.perf_counter() - t0
     return spec.matcher() if spec is not None else None
 
 
@@ -287,7 +317,7 @@ def _renamed(e: ApiError, params: dict[str, str] | None) -> ApiError:
 
 
 async def prepare_chat(eng, raw: dict, req: ChatCompletionRequest | None = None,
-                       params: dict[str, str] | None = None) -> Prepared:
+                       params: dict[str, str] | None = None, choice: int = 0) -> Prepared:
     """Submit a chat completion body: prompt (chat.policy), grammar, limits, sampling and seed, reasoning controls.
     Every API that is the chat path in another shape (Responses, Anthropic) comes through here, so its tokens are
     the chat route's. `req` is the body already decoded (else decoded from `raw`); an ApiError's `param` is renamed
@@ -297,6 +327,7 @@ async def prepare_chat(eng, raw: dict, req: ChatCompletionRequest | None = None,
     try:
         if req is None:
             req = check_fields(raw, ChatCompletionRequest)
+        model = _served_name(eng, req.model)
         if not req.messages:
             raise bad_request("the conversation is empty: send at least one message", param="messages")
         prompt = chat_prompt(eng, raw)
@@ -305,7 +336,7 @@ async def prepare_chat(eng, raw: dict, req: ChatCompletionRequest | None = None,
         ids, images = await eng.images.prompt_images(prompt) if prompt.images else (list(prompt.token_ids), [])
         asked_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = _max_tokens(eng, len(ids), getattr(req, asked_name), "messages", asked_name)
-        sp = _sampling(eng, req, ids, bool(req.logprobs), (req.top_logprobs or 0) if req.logprobs else 0)
+        sp = _sampling(eng, req, ids, bool(req.logprobs), (req.top_logprobs or 0) if req.logprobs else 0, choice)
         budget, loop_guard, background = chat_controls(eng, raw)
         control = reasoning_control(eng.tok, thinking=prompt.thinking, grammar=matcher is not None, budget=budget,
                                     loop_guard=loop_guard)
@@ -319,7 +350,7 @@ async def prepare_chat(eng, raw: dict, req: ChatCompletionRequest | None = None,
         raise _renamed(e, params) from None
     parser = ReplyParser(thinking=prompt.thinking, tools=prompt.tools or None,
                          parallel_tool_calls=req.parallel_tool_calls is not False)
-    return Prepared(r, Reply(eng, r, prompt.thinking), _served_name(eng, req.model), prompt, parser)
+    return Prepared(r, Reply(eng, r, prompt.thinking), model, prompt, parser)
 
 
 def _completion_prompt(eng, req: CompletionRequest) -> list[int]:
@@ -342,8 +373,9 @@ def _completion_prompt(eng, req: CompletionRequest) -> list[int]:
     return list(p)
 
 
-def prepare_completion(eng, req: CompletionRequest) -> Prepared:
+def prepare_completion(eng, req: CompletionRequest, choice: int = 0) -> Prepared:
     """Submit a completions body: the given ids or the string's tokens, limits, sampling and seed."""
+    model = _served_name(eng, req.model)
     if req.suffix:
         raise bad_request("`suffix` is not supported", param="suffix")
     if req.echo:
@@ -353,11 +385,11 @@ def prepare_completion(eng, req: CompletionRequest) -> Prepared:
         raise bad_request(f"the prompt holds the image placeholder token (id {eng.tok.image_id}); send images as "
                           "image_url parts of a /v1/chat/completions message", param="prompt")
     max_tokens = _max_tokens(eng, len(ids), req.max_tokens, "prompt")
-    params = _sampling(eng, req, ids, req.logprobs is not None, req.logprobs or 0)
+    params = _sampling(eng, req, ids, req.logprobs is not None, req.logprobs or 0, choice)
     r = _submit(eng, Request(prompt_ids=ids, params=params, max_tokens=max_tokens, eos_ids=eng.eos_ids,
                              ignore_eos=req.ignore_eos, stop=_stops(req.stop), detokenizer=_detokenizer(eng),
                              cache_salt=req.cache_salt, draft=req.draft))
-    return Prepared(r, Reply(eng, r, thinking=False), _served_name(eng, req.model))
+    return Prepared(r, Reply(eng, r, thinking=False), model)
 
 
 # ------------------------------------------------------------------------------------------------ the reply loop
@@ -462,6 +494,65 @@ def _reply_body(prep: Prepared, rid: str, obj: str, choice: dict, fin: FinishEve
     return out
 
 
+MAX_CHOICES = 16
+
+
+def _name_reply(request: HttpRequest, rid: str, prep: Prepared) -> None:
+    """The reply's id on the request's access line and on its scheduler `done` line."""
+    request.state.reply_id = rid
+    prep.r.tag = rid
+
+
+def _choices(req: SamplingFields) -> int:
+    """`n`: how many choices (1..MAX_CHOICES); n > 1 is served without `stream`."""
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"`n` must be in 1..{MAX_CHOICES}, got {n}", param="n")
+    if n > 1 and req.stream:
+        raise bad_request("`n` > 1 is served without `stream` (send n requests to stream them)", param="n")
+    return n
+
+
+async def _more_choices(eng, first: Prepared, n: int, again) -> list[Prepared]:
+    """`first` and choices 1..n-1, each its own request with seed + i (`again(i)` submits choice i); a failure
+    cancels those already submitted."""
+    preps = [first]
+    try:
+        for i in range(1, n):
+            preps.append(await again(i))
+            preps[-1].r.tag = first.r.tag
+    except BaseException:
+        for p in preps:
+            eng.sched.cancel(p.r)
+        raise
+    return preps
+
+
+async def _run_choices(eng, preps: list[Prepared], one) -> list[tuple[FinishEvent, dict]]:
+    """Every choice's (finish, choice object) from `one(index, prep)`, run at once; any left is cancelled when one
+    fails or the client goes away."""
+    try:
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(preps))))
+    finally:
+        for p in preps:
+            if not p.r.finished:
+                eng.sched.cancel(p.r)
+
+
+def _choices_body(preps: list[Prepared], rid: str, obj: str, done: list[tuple[FinishEvent, dict]]) -> dict:
+    """The reply body of one or more choices: usage counts the prompt once and every choice's tokens."""
+    out = _reply_body(preps[0], rid, obj, done[0][1], done[0][0])
+    if len(preps) > 1:
+        us = [p.reply.usage() for p in preps]
+        completion = sum(u.completion_tokens for u in us)
+        out["choices"] = [c for _, c in done]
+        out["usage"] = Usage(us[0].prompt_tokens, completion, us[0].prompt_tokens + completion,
+                             us[0].prompt_tokens_details,
+                             CompletionTokensDetails(sum(u.completion_tokens_details.reasoning_tokens for u in us)))
+        out.pop("stop_sequence", None)          # each choice names its own (stop_reason)
+    return out
+
+
 class _Frames:
     """The SSE frames of one streamed chat or completions reply: chunks, the usage chunk, [DONE]."""
 
@@ -487,22 +578,30 @@ async def chat_completions(request: HttpRequest) -> Response:
     eng = engine(request)
     body = await request.body()
     req = _decode(body, ChatCompletionRequest)
-    prep = await prepare_chat(eng, msgspec.json.decode(body), req)
+    n = _choices(req)
+    raw = msgspec.json.decode(body)
+    prep = await prepare_chat(eng, raw, req)
     rid = "chatcmpl-" + secrets.token_hex(16)
+    _name_reply(request, rid, prep)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_chat_stream(request, eng, prep, rid, include_usage, req.return_token_ids),
                                  media_type="text/event-stream", headers=sse.HEADERS)
-    logprobs: list[dict] = []
+    preps = await _more_choices(eng, prep, n, lambda i: prepare_chat(eng, raw, req, choice=i))
 
-    def on_token(ev: TokenEvent):
-        if req.logprobs:
-            logprobs.append(prep.reply.chat_logprob(ev))
+    async def one(i: int, p: Prepared):
+        logprobs: list[dict] = []
 
-    fin, final = await collect(request, eng, prep, on_token)
-    choice = {"index": 0, "message": final.message(), "logprobs": {"content": logprobs} if req.logprobs else None,
-              "finish_reason": _finish_reason(fin.reason, final), **_choice_extra(prep, fin, req.return_token_ids)}
-    return json_response(_reply_body(prep, rid, "chat.completion", choice, fin))
+        def on_token(ev: TokenEvent):
+            if req.logprobs:
+                logprobs.append(p.reply.chat_logprob(ev))
+
+        fin, final = await collect(request, eng, p, on_token)
+        return fin, {"index": i, "message": final.message(), "logprobs": {"content": logprobs} if req.logprobs
+                     else None, "finish_reason": _finish_reason(fin.reason, final),
+                     **_choice_extra(p, fin, req.return_token_ids)}
+
+    return json_response(_choices_body(preps, rid, "chat.completion", await _run_choices(eng, preps, one)))
 
 
 async def _chat_stream(request, eng, prep: Prepared, rid: str, include_usage: bool, return_ids: bool):
@@ -538,29 +637,40 @@ async def _chat_stream(request, eng, prep: Prepared, rid: str, include_usage: bo
 async def completions(request: HttpRequest) -> Response:
     eng = engine(request)
     req = _decode(await request.body(), CompletionRequest)
+    n = _choices(req)
     prep = prepare_completion(eng, req)
     want_lp = req.logprobs is not None
     rid = "cmpl-" + secrets.token_hex(16)
+    _name_reply(request, rid, prep)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_completion_stream(request, eng, prep, rid, include_usage, req.return_token_ids,
                                                     want_lp),
                                  media_type="text/event-stream", headers=sse.HEADERS)
-    texts: list[str] = []
-    lp = _LegacyLogprobs(prep.reply) if want_lp else None
 
-    def on_token(ev: TokenEvent):
-        texts.append(ev.text)
-        if lp is not None:
-            lp.add(ev)
+    async def again(i: int) -> Prepared:
+        return prepare_completion(eng, req, choice=i)
 
-    fin, _ = await collect(request, eng, prep, on_token)
-    texts.append(fin.text)
-    choice = {"index": 0, "text": "".join(texts), "logprobs": lp.body() if lp else None,
-              "finish_reason": fin.reason, **_choice_extra(prep, fin, req.return_token_ids)}
-    if req.return_token_ids:
-        choice["prompt_token_ids"] = list(prep.r.prompt_ids)
-    return json_response(_reply_body(prep, rid, "text_completion", choice, fin))
+    preps = await _more_choices(eng, prep, n, again)
+
+    async def one(i: int, p: Prepared):
+        texts: list[str] = []
+        lp = _LegacyLogprobs(p.reply) if want_lp else None
+
+        def on_token(ev: TokenEvent):
+            texts.append(ev.text)
+            if lp is not None:
+                lp.add(ev)
+
+        fin, _ = await collect(request, eng, p, on_token)
+        texts.append(fin.text)
+        choice = {"index": i, "text": "".join(texts), "logprobs": lp.body() if lp else None,
+                  "finish_reason": fin.reason, **_choice_extra(p, fin, req.return_token_ids)}
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = list(p.r.prompt_ids)
+        return fin, choice
+
+    return json_response(_choices_body(preps, rid, "text_completion", await _run_choices(eng, preps, one)))
 
 
 class _LegacyLogprobs:
@@ -625,6 +735,14 @@ async def models(request: HttpRequest) -> Response:
     return json_response(ModelList([ModelCard(eng.name, eng.created, eng.context_len, eng.context_len)]))
 
 
+async def model_card(request: HttpRequest) -> Response:
+    """GET /v1/models/{model}: the served model's card under any id it answers to; 404 model_not_found else."""
+    eng = engine(request)
+    asked = request.path_params["model"]
+    _served_name(eng, asked)
+    return json_response(ModelCard(eng.name, eng.created, eng.context_len, eng.context_len))
+
+
 async def tokenize(request: HttpRequest) -> Response:
     eng = engine(request)
     body = await request.body()
@@ -684,7 +802,7 @@ async def openapi_json(request: HttpRequest) -> Response:
 
 async def metrics_text(request: HttpRequest) -> Response:
     st: AppState = request.app.state.dsv41
-    return PlainTextResponse(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return PlainTextResponse(st.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
 
 # ------------------------------------------------------------------------------------------------ wiring
@@ -743,8 +861,14 @@ async def _http_error(request, exc: HTTPException) -> Response:
     if exc.status_code == 404:
         return ApiError(404, f"unknown path {request.url.path}", code="not_found").response()
     if exc.status_code == 405:
-        return ApiError(501, f"{request.method} is not served on {request.url.path}",
-                        code="not_implemented").response()
+        allow = (exc.headers or {}).get("Allow", "")
+        err = ApiError(405, f"{request.method} is not served on {request.url.path}"
+                       + (f" (allowed: {allow})" if allow else ""), code="method_not_allowed",
+                       headers={"Allow": allow} if allow else None)
+        if request.url.path.startswith("/v1/messages"):      # Anthropic clients read their own error shape
+            from dsv41.api import anthropic
+            return anthropic.error_response(err)
+        return err.response()
     return ApiError(exc.status_code, str(exc.detail)).response()
 
 
@@ -769,6 +893,7 @@ def create_app(cfg, metrics: Metrics | None = None, on_startup=None, on_shutdown
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model_card, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/v1/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),

@@ -44,6 +44,11 @@ class Engine:
     lane: object = None              # dsv41.sched.tp.TPLane with --tp > 1 (rank 0), else None
     plan: object = None              # dsv41.sched.memory.MemoryPlan, printed at start
     images: object = None            # dsv41.api.images.ImageService when the checkpoint has vision weights
+    aliases: tuple[str, ...] = ()    # more ids a request's `model` may name (--served-model-name, "dsv41")
+
+    def serves(self, model: str | None) -> bool:
+        """Whether a request's `model` names this server's model (no `model` does)."""
+        return model is None or model == self.name or model in self.aliases
 
 
 def cache_root() -> Path:
@@ -237,4 +242,5 @@ def _build(cfg: ServeConfig, metrics, ckpt: Path, raw: dict, text: dict, device:
     images = ImageService.load(ckpt, cfg, device) if cfg.max_images > 0 else None
     return Engine(cfg=cfg, name=cfg.name or ckpt.name, tok=tok, sched=sched, context_len=context,
                   vocab_size=int(text["vocab_size"]), eos_ids=eos_ids, bos_id=tok.bos_id,
-                  think_end_id=tok.think_end_id, checkpoint=str(ckpt), device=device, plan=plan, lane=lane, images=images)
+                  think_end_id=tok.think_end_id, checkpoint=str(ckpt), device=device, plan=plan, lane=lane,
+                  images=images, aliases=(*cfg.served_model_name, "dsv41"))

@@ -19,6 +19,7 @@ from dsv41.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ModelCard,
     ModelList,
     TokenizeRequest,
 )
@@ -65,6 +66,8 @@ OPERATIONS = [
     ("post", "/v1/messages/count_tokens", CountTokensRequest, (_JSON,), "anthropic", False,
      "Prompt tokens of a Messages body", ()),
     ("get", "/v1/models", None, (_JSON,), "openai", False, "The served model", ()),
+    ("get", "/v1/models/{model}", None, (_JSON,), "openai", False,
+     "The served model's card, under any id it answers to (--name, --served-model-name, dsv41)", ()),
     ("post", "/tokenize", TokenizeRequest, (_JSON,), "openai", False,
      "Token ids of a prompt string or of chat messages rendered as a chat request would be", ("/v1/tokenize",)),
     ("post", "/detokenize", DetokenizeRequest, (_JSON,), "openai", False, "Text of token ids",
@@ -75,6 +78,10 @@ OPERATIONS = [
      "Prometheus text 0.0.4 (open with --metrics-open)", ("/v1/metrics",)),
     ("get", "/openapi.json", None, (_JSON,), "openai", True, "This document (open)", ()),
 ]
+
+
+# the operations whose body's `model` must name the served model (404 model_not_found else)
+_NAMES_MODEL = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 
 
 def _content(media: tuple[str, ...], ok_schema: dict) -> dict:
@@ -89,7 +96,7 @@ def document() -> dict:
     """The OpenAPI 3.1 document (a plain dict, ready for JSON)."""
     request_types = [op[2] for op in OPERATIONS if op[2] is not None]
     _, components = msgspec.json.schema_components(
-        [*request_types, ModelList, ErrorResponse, AnthropicErrorResponse], ref_template=REF)
+        [*request_types, ModelList, ModelCard, ErrorResponse, AnthropicErrorResponse], ref_template=REF)
     paths: dict[str, dict] = {}
     for method, path, req, media, errors, open_, summary, aliases in OPERATIONS:
         err_ref = {"$ref": REF.format(name="AnthropicErrorResponse" if errors == "anthropic" else "ErrorResponse")}
@@ -114,6 +121,14 @@ def document() -> dict:
         else:
             op["responses"]["401"] = {"description": "A valid API key is required (when keys are set)",
                                       "headers": {"WWW-Authenticate": {"schema": {"type": "string"}}},
+                                      "content": {_JSON: {"schema": err_ref}}}
+        if path in _NAMES_MODEL:
+            op["responses"]["404"] = {"description": "`model` names no model this server serves "
+                                                     "(code model_not_found)", "content": {_JSON: {"schema": err_ref}}}
+        if path == "/v1/models/{model}":
+            op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+            op["responses"]["200"]["content"][_JSON]["schema"] = {"$ref": REF.format(name="ModelCard")}
+            op["responses"]["404"] = {"description": "Not a model this server serves (code model_not_found)",
                                       "content": {_JSON: {"schema": err_ref}}}
         if "{response_id}" in path:
             op["parameters"] = [{"name": "response_id", "in": "path", "required": True,
