@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     cfg, t = model.cfg, model.t
     K = t.num_hidden_layers
     ratios = list(t.compress_ratios[:K])
-    kernels = sorted(k for k in dev.KERNELS) if dev._enabled else []
+    kernels = list(model.ops.kernels)
     mem = torch.cuda.memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
     print(f"loaded {K} layers in {load_s:.1f} s, {mem:.1f} GiB; kernels "
           f"{kernels or 'none (torch fallbacks)'}", flush=True)
@@ -275,13 +275,12 @@ def main(argv=None) -> int:
         for i in range(K):
             other, expert = per_layer[i]
             moved += other + counted[i] * expert + R * kv_bytes_per_row(t, ratios[i], a.context)
-        from dsv41.model.linear import linear
         xh = head_x[:R]
-        linear(xh, model.head)
+        model.ops.linear(xh, model.head)
         sync()
         th = time.perf_counter()
         for _ in range(5):
-            linear(xh, model.head)
+            model.ops.linear(xh, model.head)
         sync()
         head_s = (time.perf_counter() - th) / 5
         layer_s = sec / K

@@ -7,7 +7,7 @@ Counts every aten op dispatched (TorchDispatchMode) apart from view ops and bare
 GPU), plus the Triton launches (the interpreter's own copies of their arguments not counted), for rows 1 / 8 / 32, on three paths, all on the CPU:
 - `cpu`: the CPU reference path;
 - `cuda (fallbacks)`: the CUDA path's functions (fixed-tree row sums, the per-expert MoE loop) on CPU tensors
-  (device.cuda_path(), kernels off);
+  (the op set cuda_ops(kernels=False));
 - `cuda (kernels)`: the same with the row-op kernels (kernels/rowops.py) and the grouped MoE kernel, run by the
   Triton interpreter (launches counted, not timed).
 A layer = 2 x (hc_mixes + hc_collapse + rms_norm + hc_expand) + moe (attention, compressor, indexer not counted).
@@ -15,14 +15,13 @@ A layer = 2 x (hc_mixes + hc_collapse + rms_norm + hc_expand) + moe (attention, 
     OMP_NUM_THREADS=1 python bench/layer_ops.py [--rows 1,8,32] [--json F] [--before F.json]
                                                 [--out bench/results/layer-ops-cpu.md]
 
---before: a --json file written by a run of an earlier checkout (the table then shows before -> after). On a
-checkout without device.cuda_path the CUDA path's row sums are emulated by patching linear.row_sum / row_mean to
-that checkout's CUDA functions.
+--before: a --json file written by a run of an earlier checkout (the table then shows before -> after; run that
+checkout's own copy of this script).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -39,8 +38,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dsv41.model import device, linear, mhc, quant
+from dsv41.model import device, mhc, quant
 from dsv41.model.moe import Expert, MoE
+from dsv41.model.ops import cuda_ops, reference_ops
 
 H, HC, ITERS = 5120, 4, 20
 N_EXP, TOP_K, MOE_H, MOE_I = 384, 6, 128, 64
@@ -84,29 +84,9 @@ def _count_launches():
     interpreter.InterpretedFunction.run = counted
 
 
-@contextlib.contextmanager
-def path(name: str):
-    if name == "cpu":
-        yield
-        return
-    kernels = name == "cuda (kernels)"
-    if hasattr(device, "cuda_path"):
-        device.set_kernels(kernels)
-        try:
-            with device.cuda_path():
-                yield
-        finally:
-            device.set_kernels(True)
-        return
-    # an earlier checkout: its CUDA row sums, and its kernels (the grouped MoE) taken for CPU tensors
-    saved = linear.row_sum, linear.row_mean, device.kernel
-    linear.row_sum = device.tree_row_sum
-    linear.row_mean = lambda x: device.tree_row_sum(x) / x.shape[-1]
-    device.kernel = (lambda name, x: device.KERNELS.get(name)) if kernels else (lambda name, x: None)
-    try:
-        yield
-    finally:
-        linear.row_sum, linear.row_mean, device.kernel = saved
+def path_ops(name: str):
+    """The op set of a path (dsv41/model/ops.py)."""
+    return {"cpu": reference_ops(), "cuda (fallbacks)": cuda_ops(kernels=False), "cuda (kernels)": cuda_ops()}[name]
 
 
 def _moe(g, quantised: bool) -> MoE:
@@ -126,34 +106,35 @@ def _moe(g, quantised: bool) -> MoE:
 
 def measure(rows_list: list[int]) -> dict:
     g = torch.Generator().manual_seed(0)
-    site = mhc.HcSite(fn=torch.randn((2 + HC) * HC, HC * H, generator=g) * 0.01,
-                      base=torch.randn((2 + HC) * HC, generator=g) * 0.1, scale=torch.rand(3, generator=g))
+    parts = {"fn": torch.randn((2 + HC) * HC, HC * H, generator=g) * 0.01,
+             "base": torch.randn((2 + HC) * HC, generator=g) * 0.1, "scale": torch.rand(3, generator=g)}
     norm_w = torch.rand(H, generator=g) + 0.5
     moes = {False: _moe(g, False), True: _moe(g, True)}
     out: dict = {}
     for p in PATHS:
+        ops = path_ops(p)
+        site = mhc.HcSite(**parts, ops=ops)
+        moe = dataclasses.replace(moes[p == "cuda (kernels)"], ops=ops)
         for rows in rows_list:
             g = torch.Generator().manual_seed(rows)   # the same inputs on every path
             streams = torch.randn(rows, HC, H, generator=g)
             y = torch.randn(rows, H, generator=g)
             xm = torch.randn(rows, MOE_H, generator=g)
-            moe = moes[p == "cuda (kernels)"]
-            with path(p):
-                pre, post, comb = mhc.hc_mixes(streams, site, ITERS, 1e-6, 1e-20)
-                calls = {
-                    "hc_mixes": partial(mhc.hc_mixes, streams, site, ITERS, 1e-6, 1e-20),
-                    "hc_collapse": partial(mhc.hc_collapse, streams, pre),
-                    "rms_norm": partial(linear.rms_norm, y, norm_w, 1e-20),
-                    "hc_expand": partial(mhc.hc_expand, y, streams, post, comb),
-                    "moe": partial(moe, xm),
-                }
-                counts = {}
-                for name, fn in calls.items():
-                    fn()   # warm (caches, lazy imports)
-                    _launches[0] = 0
-                    with Counter() as c:
-                        fn()
-                    counts[name] = c.ops + _launches[0]
+            pre, post, comb = mhc.hc_mixes(streams, site, ITERS, 1e-6, 1e-20)
+            calls = {
+                "hc_mixes": partial(mhc.hc_mixes, streams, site, ITERS, 1e-6, 1e-20),
+                "hc_collapse": partial(ops.hc_collapse, streams, pre),
+                "rms_norm": partial(ops.rms_norm, y, norm_w, 1e-20),
+                "hc_expand": partial(ops.hc_expand, y, streams, post, comb),
+                "moe": partial(moe, xm),
+            }
+            counts = {}
+            for name, fn in calls.items():
+                fn()   # warm (caches, lazy imports)
+                _launches[0] = 0
+                with Counter() as c:
+                    fn()
+                counts[name] = c.ops + _launches[0]
             counts["layer"] = 2 * sum(counts[k] for k in GROUPS[:4]) + counts["moe"]
             out[f"{p}|{rows}"] = counts
     return out

@@ -9,12 +9,13 @@ per call (TorchDispatchMode, views and bare allocations left out, + Triton launc
 against old for every group. A layer = 2 x (hc_mixes + hc_collapse + rms_norm + hc_expand) + moe.
 
     python3 bench/layerops_gpu.py [--rows 1,2,4,8,16,32,64] [--reps 50] [--out bench/results/layerops.md]
-    # smoke run on CPU (the CUDA path emulated: device.cuda_path; kernels in the interpreter), ~1 minute:
+    # smoke run on CPU (the CUDA path's op sets on CPU tensors; kernels in the interpreter), ~1 minute:
     TRITON_INTERPRET=1 python bench/layerops_gpu.py --device cpu --rows 1,3 --reps 1 --hidden 256 --experts 16 --inter 64
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import socket
@@ -31,8 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from dsv41.model import device, linear, mhc
+from dsv41.model import device, mhc
 from dsv41.model.moe import Expert, MoE
+from dsv41.model.ops import cuda_ops
 
 H, HC, ITERS, HC_EPS, NORM_EPS = 5120, 4, 20, 1e-6, 1e-20
 N_EXP, TOP_K, INTER = 384, 6, 2304
@@ -135,7 +137,7 @@ def make_moe(g, n_exp: int, inter: int) -> MoE:
                     torch.randn(inter, H, device=DEV) * 0.01)
     return MoE(gate=torch.randn(n_exp, H, device=DEV) * 0.01, bias=torch.zeros(n_exp, device=DEV),
                bias_vl=torch.zeros(n_exp, device=DEV), experts=experts, shared=shared, top_k=TOP_K,
-               gate_temp=1.0, scaling=1.5, limit=10.0, stack=stack)
+               gate_temp=1.0, scaling=1.5, limit=10.0, stack=stack, ops=cuda_ops())
 
 
 def main() -> None:
@@ -154,15 +156,15 @@ def main() -> None:
     if DEV == "cuda":
         device.setup_cuda()
         machine = torch.cuda.get_device_name()
-    else:   # smoke run: the CUDA path's functions on CPU tensors (kernels in the interpreter)
-        emulate = device.cuda_path()     # held until exit (a dropped generator context would undo it)
-        emulate.__enter__()
-        machine = "CPU smoke run (CUDA path emulated)"
+    else:   # smoke run: the CUDA path's op sets on CPU tensors (kernels in the interpreter)
+        machine = "CPU smoke run (the CUDA path's op sets on CPU tensors)"
     launches = _count_triton()
     g = torch.Generator(device=DEV).manual_seed(0)
-    site = mhc.HcSite(fn=torch.randn((2 + HC) * HC, HC * H, device=DEV, generator=g) * 0.01,
-                      base=torch.randn((2 + HC) * HC, device=DEV, generator=g) * 0.1,
-                      scale=torch.rand(3, device=DEV, generator=g) + 0.5)
+    new_ops, old_ops = cuda_ops(), cuda_ops(kernels=False)    # the kernels, the torch fallbacks
+    parts = {"fn": torch.randn((2 + HC) * HC, HC * H, device=DEV, generator=g) * 0.01,
+             "base": torch.randn((2 + HC) * HC, device=DEV, generator=g) * 0.1,
+             "scale": torch.rand(3, device=DEV, generator=g) + 0.5}
+    site, old_site = mhc.HcSite(**parts, ops=new_ops), mhc.HcSite(**parts, ops=old_ops)
     norm_w = torch.rand(H, device=DEV, generator=g) + 0.5
     rows_list = [int(r) for r in a.rows.split(",")]
     bad = []
@@ -172,19 +174,17 @@ def main() -> None:
         y = torch.randn(rows, H, device=DEV, generator=g)
         pre, post, comb = mhc.hc_mixes(streams, site, ITERS, HC_EPS, NORM_EPS)
         new = {"hc_mixes": partial(mhc.hc_mixes, streams, site, ITERS, HC_EPS, NORM_EPS),
-               "hc_collapse": partial(mhc.hc_collapse, streams, pre),
-               "rms_norm": partial(linear.rms_norm, y, norm_w, NORM_EPS),
-               "hc_expand": partial(mhc.hc_expand, y, streams, post, comb)}
-        old = {"hc_mixes": new["hc_mixes"], "hc_collapse": partial(old_collapse, streams, pre),
-               "rms_norm": new["rms_norm"], "hc_expand": partial(old_expand, y, streams, post, comb)}
+               "hc_collapse": partial(new_ops.hc_collapse, streams, pre),
+               "rms_norm": partial(new_ops.rms_norm, y, norm_w, NORM_EPS),
+               "hc_expand": partial(new_ops.hc_expand, y, streams, post, comb)}
+        old = {"hc_mixes": partial(mhc.hc_mixes, streams, old_site, ITERS, HC_EPS, NORM_EPS),
+               "hc_collapse": partial(old_collapse, streams, pre),
+               "rms_norm": partial(old_ops.rms_norm, y, norm_w, NORM_EPS),
+               "hc_expand": partial(old_expand, y, streams, post, comb)}
         res = {}
         for name in GROUPS:
-            device.set_kernels(False)
-            try:
-                want = old[name]()
-                t_old, n_old = timed(old[name], a.reps), ops(old[name], launches)
-            finally:
-                device.set_kernels(True)
+            want = old[name]()
+            t_old, n_old = timed(old[name], a.reps), ops(old[name], launches)
             got = new[name]()
             t_new, n_new = timed(new[name], a.reps), ops(new[name], launches)
             same = all(torch.equal(u, v) for u, v in zip(got, want)) if isinstance(got, tuple) else torch.equal(got, want)
@@ -200,18 +200,17 @@ def main() -> None:
         from kernels import fp4_moe
         try:
             moe = make_moe(g, a.experts, a.inter)
+            # old: torch routing weights and work list
+            old_moe = dataclasses.replace(moe, ops=dataclasses.replace(new_ops, route_weights=old_ops.route_weights))
             for rows in rows_list:
                 x = torch.randn(rows, H, device=DEV, generator=g)
-                call = partial(moe, x)
-                route_k = device.KERNELS.pop("route_weights", None)      # old: torch routing weights and work list
+                call, old_call = partial(moe, x), partial(old_moe, x)
                 launch, fp4_moe.work_list_launch = fp4_moe.work_list_launch, fp4_moe.work_list
                 try:
-                    want = call()
-                    t_old, n_old = timed(call, max(5, a.reps // 5)), ops(call, launches)
+                    want = old_call()
+                    t_old, n_old = timed(old_call, max(5, a.reps // 5)), ops(old_call, launches)
                 finally:
                     fp4_moe.work_list_launch = launch
-                    if route_k is not None:
-                        device.KERNELS["route_weights"] = route_k
                 got = call()
                 t_new, n_new = timed(call, max(5, a.reps // 5)), ops(call, launches)
                 same = torch.equal(got, want)

@@ -16,14 +16,13 @@ Also the CPU time of the round (median of --repeat successive rounds, after one 
 
 Default checkpoint: the built-in tiny one (10 layers, every layer role). The results file gets one section per tag
 (a re-run with the same tag replaces its section).
---cuda-path: count the round on the CUDA path's functions instead (device.cuda_path(): FP8/FP4 weights kept, the
-Triton kernels run by the interpreter on CPU tensors, each launch counted as one op; the prompts are fed on the CPU
-path); no times then.
+--cuda-path: count the round on the CUDA path's functions instead (a model loaded with the op set cuda_ops(): FP8/FP4
+weights kept, the Triton kernels run by the interpreter on CPU tensors, each launch counted as one op; the prompts are
+fed by the reference model of the same checkpoint); no times then.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
 import re
@@ -115,17 +114,18 @@ def main() -> None:
     if a.checkpoint is None:
         from dsv41.api.engine import builtin_checkpoint
         a.checkpoint = str(builtin_checkpoint())
-    model = Model.load(a.checkpoint, keep_quant=a.cuda_path)
+    host = Model.load(a.checkpoint)      # feeds the prompts (and, without --cuda-path, runs the counted rounds)
+    model = host
+    if a.cuda_path:
+        from dsv41.model.ops import cuda_ops
+        model = Model.load(a.checkpoint, keep_quant=True, ops=cuda_ops())
     n_layers = len(model.blocks)
     rows_list = [int(x) for x in a.rows.split(",")]
     table = []
     counter = OpCounter()
-    path = contextlib.nullcontext
     if a.cuda_path:
         from triton.runtime import interpreter
 
-        from dsv41.model import device as dev
-        path = dev.cuda_path
         run = interpreter.InterpretedFunction.run
 
         def counted(self, *args, **kw):
@@ -161,22 +161,22 @@ def main() -> None:
         ids = _ids(ctx, ctx)
         t0 = time.perf_counter()
         for s in range(0, ctx, a.chunk):
-            model.forward([SeqInput(base, ids[s:s + a.chunk], logits="none")])
+            host.forward([SeqInput(base, ids[s:s + a.chunk], logits="none")])
         print(f"context {ctx}: prefill {time.perf_counter() - t0:.1f} s", flush=True)
         for R in rows_list:
             snaps = []
             for j in range(R):          # R sequences at slightly different lengths (0..3 extra tokens)
                 st = base.snapshot()
                 if j % 4:
-                    model.forward([SeqInput(st, _ids(j % 4, 1000 + j), logits="none")])
+                    host.forward([SeqInput(st, _ids(j % 4, 1000 + j), logits="none")])
                 snaps.append(st)
             states = snaps
             # a first round outside the count: a snapshot's compressed KV has no growth room, so the first append
             # after it reallocates (once); the counted and timed rounds are the steady state (states advance)
-            model.forward([SeqInput(st, _ids(1, 2000 + j), logits="last") for j, st in enumerate(states)])
+            host.forward([SeqInput(st, _ids(1, 2000 + j), logits="last") for j, st in enumerate(states)])
             counter.counts.clear()
             counter.names.clear()
-            with path(), counter:
+            with counter:
                 model.forward([SeqInput(st, _ids(1, 3000 + j), logits="last") for j, st in enumerate(states)])
             c = dict(counter.counts)
             if R == max(rows_list) and ctx == max(int(x) for x in a.contexts.split(",")):

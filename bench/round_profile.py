@@ -190,7 +190,7 @@ def main(argv=None) -> int:
              f"- machine: {name}; commit {commit}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- command: `{cmd}`",
              f"- checkpoint: {K} layers, {a.context}-token history for the decode rounds; kernels: "
-             f"{', '.join(sorted(dev.KERNELS)) if dev._enabled else 'none'}", "",
+             f"{', '.join(model.ops.kernels) or 'none'} (op set {model.ops.name})", "",
              "| case | wall ms | GPU busy ms | GPU busy % | kernel launches | host syncs | DtoH copies |",
              "|---|---|---|---|---|---|---|"]
     for title, r in cases:

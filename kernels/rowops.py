@@ -2,23 +2,23 @@
 mHC Sinkhorn normalisation of all rows' comb matrices, and the mHC stream collapse / expand.
 
 Reference (the torch fallbacks, which the kernels must equal BITWISE on the same device):
-- `rms_norm(x, w, eps)` = `dsv41.model.linear.rms_norm` on the CUDA path: y = x · (1 / sqrt(Σ_tree(x·x) · (1/n) +
+- `rms_norm(x, w, eps)` = the CUDA op set's (dsv41/model/ops.py) norm: y = x · (1 / sqrt(Σ_tree(x·x) · (1/n) +
   eps)) · w, where Σ_tree is `kernels.numerics.tree_row_sum` (level by level: s[i] = s[i] + s[i + L//2] for
   i < L//2, an odd length's last element carried to position L//2) and 1/n is float32(1)/float32(n) (torch's CUDA
-  `t / n` multiplies by that; linear.row_mean writes it out);
-- `sinkhorn(comb, iters, eps)` = the Sinkhorn part of `dsv41.model.mhc.hc_mixes`: norm_cols, then (iters - 1) ×
+  `t / n` multiplies by that; the op set's tree mean writes it out: kernels.numerics.inv_count);
+- `sinkhorn(comb, iters, eps)` = `dsv41.model.mhc.sinkhorn` (hc_mixes' Sinkhorn): norm_cols, then (iters - 1) ×
   (norm_rows, norm_cols), each sum over the 4 streams left to right ((c0 + c1) + c2) + c3, then c / (sum + eps);
 - `hc_collapse`, `hc_expand` = `dsv41.model.mhc.hc_collapse` / `hc_expand`: each product rounded, then the sum over
   the streams left to right (and post·y added last);
-- `route_weights` = the end of `dsv41.model.moe.MoE.route`: the scores at the picks, divided by their slot-order sum
-  + 1e-20, times the routed scaling factor.
+- `route_weights` = `dsv41.model.moe.route_weights` (the end of `MoE.route`): the scores at the picks, divided by
+  their slot-order sum + 1e-20, times the routed scaling factor.
 
 Why bitwise: the kernels run only IEEE float32 operations that round once (add, mul, div_rn, sqrt_rn) in the
 reference's order, with FMA contraction off (`enable_fp_fusion=False`: ptxas may not fuse x·x + y·y), and torch's
 CUDA kernels run the same correctly rounded operations (nvcc without fast math: div.rn, sqrt.rn; `1 / t` is
 reciprocal · 1). Under TRITON_INTERPRET=1 numpy runs them with the same IEEE rounding, so the CPU tests compare
-them with the fallback run on CPU tensors (device.cuda_path()). A row's result depends on its row only (one
-program per row for the norm; row-wise blocks for Sinkhorn), whatever the row count.
+them with the fallback run on CPU tensors (the op set cuda_ops(kernels=False)). A row's result depends on its row
+only (one program per row for the norm; row-wise blocks for Sinkhorn), whatever the row count.
 
 The tree runs in a per-row scratch buffer (two halves of ceil(n/2), ping-pong: the first level reads x and writes
 one half, each next level reads one half and writes the other; a block barrier between levels), so one program
@@ -176,8 +176,8 @@ def _check_device(x: torch.Tensor, name: str) -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x · rsqrt(mean_tree(x²) + eps) · weight over the last dim (float32), one launch; bitwise the CUDA path of
-    dsv41.model.linear.rms_norm."""
+    """x · rsqrt(mean_tree(x²) + eps) · weight over the last dim (float32), one launch; bitwise the CUDA op set's
+    torch norm (linear.rms_norm with the tree mean)."""
     _check_device(x, "rms_norm")
     x = x.float()
     shape = x.shape

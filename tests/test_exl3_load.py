@@ -28,6 +28,7 @@ from dsv41.model.exl3_load import (
     pack_inventory,
 )
 from dsv41.model.model import Model, SeqInput
+from dsv41.model.ops import reference_ops
 from dsv41.model.weights import (
     WeightError,
     expected_tensors,
@@ -298,7 +299,7 @@ def test_kept_codes_match_the_dense_weights(pack, dense):
         assert tuple(w.shape) == tuple(dense[n].shape) and torch.equal(w.dequant(), dense[n]), n
         x = torch.randn(5, w.shape[1], generator=g)
         ref = x @ dense[n].t()
-        assert (w.linear(x) - ref).abs().max() <= 2e-3 * ref.abs().max(), n
+        assert (reference_ops().linear(x, w) - ref).abs().max() <= 2e-3 * ref.abs().max(), n
     wo_a = kept["layers.0.attn.wo_a.weight"]
     lo = cfg.text.o_lora_rank
     assert torch.equal(wo_a[lo:2 * lo].dequant(), dense["layers.0.attn.wo_a.weight"][lo:2 * lo])
@@ -333,11 +334,12 @@ def test_pack_on_cuda(pack):
     """On the GPU the EXL3 linears run the fused Triton kernel on the codes: a row's logits do not depend on the
     batch, and each kept linear agrees with its dense weight."""
     m = Model.load(pack, device="cuda", engram=pack / "engram")
+    assert "exl3_linear" in m.ops.kernels and m.blocks[0].attn.ops is m.ops
     w = m.head
     assert isinstance(w, Exl3Packed) and w.device.type == "cuda"
     x = torch.randn(7, w.shape[1], device="cuda")
     ref = x @ w.dequant().t()
-    assert (w.linear(x) - ref).abs().max() <= 2e-3 * ref.abs().max()
+    assert (m.ops.linear(x, w) - ref).abs().max() <= 2e-3 * ref.abs().max()
     a, b = torch.tensor([5, 77, 300, 12, 9, 401, 33]), torch.tensor([8, 8, 100, 2])
     solo = m.forward([SeqInput(state=m.new_state(), ids=a, logits="all")])[0]
     both = m.forward([SeqInput(state=m.new_state(), ids=b, logits="all"),
@@ -349,7 +351,7 @@ def test_grouped_experts_equal_each_expert():
     """Exl3ExpertStack (one grouped launch per stack for a layer's routed experts) gives each row the same bits as
     running its experts one by one through the fused kernel, summed in slot order; rows of other ranks' experts
     get nothing. Kernels under TRITON_INTERPRET on the CPU."""
-    from dsv41.model.exl3_load import stack_exl3_experts
+    from dsv41.model.exl3_load import exl3_routed, stack_exl3_experts
     from dsv41.model.linear import silu
     from dsv41.model.moe import Expert
     from kernels.exl3 import Exl3Weight, exl3_linear_triton
@@ -371,7 +373,7 @@ def test_grouped_experts_equal_each_expert():
     x = torch.randn(5, H, generator=g)
     ids = torch.tensor([[0, 2], [3, 1], [2, 0], [1, 3], [0, 3]])
     weights = torch.rand(5, 2, generator=g)
-    got = stack.grouped(x, weights, ids, limit)
+    got = exl3_routed(stack, x, weights, ids, limit)
 
     def lin(v, w):
         return exl3_linear_triton(v, Exl3Weight.from_tensors(w.blocks[0], "cpu"))
@@ -392,4 +394,4 @@ def test_grouped_experts_equal_each_expert():
     want = torch.cat(want)
     assert torch.isfinite(got).all() and got.abs().max() > 0
     assert torch.equal(got, want)
-    assert torch.equal(stack.grouped(x[2:4], weights[2:4], ids[2:4], limit), got[2:4])
+    assert torch.equal(exl3_routed(stack, x[2:4], weights[2:4], ids[2:4], limit), got[2:4])

@@ -11,13 +11,15 @@ from safetensors.torch import load_file
 from dsv41 import shared_dir
 from dsv41.model import device as dev
 from dsv41.model.model import Model, SeqInput
+from dsv41.model.ops import cuda_ops
 from dsv41.tools.logits import run
 
 pytestmark = pytest.mark.gpu
 
 N_PROMPTS = 7
-# the kernel paths to test: the torch fallbacks always, the Triton kernels when kernels/ has them
-PATHS = ["fallback"] + (["kernels"] if dev.KERNELS else [])
+# the op sets to test: the torch fallbacks always, the kernels when kernels/ has them (imported here, without CUDA too)
+KERNELS = bool(cuda_ops().kernels)
+PATHS = ["fallback"] + (["kernels"] if KERNELS else [])
 
 
 @pytest.fixture(scope="module")
@@ -42,22 +44,31 @@ def cpu_model(tiny_a):
 
 @pytest.fixture(scope="module")
 def cuda_models(tiny_a):
+    """tiny-a on CUDA with the torch fallbacks (the op set cuda_ops(kernels=False))."""
     ck = tiny_a / "checkpoint"
-    return {"qat": Model.load(ck, device="cuda"), "noquant": Model.load(ck, device="cuda", qat=False)}
+    return {"qat": Model.load(ck, device="cuda", kernels=False),
+            "noquant": Model.load(ck, device="cuda", qat=False, kernels=False)}
 
 
 @pytest.fixture(scope="module")
 def tiny_cuda():
     """The server's built-in tiny checkpoint (make_tiny, the real tokenizer; made once and cached) on CUDA."""
     from dsv41.api.engine import builtin_checkpoint
-    return Model.load(builtin_checkpoint(), device="cuda")
+    return Model.load(builtin_checkpoint(), device="cuda", kernels=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_fallbacks():
+    from dsv41.api.engine import builtin_checkpoint
+    return Model.load(builtin_checkpoint(), device="cuda", kernels=False)
 
 
 @pytest.fixture(params=PATHS)
-def path(request):
-    dev.set_kernels(request.param == "kernels")
-    yield request.param
-    dev.set_kernels(True)
+def path_model(request):
+    """The built-in tiny checkpoint on CUDA on each op set: the torch fallbacks, the kernels."""
+    m = request.getfixturevalue("tiny_cuda" if request.param == "kernels" else "tiny_fallbacks")
+    assert m.ops.name == ("cuda" if request.param == "kernels" else "cuda-fallbacks")
+    return m
 
 
 def _host(r):
@@ -151,7 +162,7 @@ def test_server_cuda_gives_cpu_tokens_and_solo_equals_burst(capsys):
     common = ["--context", "512", "--prefill-chunk", "256", "--state-budget-gib", "2", "--name", "tiny",
               "--max-streams", "32", "--prompt-cache-gib", "0", "--device", "cuda"]
     replies = {}
-    for kernels in ["0"] + (["1"] if dev.KERNELS else []):
+    for kernels in ["0"] + (["1"] if KERNELS else []):
         s = LiveServer(*common, env={"DSV41_KERNELS": kernels})
         try:
             s.wait_ready()
@@ -192,15 +203,8 @@ def test_server_on_a_real_shaped_checkpoint_solo_equals_burst(capsys):
     assert burst == solo, f"burst != solo for prompts {_differing(solo, burst)}"
 
 
-@pytest.fixture
-def fallback():
-    dev.set_kernels(False)
-    yield
-    dev.set_kernels(True)
-
-
 @pytest.mark.parametrize("i", range(N_PROMPTS))
-def test_noquant_vectors_on_cuda(cuda_models, vec, fallback, i):
+def test_noquant_vectors_on_cuda(cuda_models, vec, i):
     """The torch fallbacks compute the reference's float32 function: the CPU test's README criterion, >= 99.5 % of
     positions within 1e-4 (prefill and teacher-forced decode), greedy ids equal."""
     v = vec["noquant"]
@@ -214,20 +218,19 @@ def test_noquant_vectors_on_cuda(cuda_models, vec, fallback, i):
         assert torch.equal(out.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.skipif(not dev.KERNELS, reason="no Triton kernels in kernels/")
-def test_kernels_stay_near_the_float32_function(cuda_models, vec):
+@pytest.mark.skipif(not KERNELS, reason="no Triton kernels in kernels/")
+def test_kernels_stay_near_the_float32_function(cuda_models, tiny_a, vec):
     """The kernels round activations to bf16 (docs/kernels.md), which the vectors README says lands "much further
     away": compared with our own float32 function (the fallbacks) over tiny-a's prompts, no fake-quant. A router
     near-tie flipped by bf16 noise moves a position by O(1), so the bound is statistical; a wiring bug (a wrong
     expert, a wrong scale) moves every position (argmax near chance, 1/512)."""
     m = cuda_models["noquant"]
+    mk = Model.load(tiny_a / "checkpoint", device="cuda", qat=False, kernels=True)
     ds, agree = [], []
     for i in range(N_PROMPTS - 1):
         ids = vec["qat"][f"prompt.{i}.input_ids"].tolist()
-        dev.set_kernels(False)
         a = _host(run(m, ids))["prompt_logits"]
-        dev.set_kernels(True)
-        b = _host(run(m, ids))["prompt_logits"]
+        b = _host(run(mk, ids))["prompt_logits"]
         ds.append((a - b).abs().amax(-1))
         agree.append(a.argmax(-1) == b.argmax(-1))
     d, agree = torch.cat(ds), torch.cat(agree).float()
@@ -236,7 +239,7 @@ def test_kernels_stay_near_the_float32_function(cuda_models, vec):
 
 
 @pytest.mark.parametrize("i", range(N_PROMPTS))
-def test_qat_on_cuda_matches_the_cpu_reference(cuda_models, cpu_model, vec, fallback, i):
+def test_qat_on_cuda_matches_the_cpu_reference(cuda_models, cpu_model, vec, i):
     """QAT on: the CPU test's bound against the CPU reference (argmax >= 98 %, >= 95 % within 2e-2): an FP8/FP4
     rounding input within float32 noise of a midpoint may round the other way on another device."""
     v = vec["qat"]
@@ -262,8 +265,8 @@ def _one(model, ids):
     return model.forward([SeqInput(st, ids)])[0], st
 
 
-def test_chunks_and_decode_equal_one_pass_on_cuda(tiny_cuda, path):
-    m = tiny_cuda
+def test_chunks_and_decode_equal_one_pass_on_cuda(path_model):
+    m = path_model
     ids = _ids(90, 1)
     ref, _ = _one(m, ids)
     for chunk in (1, 3, 8, 64):
@@ -272,10 +275,10 @@ def test_chunks_and_decode_equal_one_pass_on_cuda(tiny_cuda, path):
         assert torch.equal(torch.cat(outs), ref), chunk
 
 
-def test_row_alone_equals_row_in_64_and_in_a_2048_chunk(tiny_cuda, path):
+def test_row_alone_equals_row_in_64_and_in_a_2048_chunk(path_model):
     """Hard rule: a decode row's bits do not depend on the round: alone == among 63 other decode rows == beside a
     2047-row prompt chunk (torch.equal)."""
-    m = tiny_cuda
+    m = path_model
     base = m.new_state()
     others = [m.new_state() for _ in range(63)]
     m.forward([SeqInput(base, _ids(37, 2))] + [SeqInput(st, _ids(5 + 3 * k, 100 + k)) for k, st in enumerate(others)])
@@ -293,8 +296,8 @@ def test_row_alone_equals_row_in_64_and_in_a_2048_chunk(tiny_cuda, path):
     assert torch.equal(outs[1], alone)
 
 
-def test_batch_of_four_equals_each_alone_on_cuda(tiny_cuda, path):
-    m = tiny_cuda
+def test_batch_of_four_equals_each_alone_on_cuda(path_model):
+    m = path_model
     seqs = [_ids(n, 10 + n) for n in (5, 23, 40, 61)]
     alone = [_one(m, s)[0] for s in seqs]
     outs = m.forward([SeqInput(m.new_state(), s) for s in seqs])

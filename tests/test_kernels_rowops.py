@@ -2,7 +2,7 @@
 and the vectorised mHC stream mixes against the loops they replaced, bitwise.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py) against the CUDA path's torch functions run on
-CPU tensors (device.cuda_path()). One difference is the CPU's, not the kernel's: torch's CPU sqrt is not correctly
+CPU tensors (the op sets cuda_ops() and cuda_ops(kernels=False), dsv41/model/ops.py). One difference is the CPU's, not the kernel's: torch's CPU sqrt is not correctly
 rounded (torch's CUDA sqrt is: sqrt.rn), so on CPU the norm kernel is compared with the fallback's operations
 written out with a correctly rounded sqrt, and that write-out with torch.sqrt is checked to be the fallback itself.
 With a GPU (marker gpu) the kernels are compared with the fallbacks directly, at V4.1 shapes. A PTX check compiles
@@ -11,6 +11,7 @@ and no fused multiply-add (which the torch fallbacks never use).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -21,9 +22,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from dsv41.model import device as dev
 from dsv41.model import linear, mhc
+from dsv41.model.ops import cuda_ops, reference_ops
 from kernels import rowops
+from kernels.numerics import inv_count, tree_row_sum
 
 ROOT = Path(__file__).resolve().parent.parent
 # the kernels on CPU tensors need the interpreter (tests/conftest.py sets it where there is no GPU)
@@ -70,7 +72,7 @@ def _sqrt_rn(x):
 
 def _norm_written_out(x, w, eps, sqrt):
     """linear.rms_norm's CUDA path, operation by operation (rsqrt(t) = reciprocal(t) * 1 as torch's 1.0 / t)."""
-    mean = dev.tree_row_sum(x * x) * linear.inv_count(x.shape[-1])
+    mean = tree_row_sum(x * x) * inv_count(x.shape[-1])
     y = x * (torch.reciprocal(sqrt(mean + eps)) * 1.0)
     return y if w is None else y * w
 
@@ -85,13 +87,9 @@ def _combs(n, hc, seed):
 def test_written_out_norm_is_the_cuda_path_fallback():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 5120, generator=g) * 4, torch.rand(5120, generator=g)
-    dev.set_kernels(False)
-    try:
-        with dev.cuda_path():
-            for weight in (w, None):
-                assert torch.equal(linear.rms_norm(x, weight, 1e-6), _norm_written_out(x, weight, 1e-6, torch.sqrt))
-    finally:
-        dev.set_kernels(True)
+    for weight in (w, None):
+        assert torch.equal(cuda_ops(kernels=False).rms_norm(x, weight, 1e-6),
+                           _norm_written_out(x, weight, 1e-6, torch.sqrt))
 
 
 @interp
@@ -111,13 +109,13 @@ def test_norm_kernel_is_what_rms_norm_runs_and_row_invariant():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 3, 640, generator=g)        # leading dims flattened into rows
     w = torch.rand(640, generator=g)
-    with dev.cuda_path():
-        got = linear.rms_norm(x, w, 1e-6)
+    got = cuda_ops().rms_norm(x, w, 1e-6)
     assert torch.equal(got, rowops.rms_norm(x, w, 1e-6))
     assert got.shape == x.shape
     assert torch.equal(rowops.rms_norm(x[2, 1:2], w, 1e-6)[0], got[2, 1])     # a row alone == among 15
     # the CPU reference does not take the kernel (or the tree)
-    ref = linear.rms_norm(x, w, 1e-6)
+    ref = reference_ops().rms_norm(x, w, 1e-6)
+    assert torch.equal(ref, linear.rms_norm(x, w, 1e-6))
     xf = x.float()
     assert torch.equal(ref, xf * linear.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6) * w)
 
@@ -135,20 +133,15 @@ def test_sinkhorn_kernel_equals_the_loop_bitwise(n, iters):
 def test_hc_mixes_takes_the_sinkhorn_kernel_on_the_cuda_path():
     g = torch.Generator().manual_seed(2)
     hc, hidden = 4, 64
-    site = mhc.HcSite(fn=torch.randn((2 + hc) * hc, hc * hidden, generator=g) * 0.1,
-                      base=torch.randn((2 + hc) * hc, generator=g), scale=torch.rand(3, generator=g) + 0.5)
+    parts = {"fn": torch.randn((2 + hc) * hc, hc * hidden, generator=g) * 0.1,
+             "base": torch.randn((2 + hc) * hc, generator=g), "scale": torch.rand(3, generator=g) + 0.5}
     streams = torch.randn(6, hc, hidden, generator=g)
-    saved = dict(dev.KERNELS)
-    dev.KERNELS.pop("rms_norm", None)       # the same flat norm on both sides (torch's CPU sqrt, see above)
-    try:
-        with dev.cuda_path():
-            got = mhc.hc_mixes(streams, site, 20, 1e-6, 1e-6)
-            dev.set_kernels(False)
-            want = mhc.hc_mixes(streams, site, 20, 1e-6, 1e-6)
-    finally:
-        dev.set_kernels(True)
-        dev.KERNELS.clear()
-        dev.KERNELS.update(saved)
+    fallbacks = cuda_ops(kernels=False)
+    # the kernels' op set but the fallbacks' norm: the same flat norm on both sides (torch's CPU sqrt, see above)
+    kernels = dataclasses.replace(cuda_ops(), rms_norm=fallbacks.rms_norm)
+    assert kernels.sinkhorn is not fallbacks.sinkhorn
+    got = mhc.hc_mixes(streams, mhc.HcSite(**parts, ops=kernels), 20, 1e-6, 1e-6)
+    want = mhc.hc_mixes(streams, mhc.HcSite(**parts, ops=fallbacks), 20, 1e-6, 1e-6)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
@@ -179,9 +172,8 @@ def test_collapse_and_expand_kernels_equal_the_loops_bitwise(hidden):
     post = torch.rand(n, hc, generator=g) * 2
     comb = _sinkhorn_loop(_combs(n, hc, 6), 20, 1e-6)
     y = torch.randn(n, hidden, generator=g)
-    with dev.cuda_path():
-        got_c = mhc.hc_collapse(streams, pre)
-        got_e = mhc.hc_expand(y, streams, post, comb)
+    got_c = cuda_ops().hc_collapse(streams, pre)
+    got_e = cuda_ops().hc_expand(y, streams, post, comb)
     assert torch.equal(rowops.hc_collapse(streams, pre), got_c)        # the kernels ran
     assert torch.equal(rowops.hc_expand(y, streams, post, comb), got_e)
     want_c, want_e = _collapse_loop(streams, pre), _expand_loop(y, streams, post, comb)
@@ -190,29 +182,24 @@ def test_collapse_and_expand_kernels_equal_the_loops_bitwise(hidden):
     assert torch.equal(rowops.hc_expand(y[3:4], streams[3:4], post[3:4], comb[3:4])[0], got_e[3])   # alone
 
 
-def _moe(g, n_exp, hidden, top_k):
+def _moe(g, n_exp, hidden, top_k, ops=None):
     from dsv41.model.moe import Expert, MoE
     shared = Expert(torch.randn(8, hidden, generator=g), torch.randn(hidden, 8, generator=g),
                     torch.randn(8, hidden, generator=g))
     return MoE(gate=torch.randn(n_exp, hidden, generator=g), bias=torch.randn(n_exp, generator=g) * 0.1,
                bias_vl=torch.zeros(n_exp), experts={}, shared=shared, top_k=top_k, gate_temp=1.0, scaling=1.5,
-               limit=10.0)
+               limit=10.0, ops=ops or reference_ops())
 
 
 @interp
 @pytest.mark.parametrize("top_k", [6, 2, 3])
 def test_route_weights_kernel_equals_the_route_bitwise(top_k):
     g = torch.Generator().manual_seed(top_k)
-    moe = _moe(g, 384, 32, top_k)
+    moe = _moe(g, 384, 32, top_k, cuda_ops())
     x = torch.randn(37, 32, generator=g) * 2
     x[3] = -40.0                                     # scores near 0 (softplus of very negative logits)
-    with dev.cuda_path():
-        got_w, got_ids = moe.route(x)
-        dev.set_kernels(False)
-        try:
-            want_w, want_ids = moe.route(x)
-        finally:
-            dev.set_kernels(True)
+    got_w, got_ids = moe.route(x)
+    want_w, want_ids = dataclasses.replace(moe, ops=cuda_ops(kernels=False)).route(x)
     assert torch.equal(got_ids, want_ids)
     assert torch.equal(got_w, want_w)
     s = torch.randn(5, 384, generator=g).abs()
@@ -238,16 +225,12 @@ def test_norm_kernel_equals_the_fallback_on_cuda(width):
     x = (torch.randn(64, width, generator=g) * 3).cuda()
     w = (torch.rand(width, generator=g) + 0.5).cuda()
     for weight, eps in ((w, 1e-20), (None, 1e-20), (w, 1e-6)):
-        dev.set_kernels(False)
-        try:
-            want = linear.rms_norm(x, weight, eps)
-        finally:
-            dev.set_kernels(True)
+        want = cuda_ops(kernels=False).rms_norm(x, weight, eps)
         assert torch.equal(want, _norm_written_out(x, weight, eps, torch.sqrt))
-        got = linear.rms_norm(x, weight, eps)
+        got = cuda_ops().rms_norm(x, weight, eps)
         assert torch.equal(got, want), (width, (got - want).abs().max().item())
         for rows in (1, 8, 33):
-            assert torch.equal(linear.rms_norm(x[:rows], weight, eps), got[:rows])
+            assert torch.equal(cuda_ops().rms_norm(x[:rows], weight, eps), got[:rows])
 
 
 @pytest.mark.gpu
@@ -263,36 +246,29 @@ def test_sinkhorn_kernel_equals_the_loop_on_cuda(n):
 def test_hc_mixes_kernels_equal_fallbacks_on_cuda():
     g = torch.Generator().manual_seed(5)
     hc, hidden = 4, 5120
-    site = mhc.HcSite(fn=(torch.randn((2 + hc) * hc, hc * hidden, generator=g) * 0.01).cuda(),
-                      base=torch.randn((2 + hc) * hc, generator=g).cuda(),
-                      scale=(torch.rand(3, generator=g) + 0.5).cuda())
+    parts = {"fn": (torch.randn((2 + hc) * hc, hc * hidden, generator=g) * 0.01).cuda(),
+             "base": torch.randn((2 + hc) * hc, generator=g).cuda(),
+             "scale": (torch.rand(3, generator=g) + 0.5).cuda()}
     streams = torch.randn(64, hc, hidden, generator=g).cuda()
-    got = mhc.hc_mixes(streams, site, 20, 1e-6, 1e-20)
-    dev.set_kernels(False)
-    try:
-        want = mhc.hc_mixes(streams, site, 20, 1e-6, 1e-20)
-    finally:
-        dev.set_kernels(True)
+    got = mhc.hc_mixes(streams, mhc.HcSite(**parts, ops=cuda_ops()), 20, 1e-6, 1e-20)
+    want = mhc.hc_mixes(streams, mhc.HcSite(**parts, ops=cuda_ops(kernels=False)), 20, 1e-6, 1e-20)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     y = torch.randn(64, hidden, generator=g).cuda()
-    assert torch.equal(mhc.hc_expand(y, streams, got[1], got[2]), _expand_loop(y, streams, got[1], got[2]))
-    assert torch.equal(mhc.hc_collapse(streams, got[0]), _collapse_loop(streams, got[0]))
+    ops = cuda_ops()
+    assert torch.equal(ops.hc_expand(y, streams, got[1], got[2]), _expand_loop(y, streams, got[1], got[2]))
+    assert torch.equal(ops.hc_collapse(streams, got[0]), _collapse_loop(streams, got[0]))
 
 
 @pytest.mark.gpu
 def test_route_weights_kernel_equals_the_route_on_cuda():
     g = torch.Generator().manual_seed(7)
-    moe = _moe(g, 384, 5120, 6)
+    moe = _moe(g, 384, 5120, 6, cuda_ops())
     for name in ("gate", "bias", "bias_vl"):
         setattr(moe, name, getattr(moe, name).cuda())
     x = torch.randn(64, 5120, generator=g).cuda()
     got_w, got_ids = moe.route(x)
-    dev.set_kernels(False)
-    try:
-        want_w, want_ids = moe.route(x)
-    finally:
-        dev.set_kernels(True)
+    want_w, want_ids = dataclasses.replace(moe, ops=cuda_ops(kernels=False)).route(x)
     assert torch.equal(got_ids, want_ids)
     assert torch.equal(got_w, want_w)
     assert torch.equal(moe.route(x[5:6])[0][0], got_w[5])

@@ -2,8 +2,8 @@
 (docs/gpu.md "Same code, device tensors"), whose Python hook would cost every torch call of a round ~7 µs on the
 GPU host. On the CPU a factory call without a device still works, so this audit is what catches one that would put
 a tensor on the host during a CUDA round: each torch factory function (torch.utils._device's list) called inside
-Model.forward / DSpark.draft without `device=` fails the test, on the reference path and on the CUDA path's
-functions (device.cuda_path(), torch fallbacks), over prompt passes, mixed rounds, decode and verify rounds, image
+Model.forward / DSpark.draft without `device=` fails the test, on the reference op set and on the CUDA path's
+(cuda_ops(kernels=False): the torch fallbacks), over prompt passes, mixed rounds, decode and verify rounds, image
 rows, a trace and drafts. Host-side work inside the forward (Engram hashing, the round's integer prep) sets
 device="cpu" itself or runs under `with torch.device("cpu")`, which names the device before this audit sees it."""
 import traceback
@@ -13,8 +13,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
-from dsv41.model import device as dev
 from dsv41.model.model import Model, SeqInput
+from dsv41.model.ops import cuda_ops
 
 CTORS = _device_constructors()
 
@@ -83,15 +83,12 @@ def test_forward_and_draft_name_every_device(tiny_model):
     assert not audit.sites, sorted(audit.sites)
 
 
-def test_the_cuda_path_names_every_device(tiny_model):
+def test_the_cuda_path_names_every_device():
     """The CUDA path's own functions (tree row sums, the batched round's gathers; torch fallbacks for the kernels)
     on CPU tensors."""
+    from dsv41.api.engine import builtin_checkpoint
+    m = Model.load(builtin_checkpoint(), ops=cuda_ops(kernels=False))
+    assert m.ops.name == "cuda-fallbacks"
     audit = FactoryAudit()
-    was = dev.kernels_enabled()
-    dev.set_kernels(False)
-    try:
-        with dev.cuda_path():
-            _exercise(tiny_model, audit)
-    finally:
-        dev.set_kernels(was)
+    _exercise(m, audit)
     assert not audit.sites, sorted(audit.sites)

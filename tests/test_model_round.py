@@ -1,15 +1,16 @@
 """The batched round (Model._prepare_round / _keys_round): sequences that bring the same number of rows (decode,
 drafted verify) run the history work (window rings, compressor groups, indexer, top-k, key gather) once for the whole
 round. A row's bits must be what its sequence gives alone, whatever the other sequences' lengths (padding)."""
-import contextlib
+import dataclasses
 
 import pytest
 import torch
 
-from dsv41.model import device as dev
 from dsv41.model import model as model_mod
+from dsv41.model import ops as ops_mod
 from dsv41.model.indexer import KEY_TILE, Indexer
 from dsv41.model.model import Model, SeqInput
+from dsv41.model.ops import cuda_ops
 from kernels.indexer import index_scores, index_scores_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"   # the kernel tests: the interpreter on CPU (conftest)
@@ -145,27 +146,23 @@ def test_index_scores_table_kernel_equals_per_sequence_launches():
 
 @pytest.mark.parametrize("kernels", [True, False])
 def test_round_scores_on_the_cuda_path_equal_the_per_sequence_path(kernels):
-    """Indexer.round_scores on the CUDA path (on CUDA; on a CPU machine device.cuda_path with the kernels under the
-    interpreter, or the torch fallback) gives each row the bits Indexer.scores gives its sequence alone on that path."""
+    """Indexer.round_scores on the CUDA path (cuda_ops: on CUDA; on a CPU machine the same op set on CPU tensors with
+    the kernels under the interpreter, or the torch fallbacks) gives each row the bits Indexer.scores gives its
+    sequence alone on that path."""
     g = torch.Generator().manual_seed(9)
     H, D, n = 4, 32, 1
     ix = Indexer(layer=0, n_heads=H, head_dim=D, topk=8, wq_b=None, weights_proj=None, wk=None, k_norm=None,
-                 eps=1e-6)
+                 eps=1e-6, ops=cuda_ops(kernels))
     srcs = [torch.randn(c, D, generator=g).to(DEVICE) for c in (3, 70, 0)]
     q = torch.randn(len(srcs) * n, H, D, generator=g).to(DEVICE)
     w = torch.randn(len(srcs) * n, H, generator=g).to(DEVICE)
     counts = torch.tensor([k.shape[0] for k in srcs], device=DEVICE)
-    dev.set_kernels(kernels)
-    try:
-        with dev.cuda_path() if DEVICE == "cpu" else contextlib.nullcontext():
-            got = ix.round_scores(q, w, srcs, 128, counts, counts)
-            for b, k in enumerate(srcs):
-                if k.shape[0]:
-                    ref = ix.scores(q[b:b + 1], w[b:b + 1], k, torch.tensor([k.shape[0] - 1], device=DEVICE), 1)
-                    assert torch.equal(got[b:b + 1, :k.shape[0]], ref), b
-                assert torch.isneginf(got[b, k.shape[0]:]).all()
-    finally:
-        dev.set_kernels(True)
+    got = ix.round_scores(q, w, srcs, 128, counts, counts)
+    for b, k in enumerate(srcs):
+        if k.shape[0]:
+            ref = ix.scores(q[b:b + 1], w[b:b + 1], k, torch.tensor([k.shape[0] - 1], device=DEVICE), 1)
+            assert torch.equal(got[b:b + 1, :k.shape[0]], ref), b
+        assert torch.isneginf(got[b, k.shape[0]:]).all()
 
 
 def test_grow_rows_reuses_room():
@@ -188,8 +185,9 @@ def test_round_gather_kernel_equals_index_select():
         if s.shape[0]:
             idx[b * n:(b + 1) * n, :3] = torch.randint(0, s.shape[0], (n, 3), generator=g)
     srcs, idx = [c.to(DEVICE) for c in srcs], idx.to(DEVICE)
-    ref = model_mod._gather_round(srcs, idx, n, kernel=False)
-    got = model_mod._gather_round(srcs, idx, n, kernel=True)
+    assert "gather_rows" in cuda_ops().kernels
+    ref = ops_mod.gather_round(srcs, idx, n)
+    got = cuda_ops().gather_round(srcs, idx, n)
     ok = (idx >= 0)[..., None]
     assert torch.equal(got * ok, ref * ok)
     assert not got[~(idx >= 0)].any()
@@ -205,10 +203,9 @@ def test_round_with_the_gather_kernel_equals_each_alone(model, monkeypatch):
     states = [model.new_state() for _ in lens]
     model.forward([SeqInput(st, s[:n]) for st, s, n in zip(states, seqs, lens)])
     used = []
-    orig_kernel, orig_gather = model_mod.dev.kernel, model_mod._gather_round
-    monkeypatch.setattr(model_mod.dev, "kernel", lambda name, x: object() if name == "index_scores"
-                        else orig_kernel(name, x))
-    monkeypatch.setattr(model_mod, "_gather_round", lambda *a: used.append(a[3]) or orig_gather(*a))
+    kernel = cuda_ops().gather_round         # the CUDA op set's gather, in the reference op set's model
+    monkeypatch.setattr(model, "ops", dataclasses.replace(
+        model.ops, gather_round=lambda *a: used.append(True) or kernel(*a)))
     for k in range(3):
         outs = model.forward([SeqInput(st, s[n + k:n + k + 1]) for st, s, n in zip(states, seqs, lens)])
         for o, r, n in zip(outs, ref, lens):

@@ -8,19 +8,19 @@ the denominator only. The output's rope slice is rotated back at the query posit
 projection: wo_a per group of heads, wo_b to the hidden size.
 
 Exactness: every row's key set has the fixed width W (+ index_topk) with masked slots, and the products run in
-fixed tiles of ROW_TILE rows (`tiled`), so a row's output does not depend on its neighbours. Tensor parallelism:
+fixed row tiles (the op set's `tiled`), so a row's output does not depend on its neighbours. Tensor parallelism:
 with `shards` > 1 (weights.TP_SHARDS) the heads, their wq_b rows, wo_a groups and wo_b columns are computed shard
 by shard exactly as a rank of a wider world computes its own, and the wo_b partials are added in shard order, so
 one rank and two give the same bits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dsv41.model import quant
-from dsv41.model.linear import linear, rms_norm, tiled
+from dsv41.model.ops import Ops, reference_ops
 from dsv41.model.rope import apply_rope
 
 
@@ -40,6 +40,7 @@ class Attention:
     shards: int = 1                         # TP shards computed apart (weights.TP_SHARDS // world)
     wq_b_shards: list | None = None         # wq_b's rows per shard (views)
     wo_b_shards: list | None = None         # wo_b's columns per shard (contiguous copies)
+    ops: Ops = field(default_factory=reference_ops)   # the model's op set (given at load; dsv41/model/ops.py)
 
     @property
     def n_heads(self) -> int:
@@ -47,13 +48,14 @@ class Attention:
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qat: bool):
         """x [n, H] (attn_norm'd) -> q_res [n, q_lora], q [n, heads, D] (roped), kv [n, D] (roped, fake-quant)."""
-        q_res = rms_norm(linear(x, self.wq_a), self.q_norm, self.eps)
+        ops = self.ops
+        q_res = ops.rms_norm(ops.linear(x, self.wq_a), self.q_norm, self.eps)
         if self.shards > 1:
-            q = torch.cat([linear(q_res, w) for w in self.wq_b_shards], dim=1)
+            q = torch.cat([ops.linear(q_res, w) for w in self.wq_b_shards], dim=1)
         else:
-            q = linear(q_res, self.wq_b)
+            q = ops.linear(q_res, self.wq_b)
         q = apply_rope(q.view(-1, self.n_heads, self.head_dim), cos, sin)
-        kv = apply_rope(rms_norm(linear(x, self.wkv), self.kv_norm, self.eps), cos, sin)
+        kv = apply_rope(ops.rms_norm(ops.linear(x, self.wkv), self.kv_norm, self.eps), cos, sin)
         if qat:
             kv = quant.fp8_fake_quant(kv, 32)
         return q_res, q, kv
@@ -78,7 +80,7 @@ class Attention:
             p = torch.softmax(s, dim=-1)[..., :-1]                             # the sink only in the denominator
             return torch.bmm(p, kt)
 
-        return tiled(tile, q, keys, valid)
+        return self.ops.tiled(tile, q, keys, valid)
 
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE at the query position, grouped wo_a, then wo_b: o [n, heads, D] -> [n, H] (this rank's
@@ -88,12 +90,13 @@ class Attention:
         groups = self.wo_a.shape[0] // self.o_lora
         per_group = o.reshape(n, groups, -1)
         lo = self.o_lora  # group g's rows of wo_a (a row slice works for weights kept in FP8 form too)
-        mid = torch.cat([linear(per_group[:, g], self.wo_a[g * lo:(g + 1) * lo]) for g in range(groups)], dim=1)
+        lin = self.ops.linear
+        mid = torch.cat([lin(per_group[:, g], self.wo_a[g * lo:(g + 1) * lo]) for g in range(groups)], dim=1)
         if self.shards == 1:
-            return linear(mid, self.wo_b)
+            return lin(mid, self.wo_b)
         c = mid.shape[1] // self.shards
         y = None
         for i, w in enumerate(self.wo_b_shards):    # the partials in shard order, as ranks add theirs
-            part = linear(mid[:, i * c:(i + 1) * c], w)
+            part = lin(mid[:, i * c:(i + 1) * c], w)
             y = part if y is None else y + part
         return y

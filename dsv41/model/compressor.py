@@ -7,11 +7,11 @@ Ratio 1: latent = norm(wkv(x)), no gate. Latents are returned pre-RoPE: the inde
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from dsv41.model.linear import linear, rms_norm
+from dsv41.model.ops import Ops, reference_ops
 from dsv41.model.state import SeqState
 
 
@@ -23,11 +23,12 @@ class Compressor:
     wgate: torch.Tensor | None   # [D, H] (ratio > 1)
     norm: torch.Tensor           # [D]
     eps: float
+    ops: Ops = field(default_factory=reference_ops)   # the model's op set (given at load)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token kv (and gate) for all rows of the forward [n, D], float32."""
-        kv = linear(x, self.wkv)
-        gate = linear(x, self.wgate) if self.wgate is not None else None
+        kv = self.ops.linear(x, self.wkv)
+        gate = self.ops.linear(x, self.wgate) if self.wgate is not None else None
         return kv, gate
 
     def close_groups(self, st: SeqState, kv: torch.Tensor, gate: torch.Tensor | None) -> tuple[torch.Tensor, int]:
@@ -35,7 +36,7 @@ class Compressor:
         Returns (latents [g, D] pre-RoPE, position of the first returned group's first token)."""
         first = st.compressed[self.layer].shape[0] * self.ratio if self.layer in st.compressed else 0
         if self.ratio == 1:
-            return rms_norm(kv, self.norm, self.eps), first
+            return self.ops.rms_norm(kv, self.norm, self.eps), first
         pending_kv = st.partial_kv.get(self.layer)
         if pending_kv is not None and pending_kv.shape[0]:
             kv = torch.cat([pending_kv, kv], dim=0)
@@ -63,4 +64,4 @@ class Compressor:
         latent = kv[:, 0] * (e[0] / total)
         for t in range(1, self.ratio):
             latent = latent + kv[:, t] * (e[t] / total)
-        return rms_norm(latent, self.norm, self.eps)
+        return self.ops.rms_norm(latent, self.norm, self.eps)

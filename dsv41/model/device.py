@@ -1,28 +1,28 @@
-"""Where the model's weights live on a device and which function computes each op there (docs/gpu.md).
+"""Where the model's weights live on a device (docs/gpu.md): the CUDA start-up checks and the weights kept in their
+checkpoint form, as data. Which function computes each op is the op set's business (dsv41/model/ops.py), chosen
+once when the model loads.
 
-CPU: today's reference path: every weight dequantised to float32 at load, products in ROW_TILE-row tiles.
+CPU: the reference: every weight dequantised to float32 at load (unless Model.load(keep_quant=True)).
 CUDA: the same model code. FP8 (E4M3, E8M0 per 32x32 block) and packed FP4 expert weights stay in their checkpoint
-form in GPU memory as `Fp8Weight` / `Fp4Weight`; `dsv41.model.linear.linear` hands a product with one of them to
-this module, which runs the Triton kernel of `kernels/` when it is there and enabled, and otherwise a torch
+form in GPU memory as `Fp8Weight` / `Fp4Weight`, a layer's routed experts stacked once as an `ExpertStack` (the
+grouped kernel's layout); the op set's `linear` / `routed` take them to a kernel of `kernels/` or to a torch
 fallback that dequantises the weight it needs for the call (exact: a power-of-two scale times an E4M3/E2M1 value
-is a float32) and multiplies in fixed row tiles (correct, slow: it reads and writes the weight in float32).
+is a float32) and multiplies in fixed row tiles.
 
 Exactness on the GPU (docs/architecture.md "Exactness"): a row's bits must not depend on the other rows of a
-round. cuBLAS picks algorithms (and split-K) by shape, so products run in tiles of a FIXED row count; torch's CUDA
-reductions pick their thread layout (and so the summation order) from the number of rows, so the row sums of the
-model (`row_sum`) are a fixed pairwise tree of elementwise adds there; a Triton kernel used here must run one
-configuration (tile sizes, K order, no split-K) for every row count. TF32 is off and checked at start.
+round. cuBLAS picks algorithms (and split-K) by shape, so products run in tiles of a FIXED row count
+(CUDA_ROW_TILE); torch's CUDA reductions pick their thread layout (and so the summation order) from the number of
+rows, so the CUDA op set's row sums are a fixed pairwise tree of elementwise adds (kernels.numerics.tree_row_sum);
+a kernel must run one configuration for every row count. TF32 is off and checked at start.
 """
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from dsv41.model import quant
-from kernels.numerics import tree_row_sum  # noqa: F401 - the CUDA path's row sum, re-exported
 
 # Rows per product tile on CUDA: one fixed shape for cuBLAS whatever the round holds. 64 covers a decode round of
 # 64 rows in one tile; a 2048-row prompt chunk is 32 tiles.
@@ -86,9 +86,6 @@ class Fp8Weight:
     def dequant(self) -> torch.Tensor:
         return quant.dequant_fp8(self.q, self.scale, torch.float32)
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self)
-
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.numel()
 
@@ -109,9 +106,6 @@ class Fp4Weight:
 
     def dequant(self) -> torch.Tensor:
         return quant.dequant_fp4(self.packed, self.scale, torch.float32)
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled_matmul(x, self.dequant())
 
     def nbytes(self) -> int:
         return self.packed.numel() + self.scale.numel()
@@ -151,115 +145,13 @@ def to_device(w: Fp8Weight | Fp4Weight, device) -> Fp8Weight | Fp4Weight:
     return Fp4Weight(w.packed.to(device), w.scale.to(device))
 
 
-# ---- which function computes each op ------------------------------------------------------------------------------
-
-def _load_kernels() -> dict:
-    """The Triton kernels of kernels/ that exist (the gpu_kernels part); missing ones fall back to torch."""
-    found = {}
-    try:
-        from kernels.fp8_linear import fp8_linear as k
-        found["fp8_linear"] = k
-    except Exception:  # noqa: BLE001, S110 - absent, or Triton missing: the torch fallback runs
-        pass
-    try:
-        from kernels.fp4_moe import fp4_moe as k
-        found["fp4_moe"] = k
-    except Exception:  # noqa: BLE001, S110
-        pass
-    try:
-        from kernels.indexer import index_scores as k
-        found["index_scores"] = k
-    except Exception:  # noqa: BLE001, S110
-        pass
-    try:   # the per-layer row ops: mHC Sinkhorn / collapse / expand, RMSNorm, MoE weights (one launch each)
-        from kernels import rowops
-        for name in ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "route_weights"):
-            found[name] = getattr(rowops, name)
-    except Exception:  # noqa: BLE001, S110
-        pass
-    return found
-
-
-KERNELS = _load_kernels()
-# DSV41_KERNELS=0 runs the torch fallbacks on CUDA even where a kernel exists (to compare the two, and a way out
-# should a kernel misbehave on some GPU).
-_enabled = os.environ.get("DSV41_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def kernels_enabled() -> bool:
-    return _enabled
-
-
-def set_kernels(enabled: bool) -> None:
-    """Use the Triton kernels on CUDA (True, the default) or the torch fallbacks (False)."""
-    global _enabled
-    _enabled = bool(enabled)
-
-
-# Tests and bench/layer_ops.py only: take the CUDA path's functions (tree row sums; the kernels, which then run
-# under TRITON_INTERPRET=1) on CPU tensors, to compare kernels with their torch fallbacks and count the path's ops
-# without a GPU. The CPU reference never runs under it.
-_emulate_cuda = False
-
-
-@contextmanager
-def cuda_path(enabled: bool = True):
-    """Within the block, CPU tensors take the CUDA path's functions (on_cuda_path; kernels only when
-    TRITON_INTERPRET=1). Not thread-safe; for tests and benches."""
-    global _emulate_cuda
-    before = _emulate_cuda
-    _emulate_cuda = bool(enabled)
-    try:
-        yield
-    finally:
-        _emulate_cuda = before
-
-
-def on_cuda_path(x: torch.Tensor) -> bool:
-    """Whether x takes the CUDA path's functions (x on CUDA, or inside cuda_path())."""
-    return x.is_cuda or _emulate_cuda
-
+# ---- helpers the op sets use ---------------------------------------------------------------------------------
 
 def address_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """[B] int64 data pointers of the tensors (0 for an empty one) on `device`, for kernels that reach each
     sequence's own tensor through a table (a pinned, non-blocking copy: no host sync)."""
     table = torch.tensor([t.data_ptr() if t.shape[0] else 0 for t in tensors], dtype=torch.int64, device="cpu")
     return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
-
-
-def kernel(name: str, x: torch.Tensor):
-    """The kernel `name` if it exists, is enabled and x is on CUDA (or inside cuda_path() under the Triton
-    interpreter); else None."""
-    if not _enabled:
-        return None
-    if not (x.is_cuda or (_emulate_cuda and os.environ.get("TRITON_INTERPRET") == "1")):
-        return None
-    return KERNELS.get(name)
-
-
-def row_tile(x: torch.Tensor) -> int:
-    from dsv41.model.linear import ROW_TILE
-    return CUDA_ROW_TILE if x.is_cuda else ROW_TILE
-
-
-def tiled_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [n, in] · w[out, in]ᵀ in fixed row tiles (the reference GEMM; w float32)."""
-    from dsv41.model.linear import tiled
-    wt = w.t()
-    return tiled(lambda t: t @ wt, x)
-
-
-def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    k = kernel("fp8_linear", x)
-    if k is not None:
-        return k(x.contiguous(), w.q, w.scale).float()
-    return tiled_matmul(x, w.dequant())
-
-
-def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """The indexer's scores [n, T] (before the visibility mask) in one kernel launch, or None (the torch path)."""
-    k = kernel("index_scores", q)
-    return None if k is None or keys.shape[1] & (keys.shape[1] - 1) else k(q, w, keys, scale)
 
 
 # ---- routed experts as one stack (the grouped kernel's layout) ---------------------------------------------------
@@ -275,23 +167,11 @@ class ExpertStack:
     s2: torch.Tensor
     local: torch.Tensor
 
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float,
-               keep: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Σ over slots (slot order) of the routed experts' outputs in one grouped launch; None when the kernel is
-        absent or disabled (the caller runs the experts one by one). keep [n, k]: only these slots (one TP
-        shard's experts); the others contribute nothing, as another rank's do."""
-        k = kernel("fp4_moe", x)
-        if k is None:
-            return None
-        local = self.local[ids]
-        if keep is not None:
-            local = torch.where(keep, local, -1)
-        return k(x.contiguous(), self.w13, self.s13, self.w2, self.s2, local, weights, limit)
-
 
 def stack_experts(experts: dict, n_experts: int) -> ExpertStack | None:
     """Stack a layer's Fp4Weight experts (dict id -> moe.Expert) and point each expert's weights into the stack, so
-    the grouped kernel and the per-expert fallback read the same memory (held once)."""
+    the grouped kernel and the per-expert fallback read the same memory (held once). Model.load stacks them when
+    its op set asks for it (`Ops.stacks_experts`: the CUDA path)."""
     if experts and type(next(iter(experts.values())).w1).__name__ == "Exl3Packed":   # an EXL3 pack (docs/exl3.md)
         from dsv41.model.exl3_load import stack_exl3_experts
         return stack_exl3_experts(experts, n_experts)

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.model import quant
-from dsv41.model.linear import linear, rms_norm
-from dsv41.model.mhc import hc_collapse, hc_expand, hc_mixes
+from dsv41.model.mhc import hc_mixes
 from dsv41.model.rope import apply_rope
 from dsv41.model.state import SeqState
 
@@ -38,6 +37,7 @@ class Draft:
 class DSpark:
     def __init__(self, model, W: dict[str, torch.Tensor], stages: list):
         self.model = model
+        self.ops = model.ops     # the model's op set; the stages (Blocks) hold it too
         t = model.t
         self.stages = stages
         self.main_proj = W["mtp.0.main_proj.weight"]
@@ -52,12 +52,13 @@ class DSpark:
 
     def main_x(self, main_hidden: torch.Tensor) -> torch.Tensor:
         t = self.model.t
-        return rms_norm(linear(main_hidden, self.main_proj), self.main_norm, t.rms_norm_eps)
+        return self.ops.rms_norm(self.ops.linear(main_hidden, self.main_proj), self.main_norm, t.rms_norm_eps)
 
     def _stage_kv(self, blk, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         m = self.model
         cos, sin = m.rope.cos_sin("main", pos)
-        kv = apply_rope(rms_norm(linear(x, blk.attn.wkv), blk.attn.kv_norm, m.t.rms_norm_eps), cos, sin)
+        ops = self.ops
+        kv = apply_rope(ops.rms_norm(ops.linear(x, blk.attn.wkv), blk.attn.kv_norm, m.t.rms_norm_eps), cos, sin)
         return quant.fp8_fake_quant(kv, 32) if m.qat else kv
 
     def fill_rings(self, main_hidden: torch.Tensor, pos: torch.Tensor, segs) -> None:
@@ -76,7 +77,7 @@ class DSpark:
         return self._draft(items)
 
     def _draft(self, items: list[tuple[SeqState, int]]) -> list[Draft]:
-        m, t = self.model, self.model.t
+        m, t, ops = self.model, self.model.t, self.ops
         B, S, W = len(items), self.block_size, t.sliding_window
         if B == 0:
             return []
@@ -94,7 +95,7 @@ class DSpark:
         cos, sin = m.rope.cos_sin("main", pos)
         for blk in self.stages:
             pre_a, post_a, comb_a = hc_mixes(streams, blk.hc_attn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
-            x = rms_norm(hc_collapse(streams, pre), blk.attn_norm, t.rms_norm_eps)
+            x = ops.rms_norm(ops.hc_collapse(streams, pre), blk.attn_norm, t.rms_norm_eps)
             _, q, kv = blk.attn.project(x, cos, sin, m.qat)
             keys, valid = [], []
             for b, (st, _) in enumerate(items):
@@ -110,22 +111,22 @@ class DSpark:
                 valid.append(ok[None].expand(S, -1))
             o = blk.attn.attend(q, torch.cat(keys), torch.cat(valid))
             y = m.comm.all_reduce(blk.attn.output(o, cos, sin))
-            streams = hc_expand(y, streams, post_a, comb_a)
+            streams = ops.hc_expand(y, streams, post_a, comb_a)
             pre_f, post_f, comb_f = hc_mixes(streams, blk.hc_ffn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
-            x = rms_norm(hc_collapse(streams, pre_a), blk.ffn_norm, t.rms_norm_eps)
+            x = ops.rms_norm(ops.hc_collapse(streams, pre_a), blk.ffn_norm, t.rms_norm_eps)
             y = m.comm.all_reduce(blk.moe(x))
-            streams = hc_expand(y, streams, post_f, comb_f)
+            streams = ops.hc_expand(y, streams, post_f, comb_f)
             pre = pre_f
-        x = hc_collapse(streams, pre)
-        logits = m.comm.all_gather_cols(m.head_logits(rms_norm(x, self.norm, t.rms_norm_eps))).view(B, S, -1)
+        x = ops.hc_collapse(streams, pre)
+        logits = m.comm.all_gather_cols(m.head_logits(ops.rms_norm(x, self.norm, t.rms_norm_eps))).view(B, S, -1)
         x = x.view(B, S, -1)
         # The Markov steps, all sequences at once (linear's fixed row tiles keep each row independent of the others)
         prev = torch.tensor([int(tok) for _, tok in items], device=dv)           # d_0 = next_token
         toks, rows, conf = [], [], []
         for i in range(S):
             e = self.markov_embed[prev]                                          # [B, rank]
-            row = logits[:, i] + linear(e, self.markov_head)                     # [B, vocab]
-            conf.append(linear(torch.cat([x[:, i], e], dim=1), self.confidence)[:, 0])
+            row = logits[:, i] + ops.linear(e, self.markov_head)                 # [B, vocab]
+            conf.append(ops.linear(torch.cat([x[:, i], e], dim=1), self.confidence)[:, 0])
             prev = torch.argmax(row, dim=1)                                      # first maximum: ties to the lower id
             toks.append(prev)
             rows.append(row)

@@ -9,11 +9,12 @@ Image rows have the gate forced to 0. The hash ids come from dsv41.model.engram_
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from dsv41.model.linear import linear, row_mean, row_sum, rsqrt, sigmoid
+from dsv41.model.linear import rsqrt, sigmoid
+from dsv41.model.ops import Ops, reference_ops
 
 
 @dataclass
@@ -22,18 +23,20 @@ class Engram:
     wkv: torch.Tensor                              # [(hc + 1) * H, cols * head_dim]
     weight: torch.Tensor                           # q_weight ⊙ k_weight [hc, H]
     eps: float
+    ops: Ops = field(default_factory=reference_ops)   # the model's op set (given at load)
 
     def __call__(self, streams: torch.Tensor, hash_ids: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
         n, hc, H = streams.shape
         with torch.device("cpu"):   # table rows are read on the host
             e = self.rows(hash_ids.cpu())
         e = e.reshape(n, -1).float().to(streams.device)
-        kv = linear(e, self.wkv)
+        ops = self.ops
+        kv = ops.linear(e, self.wkv)
         key = kv[:, : hc * H].view(n, hc, H)
         value = kv[:, hc * H:]
         h = streams
-        rstd = rsqrt(row_mean(h.square())[..., 0] + self.eps) * rsqrt(row_mean(key.square())[..., 0] + self.eps)
-        dot = row_sum(h * self.weight * key)[..., 0] * rstd * H ** -0.5
+        rstd = rsqrt(ops.row_mean(h.square())[..., 0] + self.eps) * rsqrt(ops.row_mean(key.square())[..., 0] + self.eps)
+        dot = ops.row_sum(h * self.weight * key)[..., 0] * rstd * H ** -0.5
         gate = sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp_min(1e-6)), dot))
         if image is not None:
             gate = gate.masked_fill(image[:, None], 0.0)

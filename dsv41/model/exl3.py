@@ -18,7 +18,7 @@ from functools import cache
 
 import torch
 
-from dsv41.model.linear import tiled
+from dsv41.model.linear import ROW_TILE, tiled
 from kernels.exl3_format import (
     CB_3INST,
     CB_MCG,
@@ -223,12 +223,13 @@ def hadamard_128_rows(x: torch.Tensor) -> torch.Tensor:
     return (y.reshape(shape) * HAD_SCALE_F32).to(x.dtype)
 
 
-def exl3_linear(x: torch.Tensor, tensors: dict, w_rot: torch.Tensor | None = None) -> torch.Tensor:
+def exl3_linear(x: torch.Tensor, tensors: dict, w_rot: torch.Tensor | None = None,
+                rows: int = ROW_TILE) -> torch.Tensor:
     """y = x @ W (+ bias) in float32 without forming W: y = H(H(x * suh) @ W~) * svh, H = blockdiag(H128).
 
     x: [..., in] any float dtype; returns float32 [..., out]. `w_rot` is W~ if the caller already decoded it
-    (decode_trellis). The product runs in fixed row tiles (dsv41.model.linear.tiled), so each row's result is
-    independent of how many rows share the call."""
+    (decode_trellis). The product runs in fixed tiles of `rows` rows (dsv41.model.linear.tiled; the op set's row
+    tile), so each row's result is independent of how many rows share the call."""
     trellis, K, cb, suh, svh, bias = _parse(tensors)
     n_in, n_out = trellis.shape[0] * 16, trellis.shape[1] * 16
     if x.shape[-1] != n_in:
@@ -238,7 +239,7 @@ def exl3_linear(x: torch.Tensor, tensors: dict, w_rot: torch.Tensor | None = Non
     lead = x.shape[:-1]
     xh = hadamard_128_rows(x.reshape(-1, n_in).float() * suh.float().to(x.device))
     w = w_rot.float().to(x.device)
-    y = hadamard_128_rows(tiled(lambda t: t @ w, xh)) * svh.float().to(x.device)
+    y = hadamard_128_rows(tiled(lambda t: t @ w, xh, rows=rows)) * svh.float().to(x.device)
     if bias is not None:
         y = y + bias.float().to(x.device)
     return y.reshape(*lead, n_out)

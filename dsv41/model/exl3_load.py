@@ -28,7 +28,6 @@ from dsv41.model.exl3 import (
     codebook_of,
     decode_trellis,
     dequant_exl3,
-    exl3_linear,
     official_name,
     sign_scales,
 )
@@ -190,10 +189,11 @@ def decode_linear(lin: Exl3Linear, shards: _Shards) -> torch.Tensor:
 
 class Exl3Packed:
     """An official weight [out, in] kept as its EXL3 linear(s) (row blocks in order; wo_a has one per output group):
-    the GPU path's counterpart of `device.Fp8Weight`, with the same protocol (shape, device, linear, row slices by
-    whole blocks, dequant, nbytes). `linear(x)` = x . W^T computed from the codes: on CUDA with kernels on, the
+    the GPU path's counterpart of `device.Fp8Weight`, data with the same protocol (shape, device, row slices by
+    whole blocks, dequant, nbytes). The op set's `linear` computes x . W^T from the codes (dsv41/model/ops.py): the
     fused Triton kernel (kernels/exl3.py: W never formed, row-invariant, activations rounded to fp16 after the
-    input Hadamard); otherwise the float32 reference `exl3.exl3_linear` (W~ decoded once, fixed row tiles)."""
+    input Hadamard) when `Ops.with_exl3` added it, otherwise the float32 reference `exl3.exl3_linear` (W~ decoded
+    once, fixed row tiles). `rotated` / `kernel_weight` hold what either needs, made on first use."""
 
     def __init__(self, blocks: list[dict[str, torch.Tensor]]):
         self.blocks = blocks
@@ -240,21 +240,18 @@ class Exl3Packed:
         self._slices[dim, a, b] = part = Exl3Packed(blocks)
         return part
 
-    def _block_linear(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        from dsv41.model import device as dev
-        k = dev.kernel("exl3_linear", x)
-        if k is not None:
-            if self._kernel_w[i] is None:
-                self._kernel_w[i] = _kernel_weight([self.blocks[i]])
-            return k(x.contiguous(), self._kernel_w[i]).float()
+    def rotated(self, i: int, device: torch.device) -> torch.Tensor:
+        """W~ of block i (decode_trellis on the host, then on `device`), decoded once: the reference's operand."""
         if self._w_rot[i] is None:
             t = self.blocks[i]
-            self._w_rot[i] = decode_trellis(t["trellis"].cpu(), *_rate(t)).to(x.device)
-        return exl3_linear(x, self.blocks[i], w_rot=self._w_rot[i])
+            self._w_rot[i] = decode_trellis(t["trellis"].cpu(), *_rate(t)).to(device)
+        return self._w_rot[i]
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        outs = [self._block_linear(i, x) for i in range(len(self.blocks))]
-        return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+    def kernel_weight(self, i: int):
+        """Block i as the fused kernel's kernels.exl3.Exl3Weight (a view of the codes), made once."""
+        if self._kernel_w[i] is None:
+            self._kernel_w[i] = _kernel_weight([self.blocks[i]])
+        return self._kernel_w[i]
 
     def dequant(self) -> torch.Tensor:
         """float32 [out, in]: the bit-exact dense reconstruction (CPU emulation: for tests and small weights)."""
@@ -286,18 +283,6 @@ def _kernel_weight(blocks: list[dict[str, torch.Tensor]]):
 def _rate(t: dict) -> tuple[float, int]:
     cb = codebook_of(t)
     return bits_of(t["trellis"], cb), cb
-
-
-def _register_kernel() -> None:
-    """Offer the fused EXL3 kernel to device.kernel() (which applies the CUDA and DSV41_KERNELS checks)."""
-    from dsv41.model import device as dev
-    if "exl3_linear" in dev.KERNELS:
-        return
-    try:
-        from kernels.exl3 import exl3_linear_triton
-    except Exception:  # noqa: BLE001 - Triton absent: the torch reference runs
-        return
-    dev.KERNELS["exl3_linear"] = exl3_linear_triton
 
 
 def read_linear_parts(lin: Exl3Linear, shards: _Shards) -> dict[str, torch.Tensor]:
@@ -333,8 +318,8 @@ def load_exl3_weights(ckpt: str | Path, cfg: ModelConfig, share: RankShare | Non
     """The share's tensors of an EXL3 pack under official names, as `weights.load_weights` returns them for an
     official checkpoint (module doc). Engram tables are checked (all or none in the pack) but not returned.
 
-    keep_quant (the GPU path, device.py): every EXL3 linear the model only multiplies through `linear.linear` comes
-    back as an `Exl3Packed` on `device` (codes, sign-scales, marker) instead of a dense weight; the compressor's
+    keep_quant (the GPU path, device.py): every EXL3 linear the model only multiplies through the op set's `linear`
+    comes back as an `Exl3Packed` on `device` (codes, sign-scales, marker) instead of a dense weight; the compressor's
     (which the model converts with .float()) stays dense."""
     share = share or RankShare(0, 1)
     d = Path(ckpt)
@@ -373,7 +358,6 @@ def load_exl3_weights(ckpt: str | Path, cfg: ModelConfig, share: RankShare | Non
 def _packed(name: str, lins: list[Exl3Linear], shards: _Shards, share: RankShare, device) -> Exl3Packed | None:
     """The share of one weight as codes; None where the share's boundary cuts a 128-block (tiny models at TP2):
     that weight is then decoded dense like on the CPU path."""
-    _register_kernel()
     # the codebook marker stays on the host (read with .item() when a kernel weight is made)
     packed = Exl3Packed([{k: v if k in ("mcg", "mul1") else v.to(device)
                           for k, v in read_linear_parts(lin, shards).items()} for lin in lins])
@@ -387,54 +371,50 @@ def _packed(name: str, lins: list[Exl3Linear], shards: _Shards, share: RankShare
 
 class Exl3ExpertStack:
     """A layer's routed experts kept as EXL3 codes, stacked for the grouped kernel (kernels.exl3.exl3_grouped), the
-    counterpart of device.ExpertStack: w1 and w3 of held expert j at 2j and 2j+1 of one stack, w2 at j of another;
-    `routed` runs every picked expert's rows in one launch per stack (w1 and w3 together, then w2) instead of three
-    launches per expert and matrix. Each row's result is the same bits as the per-expert path through
-    Exl3Packed.linear on the kernel (same kernels, tile sizes fixed by the shape; slots summed in slot order)."""
+    counterpart of device.ExpertStack: w1 and w3 of held expert j at 2j and 2j+1 of one stack, w2 at j of another.
+    Data: `exl3_routed` (the op set's `routed` on the EXL3 op set) runs every picked expert's rows in one launch per
+    stack (w1 and w3 together, then w2) instead of three launches per expert and matrix."""
 
     def __init__(self, w13, w2, local: torch.Tensor):
         self.w13, self.w2, self.local = w13, w2, local
 
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float) -> torch.Tensor | None:
-        """Σ over slots of the routed experts' outputs; None when the kernel is absent or disabled (the caller then
-        runs the experts one by one)."""
-        from dsv41.model import device as dev
-        if dev.kernel("exl3_linear", x) is None:
-            return None
-        return self.grouped(x, weights, ids, limit)
 
-    def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float) -> torch.Tensor:
-        from dsv41.model.linear import silu
-        from kernels.exl3 import exl3_grouped
-        n, top_k = ids.shape
-        H = x.shape[1]
-        local = self.local[ids].reshape(-1)                          # [n*k] (row, slot) pairs -> stack index
-        pair = torch.nonzero(local >= 0).squeeze(1)
-        slots = x.new_zeros((n * top_k, H))
-        if pair.numel():
-            used, group = torch.unique(local[pair], return_inverse=True)   # each used expert one group
-            order = torch.argsort(group, stable=True)
-            pair, group = pair[order], group[order]
-            counts = torch.bincount(group, minlength=used.numel())
-            starts = torch.cumsum(counts, 0) - counts
-            pos = torch.arange(pair.numel(), device=x.device) - starts[group]
-            G, M = used.numel(), int(counts.max())
-            xg = x.new_zeros((G, M, H))
-            xg[group, pos] = x[pair // top_k]
-            rows = counts.to(torch.int32)
-            gu = exl3_grouped(torch.cat([xg, xg]), self.w13, torch.cat([2 * used, 2 * used + 1]).to(torch.int32),
-                              torch.cat([rows, rows]))
-            gate = torch.clamp(gu[:G], max=limit)
-            up = torch.clamp(gu[G:], min=-limit, max=limit)
-            h = silu(gate) * up
-            h = h * x.new_zeros((G, M)).index_put_((group, pos), weights.reshape(-1)[pair])[..., None]
-            y = exl3_grouped(h, self.w2, used.to(torch.int32), rows)
-            slots[pair] = y[group, pos]
-        slots = slots.view(n, top_k, H)
-        out = slots[:, 0]
-        for j in range(1, top_k):
-            out = out + slots[:, j]
-        return out
+def exl3_routed(stack: Exl3ExpertStack, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                limit: float) -> torch.Tensor:
+    """Σ over slots (slot order) of the routed experts' outputs through the grouped kernel. Each row's result is the
+    same bits as the per-expert path through the fused kernel (same kernels, tile sizes fixed by the shape; slots
+    summed in slot order); rows of experts not in the stack (another rank's) get nothing."""
+    from dsv41.model.linear import silu
+    from kernels.exl3 import exl3_grouped
+    n, top_k = ids.shape
+    H = x.shape[1]
+    local = stack.local[ids].reshape(-1)                         # [n*k] (row, slot) pairs -> stack index
+    pair = torch.nonzero(local >= 0).squeeze(1)
+    slots = x.new_zeros((n * top_k, H))
+    if pair.numel():
+        used, group = torch.unique(local[pair], return_inverse=True)   # each used expert one group
+        order = torch.argsort(group, stable=True)
+        pair, group = pair[order], group[order]
+        counts = torch.bincount(group, minlength=used.numel())
+        starts = torch.cumsum(counts, 0) - counts
+        pos = torch.arange(pair.numel(), device=x.device) - starts[group]
+        G, M = used.numel(), int(counts.max())
+        xg = x.new_zeros((G, M, H))
+        xg[group, pos] = x[pair // top_k]
+        rows = counts.to(torch.int32)
+        gu = exl3_grouped(torch.cat([xg, xg]), stack.w13, torch.cat([2 * used, 2 * used + 1]).to(torch.int32),
+                          torch.cat([rows, rows]))
+        gate = torch.clamp(gu[:G], max=limit)
+        up = torch.clamp(gu[G:], min=-limit, max=limit)
+        h = silu(gate) * up
+        h = h * x.new_zeros((G, M)).index_put_((group, pos), weights.reshape(-1)[pair])[..., None]
+        y = exl3_grouped(h, stack.w2, used.to(torch.int32), rows)
+        slots[pair] = y[group, pos]
+    slots = slots.view(n, top_k, H)
+    out = slots[:, 0]
+    for j in range(1, top_k):
+        out = out + slots[:, j]
+    return out
 
 
 def stack_exl3_experts(experts: dict, n_experts: int) -> Exl3ExpertStack | None:

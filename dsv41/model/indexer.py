@@ -10,17 +10,19 @@ An entry s is visible to the query at position p iff s < ⌊(p+1)/r⌋.
 
 Exactness: q·k is computed in fixed tiles of ROW_TILE query rows × KEY_TILE keys (entry s always sits at the same
 place of the same key tile), the head sum is written out term by term, and picks use a stable sort. So a row's
-selection is a pure function of its own scores, however the rows were chunked.
+selection is a pure function of its own scores, however the rows were chunked. The scoring goes through the op
+set (`Indexer.ops`, dsv41/model/ops.py): `index_scores` below in the op set's row tiles, or a kernel
+(kernels/indexer.py) on the CUDA path.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from dsv41.model import device as dev
 from dsv41.model import quant
-from dsv41.model.linear import linear, rms_norm, stable_topk, tiled
+from dsv41.model.linear import ROW_TILE, stable_topk, tiled
+from dsv41.model.ops import Ops, reference_ops
 from dsv41.model.rope import Rope, apply_rope
 
 KEY_TILE = 64
@@ -38,20 +40,21 @@ class Indexer:
     wk: torch.Tensor | None            # [head_dim, D] (key owners)
     k_norm: torch.Tensor | None        # [head_dim]
     eps: float
+    ops: Ops = field(default_factory=reference_ops)   # the model's op set (given at load)
 
     def queries(self, q_res: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qat: bool):
         """q [n, heads, head_dim] (compress RoPE at the query positions, FP4 fake-quant) and head weights [n, heads]."""
-        q = linear(q_res, self.wq_b).view(-1, self.n_heads, self.head_dim)
+        q = self.ops.linear(q_res, self.wq_b).view(-1, self.n_heads, self.head_dim)
         q = apply_rope(q, cos, sin)
         if qat:
             q = quant.fp4_fake_quant_ue8m0(q, 32)
-        w = linear(x, self.weights_proj) * self.n_heads ** -0.5
+        w = self.ops.linear(x, self.weights_proj) * self.n_heads ** -0.5
         return q, w
 
     def keys(self, latent: torch.Tensor, positions: torch.Tensor, rope: Rope, qat: bool) -> torch.Tensor:
         """Indexer keys of new compressed entries: k_norm(wk(latent)), compress RoPE at the group's first token
         position, FP4 fake-quant."""
-        k = rms_norm(linear(latent, self.wk), self.k_norm, self.eps)
+        k = self.ops.rms_norm(self.ops.linear(latent, self.wk), self.k_norm, self.eps)
         cos, sin = rope.cos_sin("compress", positions)
         k = apply_rope(k, cos, sin)
         return quant.fp4_fake_quant_ue8m0(k, 32) if qat else k
@@ -66,88 +69,88 @@ class Indexer:
 
     def raw_scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Scores [n, T] of one sequence's rows against its T keys, before the visibility mask."""
-        n, T = q.shape[0], keys.shape[0]
-        scale = self.head_dim ** -0.5
-        out = dev.index_scores(q, w, keys, scale)   # one Triton launch on CUDA when kernels/ has it
-        if out is not None:
-            return out
-        cols = []
-        for k0 in range(0, T, KEY_TILE):
-            ktile = keys[k0:k0 + KEY_TILE]
-            if ktile.shape[0] < KEY_TILE:
-                ktile = torch.cat([ktile, ktile.new_zeros((KEY_TILE - ktile.shape[0], ktile.shape[1]))])
-            kt = ktile.t()
-
-            def tile_scores(qt, wt, kt=kt):
-                r = qt.shape[0]
-                s = (qt.reshape(r * self.n_heads, self.head_dim) @ kt).view(r, self.n_heads, KEY_TILE)
-                s = torch.relu(s) * scale
-                acc = s[:, 0] * wt[:, 0:1]
-                for h in range(1, self.n_heads):
-                    acc = acc + s[:, h] * wt[:, h:h + 1]
-                return acc
-
-            cols.append(tiled(tile_scores, q, w))
-        return torch.cat(cols, dim=1)[:, :T] if cols else q.new_zeros((n, 0))
+        return self.ops.index_scores(q, w, keys, self.head_dim ** -0.5)
 
     def round_scores(self, q: torch.Tensor, w: torch.Tensor, keys: list[torch.Tensor], tpad: int,
                      limit: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
         """Scores of a round of B sequences with n rows each: q [B*n, heads, head_dim], w [B*n, heads], keys: per
         sequence its [T_b, head_dim] keys (T_b <= tpad, a multiple of KEY_TILE), limit [B*n]: a row sees entries
         s < limit (its visible count capped by its sequence's key count); counts: the T_b as a [B] device tensor.
-        Returns [B*n, tpad], -inf where not seen. Each value is the bits `scores` gives the sequence alone: on the
-        CUDA path one launch of the round kernel reading each sequence's keys through a table of addresses (the
-        per-sequence kernel's arithmetic, no padded copy), else one batched product over the keys padded with zero
-        rows, whose per-element result equals the 64-key tiles' (tests/test_model_round.py checks the primitive)."""
-        B = len(keys)
-        n = q.shape[0] // B
-        Di = self.head_dim
-        if dev.on_cuda_path(q):
-            if (dev.kernel("index_scores", q) is not None and not Di & (Di - 1) and counts is not None
-                    and all(k.dtype == torch.float32 and k.is_contiguous() for k in keys)):
-                from kernels.indexer import index_scores_table
-                out = index_scores_table(q, w, dev.address_table(keys, q.device), counts, tpad, Di ** -0.5)
-            else:   # the torch fallback on CUDA: per sequence, exactly the per-sequence path's products
-                out = torch.cat([torch.cat([self.raw_scores(q[b * n:(b + 1) * n], w[b * n:(b + 1) * n], k),
-                                            q.new_zeros((n, tpad - k.shape[0]))], dim=1)
-                                 for b, k in enumerate(keys)])
-        else:
-            padded = q.new_zeros((B, tpad, Di))
-            dst = [padded[b, :k.shape[0]] for b, k in enumerate(keys) if k.shape[0]]
-            torch._foreach_copy_(dst, [k for k in keys if k.shape[0]])
-            out = self._bmm_scores(q, w, padded)
+        Returns [B*n, tpad], -inf where not seen. Each value is the bits `scores` gives the sequence alone (the op
+        set's `round_scores`: on the reference one batched product over the keys padded with zero rows, whose
+        per-element result equals the 64-key tiles' (tests/test_model_round.py checks the primitive); on the CUDA
+        path one launch of the round kernel reading each sequence's keys through a table of addresses, or the
+        per-sequence scores)."""
+        out = self.ops.round_scores(q, w, keys, tpad, counts, self.head_dim ** -0.5)
         return out.masked_fill(torch.arange(tpad, device=out.device)[None, :] >= limit[:, None], NEG_INF)
 
-    def _bmm_scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """CPU: every sequence's row tiles (ROW_TILE rows, zero-padded as `tiled` pads) against all its keys in one
-        bmm; the head sum term by term as `raw_scores` writes it."""
-        B, Tpad, Di = keys.shape
-        H = self.n_heads
-        n = q.shape[0] // B
-        R = dev.row_tile(q)
-        RT = -(-n // R)
-        scale = self.head_dim ** -0.5
-        qp = q.reshape(B, n, H * Di)
-        wp = w.reshape(B, n, H)
-        if RT * R > n:
-            qp = torch.cat([qp, qp.new_zeros((B, RT * R - n, H * Di))], dim=1)
-            wp = torch.cat([wp, wp.new_zeros((B, RT * R - n, H))], dim=1)
-        qp = qp.reshape(B * RT, R * H, Di)
-        wp = wp.reshape(B * RT, R, H, 1)
-        kt = keys.transpose(1, 2)                                     # [B, Di, Tpad], each a transposed view
-        if RT > 1:
-            kt = kt[:, None].expand(B, RT, Di, Tpad).reshape(B * RT, Di, Tpad)
-        step = max(KEY_TILE, (1 << 22) // max(1, B * RT * R * H) // KEY_TILE * KEY_TILE)
-        cols = []
-        for c0 in range(0, Tpad, step):
-            s = torch.bmm(qp, kt[:, :, c0:c0 + step])                 # [B*RT, R*H, c]
-            s = torch.relu(s.view(B * RT, R, H, -1)) * scale
-            acc = s[:, :, 0] * wp[:, :, 0]
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float,
+                 rows: int = ROW_TILE) -> torch.Tensor:
+    """Scores [n, T] of rows q [n, heads, head_dim] (head weights w [n, heads]) against keys [T, head_dim], before
+    the visibility mask: Σ_h relu(q_h · k) · scale · w_h, in KEY_TILE-key tiles × `rows`-row tiles (entry s always
+    at the same place of the same key tile), the head sum term by term."""
+    n, H, Di = q.shape
+    T = keys.shape[0]
+    cols = []
+    for k0 in range(0, T, KEY_TILE):
+        ktile = keys[k0:k0 + KEY_TILE]
+        if ktile.shape[0] < KEY_TILE:
+            ktile = torch.cat([ktile, ktile.new_zeros((KEY_TILE - ktile.shape[0], ktile.shape[1]))])
+        kt = ktile.t()
+
+        def tile_scores(qt, wt, kt=kt):
+            r = qt.shape[0]
+            s = (qt.reshape(r * H, Di) @ kt).view(r, H, KEY_TILE)
+            s = torch.relu(s) * scale
+            acc = s[:, 0] * wt[:, 0:1]
             for h in range(1, H):
-                acc = acc + s[:, :, h] * wp[:, :, h]
-            cols.append(acc)                                          # [B*RT, R, c]
-        out = torch.cat(cols, dim=2) if len(cols) > 1 else cols[0]
-        return out.reshape(B, RT * R, Tpad)[:, :n].reshape(B * n, Tpad)
+                acc = acc + s[:, h] * wt[:, h:h + 1]
+            return acc
+
+        cols.append(tiled(tile_scores, q, w, rows=rows))
+    return torch.cat(cols, dim=1)[:, :T] if cols else q.new_zeros((n, 0))
+
+
+def round_scores_padded(q: torch.Tensor, w: torch.Tensor, keys: list[torch.Tensor], tpad: int, scale: float,
+                        rows: int = ROW_TILE) -> torch.Tensor:
+    """The reference's round scores [B*n, tpad] (before the mask): every sequence's keys copied into one zero-padded
+    [B, tpad, head_dim] block, then every sequence's row tiles (`rows` rows, zero-padded as `tiled` pads) against
+    all its keys in one bmm; the head sum term by term as `index_scores` writes it."""
+    B = len(keys)
+    Di = q.shape[2]
+    padded = q.new_zeros((B, tpad, Di))
+    dst = [padded[b, :k.shape[0]] for b, k in enumerate(keys) if k.shape[0]]
+    torch._foreach_copy_(dst, [k for k in keys if k.shape[0]])
+    return _bmm_scores(q, w, padded, scale, rows)
+
+
+def _bmm_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float, R: int) -> torch.Tensor:
+    B, Tpad, Di = keys.shape
+    H = q.shape[1]
+    n = q.shape[0] // B
+    RT = -(-n // R)
+    qp = q.reshape(B, n, H * Di)
+    wp = w.reshape(B, n, H)
+    if RT * R > n:
+        qp = torch.cat([qp, qp.new_zeros((B, RT * R - n, H * Di))], dim=1)
+        wp = torch.cat([wp, wp.new_zeros((B, RT * R - n, H))], dim=1)
+    qp = qp.reshape(B * RT, R * H, Di)
+    wp = wp.reshape(B * RT, R, H, 1)
+    kt = keys.transpose(1, 2)                                     # [B, Di, Tpad], each a transposed view
+    if RT > 1:
+        kt = kt[:, None].expand(B, RT, Di, Tpad).reshape(B * RT, Di, Tpad)
+    step = max(KEY_TILE, (1 << 22) // max(1, B * RT * R * H) // KEY_TILE * KEY_TILE)
+    cols = []
+    for c0 in range(0, Tpad, step):
+        s = torch.bmm(qp, kt[:, :, c0:c0 + step])                 # [B*RT, R*H, c]
+        s = torch.relu(s.view(B * RT, R, H, -1)) * scale
+        acc = s[:, :, 0] * wp[:, :, 0]
+        for h in range(1, H):
+            acc = acc + s[:, :, h] * wp[:, :, h]
+        cols.append(acc)                                          # [B*RT, R, c]
+    out = torch.cat(cols, dim=2) if len(cols) > 1 else cols[0]
+    return out.reshape(B, RT * R, Tpad)[:, :n].reshape(B * n, Tpad)
 
 
 def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, ratio: int, n_blocks: int,

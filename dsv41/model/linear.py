@@ -11,15 +11,15 @@ SIMD path and the tail through a scalar path, and for sigmoid, silu, softplus, r
 differently, so an element's value depends on where it falls in the flattened tensor. exp, log, log1p, sqrt, sin,
 cos, division and the basic arithmetic agree on both paths, so the functions below are written in those terms.
 Last-dim reductions (sum, mean, amax) and last-dim softmax run row by row and are row-invariant as they are.
+
+These are the CPU float32 reference's functions (`ops.reference_ops()`); the CUDA path's op set (`ops.cuda_ops()`)
+runs the same `tiled` with its own row tile and its own row sums (dsv41/model/ops.py).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-
-from dsv41.model import device as _device
-from kernels.numerics import inv_count
 
 ROW_TILE = 16
 
@@ -31,12 +31,12 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, pad], dim=0)
 
 
-def tiled(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
-    """Apply `fn` to fixed tiles of ROW_TILE rows of the row-aligned inputs `xs` (dim 0 is the row) and concatenate
-    the outputs' first n rows. `fn` sees exactly ROW_TILE rows every call, so its per-row results cannot depend on
-    the total row count. On CUDA the tile is device.CUDA_ROW_TILE rows (one shape for cuBLAS)."""
+def tiled(fn: Callable[..., torch.Tensor], *xs: torch.Tensor, rows: int = ROW_TILE) -> torch.Tensor:
+    """Apply `fn` to fixed tiles of `rows` rows of the row-aligned inputs `xs` (dim 0 is the row) and concatenate
+    the outputs' first n rows. `fn` sees exactly `rows` rows every call, so its per-row results cannot depend on
+    the total row count. The op set names the tile (`Ops.tiled`): ROW_TILE on the CPU reference,
+    device.CUDA_ROW_TILE (one shape for cuBLAS) on the CUDA path."""
     n = xs[0].shape[0]
-    rows = _device.row_tile(xs[0])
     if n == 0:
         probe = fn(*[_pad_rows(x[:0], rows) for x in xs])
         return probe[:0]
@@ -49,13 +49,11 @@ def tiled(fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """y = x · weightᵀ for x [n, in], weight [out, in], computed in ROW_TILE-row tiles. A weight kept in its
-    checkpoint form on the GPU (device.Fp8Weight / Fp4Weight) computes the product itself (kernel or fallback)."""
-    if not isinstance(weight, torch.Tensor):
-        return weight.linear(x)
+def linear(x: torch.Tensor, weight: torch.Tensor, rows: int = ROW_TILE) -> torch.Tensor:
+    """y = x · weightᵀ for x [n, in] and a float weight [out, in], computed in tiles of `rows` rows. (A weight kept
+    in its checkpoint form goes through the op set's `linear`, which dispatches on the weight's type: ops.py.)"""
     wt = weight.t()
-    return tiled(lambda t: t @ wt, x)
+    return tiled(lambda t: t @ wt, x, rows=rows)
 
 
 # ---- elementwise functions that round the same on the SIMD and the scalar path ------------------------------------
@@ -78,25 +76,23 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
-    """Σ over the last dim, keepdim. CPU: torch's sum (row by row, row-invariant). CUDA: a fixed pairwise tree
-    (device.tree_row_sum), since a CUDA reduction's summation order depends on the tensor's row count."""
-    return _device.tree_row_sum(x) if _device.on_cuda_path(x) else x.sum(-1, keepdim=True)
+    """Σ over the last dim, keepdim: torch's sum (row by row on the CPU, row-invariant). The CUDA path's op set sums
+    with a fixed pairwise tree instead (kernels.numerics.tree_row_sum), since a CUDA reduction's summation order
+    depends on the tensor's row count."""
+    return x.sum(-1, keepdim=True)
 
 
 def row_mean(x: torch.Tensor) -> torch.Tensor:
-    """Mean over the last dim, keepdim (see row_sum). On the CUDA path Σ · float32(1/n), written out: the same
-    bits as torch's CUDA `Σ / n`, and the same on a CPU tensor under device.cuda_path() (kernels/rowops.py)."""
-    return row_sum(x) * inv_count(x.shape[-1]) if _device.on_cuda_path(x) else x.mean(-1, keepdim=True)
+    """Mean over the last dim, keepdim (see row_sum). The CUDA path's op set writes it as tree Σ · float32(1/n):
+    the same bits as torch's CUDA `Σ / n` (kernels/rowops.py)."""
+    return x.mean(-1, keepdim=True)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x · rsqrt(mean(x²) + eps) · weight over the last dim, in float32. On the CUDA path one kernel launch
-    (kernels/rowops.py: the same operations, the tree in the same order) where it applies."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+             mean: Callable[[torch.Tensor], torch.Tensor] = row_mean) -> torch.Tensor:
+    """x · rsqrt(mean(x²) + eps) · weight over the last dim, in float32; `mean`: the op set's row mean."""
     x = x.float()
-    k = _device.kernel("rms_norm", x)       # None off the CUDA path
-    if k is not None and (weight is None or (weight.dtype == torch.float32 and weight.dim() == 1)):
-        return k(x, weight, eps)
-    y = x * rsqrt(row_mean(x.square()) + eps)
+    y = x * rsqrt(mean(x.square()) + eps)
     return y if weight is None else y * weight
 
 

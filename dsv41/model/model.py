@@ -32,12 +32,13 @@ from dsv41.model.compressor import Compressor
 from dsv41.model.engram import Engram
 from dsv41.model.engram_hash import EngramHasher, build_token_map, load_token_map
 from dsv41.model.engram_store import EngramStore
+from dsv41.model.exl3_load import Exl3Packed
 from dsv41.model.graphs import PieceGraphs
 from dsv41.model.indexer import KEY_TILE, Indexer, candidate_blocks, select_topk
 from dsv41.model.layout import LayerRole, Layout
-from dsv41.model.linear import linear, rms_norm
-from dsv41.model.mhc import HcSite, hc_collapse, hc_expand, hc_mixes
+from dsv41.model.mhc import HcSite, hc_mixes
 from dsv41.model.moe import Expert, MoE
+from dsv41.model.ops import Ops, ops_for, reference_ops
 from dsv41.model.rope import Rope, apply_rope
 from dsv41.model.state import DEAD, SeqState
 from dsv41.model.weights import TP_SHARDS, RankShare, load_weights, local_shards
@@ -70,6 +71,7 @@ class Block:
     compressor: Compressor | None = None
     indexer: Indexer | None = None
     engram: Engram | None = None
+    ops: Ops = field(default_factory=reference_ops)   # the model's op set, as each of the parts above holds it
 
 
 @dataclass
@@ -129,20 +131,21 @@ class _Round:
 
 
 def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, n_experts: int, top_k: int,
-                 engram_rows: Callable | None, shards: int = 1) -> Block:
+                 engram_rows: Callable | None, ops: Ops, shards: int = 1) -> Block:
+    """One layer (or DSpark stage) from the weights; every part gets the op set `ops`."""
     t = cfg.text
     p = role.name
     eps = t.rms_norm_eps
 
     def site(kind):
         return HcSite(fn=W[f"{p}.hc_{kind}_fn"].float(), base=W[f"{p}.hc_{kind}_base"].float(),
-                      scale=W[f"{p}.hc_{kind}_scale"].float())
+                      scale=W[f"{p}.hc_{kind}_scale"].float(), ops=ops)
 
     attn = Attention(
         wq_a=W[f"{p}.attn.wq_a.weight"], q_norm=W[f"{p}.attn.q_norm.weight"], wq_b=W[f"{p}.attn.wq_b.weight"],
         wkv=W[f"{p}.attn.wkv.weight"], kv_norm=W[f"{p}.attn.kv_norm.weight"],
         attn_sink=W[f"{p}.attn.attn_sink"].float(), wo_a=W[f"{p}.attn.wo_a.weight"],
-        wo_b=W[f"{p}.attn.wo_b.weight"], head_dim=t.head_dim, o_lora=t.o_lora_rank, eps=eps)
+        wo_b=W[f"{p}.attn.wo_b.weight"], head_dim=t.head_dim, o_lora=t.o_lora_rank, eps=eps, ops=ops)
 
     def expert(q):
         return Expert(w1=W[f"{q}.w1.weight"], w2=W[f"{q}.w2.weight"], w3=W[f"{q}.w3.weight"])
@@ -152,26 +155,26 @@ def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, 
               bias_vl=W[f"{p}.ffn.gate.bias_vl"].float(), experts=experts,
               shared=expert(f"{p}.ffn.shared_experts"), top_k=top_k, gate_temp=t.gate_temp,
               scaling=t.routed_scaling_factor, limit=t.swiglu_limit,
-              stack=dev.stack_experts(experts, n_experts) if W["embed.weight"].is_cuda else None)
+              stack=dev.stack_experts(experts, n_experts) if ops.stacks_experts else None, ops=ops)
     if shards > 1:
         _shard_block(attn, moe, shards, n_experts)
     block = Block(role=role, attn_norm=W[f"{p}.attn_norm.weight"], ffn_norm=W[f"{p}.ffn_norm.weight"],
-                  hc_attn=site("attn"), hc_ffn=site("ffn"), attn=attn, moe=moe)
+                  hc_attn=site("attn"), hc_ffn=site("ffn"), attn=attn, moe=moe, ops=ops)
     if role.owns_compressor:
         c = f"{p}.attn.compressor"
         block.compressor = Compressor(layer=role.index, ratio=role.ratio, wkv=W[f"{c}.wkv.weight"].float(),
                                       wgate=W[f"{c}.wgate.weight"].float() if role.ratio > 1 else None,
-                                      norm=W[f"{c}.norm.weight"], eps=eps)
+                                      norm=W[f"{c}.norm.weight"], eps=eps, ops=ops)
     if role.index_source:
         i = f"{p}.attn.indexer"
         block.indexer = Indexer(layer=role.index, n_heads=t.index_n_heads, head_dim=t.index_head_dim,
                                 topk=t.index_topk, wq_b=W[f"{i}.wq_b.weight"],
                                 weights_proj=W[f"{i}.weights_proj.weight"],
-                                wk=W.get(f"{i}.wk.weight"), k_norm=W.get(f"{i}.k_norm.weight"), eps=eps)
+                                wk=W.get(f"{i}.wk.weight"), k_norm=W.get(f"{i}.k_norm.weight"), eps=eps, ops=ops)
     if role.engram is not None and engram_rows(role.index) is not None:
         g = f"{p}.engram"
         block.engram = Engram(rows=engram_rows(role.index), wkv=W[f"{g}.wkv.weight"],
-                              weight=W[f"{g}.q_weight"].float() * W[f"{g}.k_weight"].float(), eps=eps)
+                              weight=W[f"{g}.q_weight"].float() * W[f"{g}.k_weight"].float(), eps=eps, ops=ops)
     return block
 
 
@@ -200,9 +203,11 @@ class Model:
     def __init__(self, cfg: ModelConfig, W: dict[str, torch.Tensor], engram_rows: Callable,
                  hasher: EngramHasher | None,
                  qat: bool = True, index_keys: str = "intended", comm: Comm | None = None,
-                 engram_store: EngramStore | None = None, tp_shards: int = TP_SHARDS):
+                 engram_store: EngramStore | None = None, tp_shards: int = TP_SHARDS, ops: Ops | None = None):
         if index_keys not in INDEX_KEY_MODES:
             raise ValueError(f"index_keys must be one of {INDEX_KEY_MODES}, got {index_keys!r}")
+        # which function computes each op (dsv41/model/ops.py): chosen once, here; every block gets it
+        self.ops = ops = ops or reference_ops()
         self.cfg = cfg
         t = self.t = cfg.text
         self.layout = Layout.from_config(t)
@@ -223,12 +228,12 @@ class Model:
         # TP shards this rank computes apart: one rank computes what two would, so both give the same bits
         self.shards = local_shards(self.comm.world, tp_shards)
         self.head_shards = dev.shard_rows(self.head, self.shards) if self.shards > 1 else None
-        self.blocks = [_build_block(W, r, cfg, t.n_routed_experts, t.num_experts_per_tok, engram_rows, self.shards)
-                       for r in self.layout.layers]
+        self.blocks = [_build_block(W, r, cfg, t.n_routed_experts, t.num_experts_per_tok, engram_rows, ops,
+                                    self.shards) for r in self.layout.layers]
         self.dspark = None
         if self.layout.stages and "mtp.0.main_proj.weight" in W:
             from dsv41.model.dspark import DSpark
-            stages = [_build_block(W, r, cfg, t.dspark_n_routed_experts, t.dspark_num_experts_per_tok, None,
+            stages = [_build_block(W, r, cfg, t.dspark_n_routed_experts, t.dspark_num_experts_per_tok, None, ops,
                                    self.shards) for r in self.layout.stages]
             self.dspark = DSpark(self, W, stages)
 
@@ -239,7 +244,8 @@ class Model:
              share: RankShare | None = None, qat: bool = True, index_keys: str = "intended",
              comm: Comm | None = None, engram: str | Path | None = None, engram_tables: bool = True,
              engram_cache_bytes: int = 256 << 20, keep_quant: bool | None = None,
-             cuda_graphs: bool = True, tp_shards: int = TP_SHARDS) -> Model:
+             cuda_graphs: bool = True, tp_shards: int = TP_SHARDS, kernels: bool | None = None,
+             ops: Ops | None = None) -> Model:
         """Load a checkpoint. qat=False makes the three QAT fake-quants (window KV, compressed KV, indexer q/k)
         the identity; index_keys="quirk" reproduces the release's indexer-key publication (arch.md §2.8).
         engram: the folder holding the Engram tables (default: the checkpoint); engram_tables=False runs without
@@ -253,7 +259,11 @@ class Model:
         bits as running them eagerly.
         tp_shards: the tensor-parallel shards every split product is computed in (weights.TP_SHARDS = 2: one rank
         and two ranks give the same bits); 1 computes whole products, in the reference's order (the test vectors'
-        tie analysis), and a two-rank model then differs from it in low bits."""
+        tie analysis), and a two-rank model then differs from it in low bits.
+        kernels / ops: which function computes each op (dsv41/model/ops.py), chosen here once: `ops` as given (tests
+        and benches: e.g. cuda_ops() on CPU tensors), else the CPU reference on "cpu" and cuda_ops(kernels) on
+        CUDA, kernels=None reading DSV41_KERNELS once (0/false/no/off: the torch fallbacks; the server passes its
+        --kernels knob). An EXL3 pack adds its kernels to the op set (Ops.with_exl3)."""
         if dtype != torch.float32:
             raise ValueError("the forward computes in float32")
         dv = torch.device(device)
@@ -270,6 +280,12 @@ class Model:
         cfg = ModelConfig.from_checkpoint(d)
         W = load_weights(d, cfg, share=share, dtype=dtype, device=dv,
                          keep_quant=dv.type == "cuda" if keep_quant is None else keep_quant)
+        if ops is None:
+            if kernels is None:
+                kernels = os.environ.get("DSV41_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+            ops = ops_for(dv, kernels)
+        if any(isinstance(w, Exl3Packed) for w in W.values()):
+            ops = ops.with_exl3()
         store = None
         if cfg.text.engram_layer_ids and engram_tables:
             store = EngramStore(Path(engram) if engram else d, cfg, dtype=torch.float32,
@@ -277,7 +293,7 @@ class Model:
         engram_rows = _engram_row_reader(store)
         hasher = _make_hasher(d, cfg) if cfg.text.engram_layer_ids else None   # no Engram layers: nothing to hash
         model = cls(cfg, W, engram_rows, hasher, qat=qat, index_keys=index_keys, comm=comm, engram_store=store,
-                    tp_shards=tp_shards)
+                    tp_shards=tp_shards, ops=ops)
         if dv.type == "cuda" and cuda_graphs:
             model.graphs = PieceGraphs("cuda")
         elif cuda_graphs and os.environ.get("DSV41_GRAPHS") == "emulate":   # tests: the graphs' bookkeeping on CPU
@@ -371,8 +387,8 @@ class Model:
         shared = [{} for _ in segs]
         rd = self._prepare_round(segs)   # None: rows differ per sequence (prompt passes): the per-sequence loop
         # a round's dense pieces through CUDA graphs (dsv41/model/graphs.py); traced and image calls run eagerly,
-        # and so do the torch fallbacks (DSV41_KERNELS=0: a comparison tool; their MoE syncs with the host)
-        G = (self.graphs if rd is not None and trace is None and image is None and dev.kernels_enabled()
+        # and so does an op set whose pieces wait for the host (the CUDA torch fallbacks' per-expert MoE: ops.graphs)
+        G = (self.graphs if rd is not None and trace is None and image is None and self.ops.graphs
              else None)
         if G is not None:
             cs = {k: (G.rows(f"cos.{k}", c), G.rows(f"sin.{k}", s_)) for k, (c, s_) in cs.items()}
@@ -399,7 +415,8 @@ class Model:
                 y, = piece("attn_out", functools.partial(self._attn_out, blk), q, keys, valid, cos, sin)
                 streams, pre, post_f, comb_f, y = piece("ffn", functools.partial(self._ffn, blk, image=image),
                                                         self.comm.all_reduce(y), streams, pre_a, post_a, comb_a)
-                streams, = piece("ffn_out", _expand, self.comm.all_reduce(y), streams, post_f, comb_f)
+                streams, = piece("ffn_out", functools.partial(_expand, blk.ops), self.comm.all_reduce(y), streams,
+                                 post_f, comb_f)
             if trace is not None:
                 trace.setdefault("layer_out_streams", []).append(streams.clone())
 
@@ -416,7 +433,7 @@ class Model:
                         torch.zeros(0, dtype=torch.long, device=dv))
         rows = torch.cat(want)
         if rows.numel():
-            x = rms_norm(hc_collapse(streams[rows], pre[rows]), self.norm, t.rms_norm_eps)
+            x = self.ops.rms_norm(self.ops.hc_collapse(streams[rows], pre[rows]), self.norm, t.rms_norm_eps)
             logits = self.comm.all_gather_cols(self.head_logits(x))
         else:   # no row wants logits (a prompt's earlier chunks): skip the head, whose empty call still runs one
             logits = streams.new_zeros((0, t.vocab_size))    # padded row tile, a full read of its weight (~1 GB)
@@ -433,8 +450,8 @@ class Model:
     def head_logits(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary columns of the logits: its head rows, shard by shard (TP_SHARDS)."""
         if self.head_shards is None:
-            return linear(x, self.head)
-        return torch.cat([linear(x, h) for h in self.head_shards], dim=1)
+            return self.ops.linear(x, self.head)
+        return torch.cat([self.ops.linear(x, h) for h in self.head_shards], dim=1)
 
     # ---- pieces -----------------------------------------------------------------------------------------------
 
@@ -457,8 +474,9 @@ class Model:
         """mHC mixes of the attention site, collapse with the incoming pre, attn_norm, the q/kv projections, and the
         compressor's and indexer's row work."""
         t = self.t
+        ops = blk.ops
         pre_a, post_a, comb_a = hc_mixes(streams, blk.hc_attn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
-        x = rms_norm(hc_collapse(streams, pre), blk.attn_norm, t.rms_norm_eps)
+        x = ops.rms_norm(ops.hc_collapse(streams, pre), blk.attn_norm, t.rms_norm_eps)
         q_res, q, kv = blk.attn.project(x, cos, sin, self.qat)
         ckv = cgate = iq = iw = None
         if blk.compressor is not None:
@@ -473,10 +491,10 @@ class Model:
     def _ffn(self, blk: Block, y, streams, pre_a, post_a, comb_a, image=None) -> tuple:
         """Expand the attention output into the streams, mHC mixes of the FFN site, collapse with the attention
         site's pre, ffn_norm, MoE: -> (streams, the FFN site's pre/post/comb, this rank's MoE output)."""
-        t = self.t
-        streams = hc_expand(y, streams, post_a, comb_a)
+        t, ops = self.t, blk.ops
+        streams = ops.hc_expand(y, streams, post_a, comb_a)
         pre_f, post_f, comb_f = hc_mixes(streams, blk.hc_ffn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
-        x = rms_norm(hc_collapse(streams, pre_a), blk.ffn_norm, t.rms_norm_eps)
+        x = ops.rms_norm(ops.hc_collapse(streams, pre_a), blk.ffn_norm, t.rms_norm_eps)
         return streams, pre_f, post_f, comb_f, blk.moe(x, image)
 
     def _attn_out_ffn(self, blk: Block, q, keys, valid, cos, sin, streams, pre_a, post_a, comb_a,
@@ -484,7 +502,7 @@ class Model:
         """_attn_out, _ffn and the last expand as one piece (one rank: nothing crosses between them)."""
         y, = self._attn_out(blk, q, keys, valid, cos, sin)
         streams, pre_f, post_f, comb_f, y = self._ffn(blk, y, streams, pre_a, post_a, comb_a, image)
-        return hc_expand(y, streams, post_f, comb_f), pre_f
+        return blk.ops.hc_expand(y, streams, post_f, comb_f), pre_f
 
     def _history(self, blk: Block, kv, ckv, cgate, iq, iw, pos, segs, shared, trace,
                  rd: _Round | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -709,7 +727,7 @@ class Model:
         if blk.indexer is not None:
             rd.topk = self._index_round(blk, rd, iq, iw, trace)
         topk = rd.topk
-        ckeys = _gather_round(rd.kv, topk, n, dev.kernel("index_scores", kv) is not None)
+        ckeys = self.ops.gather_round(rd.kv, topk, n)
         return torch.cat([wkeys, ckeys], dim=1), torch.cat([rd.win_valid, topk >= 0], dim=1)
 
     def _compress_round(self, blk: Block, rd: _Round, kv, gate) -> None:
@@ -720,7 +738,7 @@ class Model:
         n = rd.n
         D, Di = self.t.head_dim, self.t.index_head_dim
         if sp.ratio == 1:
-            latent = rms_norm(kv, comp.norm, comp.eps)
+            latent = comp.ops.rms_norm(kv, comp.norm, comp.eps)
         else:
             q = sp.ratio
             pk = [st.partial_kv[L] for st, pe in zip(rd.states, sp.pend) if pe]
@@ -788,25 +806,6 @@ class Model:
         return topk
 
 
-def _gather_round(srcs: list[torch.Tensor], idx: torch.Tensor, n: int, kernel: bool) -> torch.Tensor:
-    """Rows idx [B*n, K] of each sequence's own tensor srcs[b] [*, D] -> [B*n, K, D]; -1 picks a row whose weight
-    is an exact zero (the attention masks it). kernel: one launch through a table of the tensors' addresses
-    (kernels/round_gather.py, CUDA with kernels on); else one index_select per sequence."""
-    B, K, D = len(srcs), idx.shape[1], srcs[0].shape[1]
-    if kernel and not D & (D - 1):
-        from kernels.round_gather import gather_rows
-        return gather_rows(dev.address_table(srcs, idx.device), idx, D)
-    out = srcs[0].new_empty((B * n, K, D))
-    pick = idx.clamp_min(0)
-    for b, c in enumerate(srcs):
-        o = out[b * n:(b + 1) * n].view(n * K, D)
-        if c.shape[0]:
-            torch.index_select(c, 0, pick[b * n:(b + 1) * n].reshape(-1), out=o)
-        else:
-            o.zero_()
-    return out
-
-
 def _append_rows(rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """rows then new (dim 0), without copying rows when the buffer they are the start of has room. A long prompt's
     compressed KV and index keys would otherwise be copied whole once per chunk (O(T^2) bytes over a 1M prompt). The
@@ -842,8 +841,8 @@ def index_row_block(keys: int) -> int:
     return max(16, INDEX_BLOCK_BYTES // (4 * max(1, keys)) // 16 * 16)
 
 
-def _expand(y, streams, post, comb) -> tuple:
-    return hc_expand(y, streams, post, comb),
+def _expand(ops: Ops, y, streams, post, comb) -> tuple:
+    return ops.hc_expand(y, streams, post, comb),
 
 
 def _stream_mean(streams: torch.Tensor) -> torch.Tensor:

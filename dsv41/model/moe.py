@@ -10,16 +10,20 @@ order, so the sum does not depend on which other rows picked the same experts. T
 1 (weights.TP_SHARDS) the output is Σ over shards, in order, of (that shard's experts' slots + its part of the
 shared expert), each computed as the rank holding that shard alone computes it, so one rank and two give the same
 bits.
+
+The products and the routing weights go through the op set (`MoE.ops`, dsv41/model/ops.py); `ops.routed` runs a
+layer's stacked experts in one grouped kernel launch where the op set has one (the CUDA path), else the per-expert
+loop below runs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from dsv41.model import device as _device
 from dsv41.model.device import ExpertStack
-from dsv41.model.linear import linear, silu, softplus, stable_topk
+from dsv41.model.linear import silu, softplus, stable_topk
+from dsv41.model.ops import Ops, reference_ops
 
 
 @dataclass
@@ -29,13 +33,30 @@ class Expert:
     w3: torch.Tensor   # [inter, H]
 
 
-def swiglu(x: torch.Tensor, e: Expert, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    gate = torch.clamp(linear(x, e.w1), max=limit)
-    up = torch.clamp(linear(x, e.w3), min=-limit, max=limit)
+def swiglu(x: torch.Tensor, e: Expert, limit: float, weight: torch.Tensor | None = None,
+           ops: Ops | None = None) -> torch.Tensor:
+    """w2(weight · silu(min(w1x, limit)) · clamp(w3x, ±limit)), the products through `ops` (default: the
+    reference)."""
+    lin = (ops or reference_ops()).linear
+    gate = torch.clamp(lin(x, e.w1), max=limit)
+    up = torch.clamp(lin(x, e.w3), min=-limit, max=limit)
     h = silu(gate) * up
     if weight is not None:
         h = h * weight
-    return linear(h, e.w2)
+    return lin(h, e.w2)
+
+
+def route_weights(s: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The routing weights of the picks ids [n, k] from the scores s [n, E]: s at the picks, divided by their
+    slot-order sum + 1e-20 (when k > 1), × scaling (kernels/rowops.py's `route_weights`: the same in one launch)."""
+    w = s.gather(1, ids)
+    top_k = ids.shape[1]
+    if top_k > 1:
+        total = w[:, 0]
+        for j in range(1, top_k):
+            total = total + w[:, j]
+        w = w / (total[:, None] + 1e-20)
+    return w * scaling
 
 
 @dataclass
@@ -53,32 +74,23 @@ class MoE:
     shards: int = 1                    # TP shards computed apart (weights.TP_SHARDS // world)
     shard_ranges: list[range] | None = None     # each shard's routed experts (global ids)
     shared_shards: list[Expert] | None = None   # each shard's part of the shared expert (w1/w3 rows, w2 columns)
+    ops: Ops = field(default_factory=reference_ops)   # the model's op set (given at load)
 
     def route(self, x: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [n, k] float32, expert ids [n, k]) in slot order."""
-        s = torch.sqrt(softplus(linear(x, self.gate) / self.gate_temp))
+        s = torch.sqrt(softplus(self.ops.linear(x, self.gate) / self.gate_temp))
         bias = self.bias if image is None else torch.where(image[:, None], self.bias_vl, self.bias)
         _, ids = stable_topk(s + bias, self.top_k)
-        k = _device.kernel("route_weights", s)
-        w = k(s, ids, self.scaling) if k is not None else None
-        if w is not None:   # the lines below in one launch (kernels/rowops.py: the same operations, same order)
-            return w, ids
-        w = s.gather(1, ids)
-        if self.top_k > 1:
-            total = w[:, 0]
-            for j in range(1, self.top_k):
-                total = total + w[:, j]
-            w = w / (total[:, None] + 1e-20)
-        return w * self.scaling, ids
+        return self.ops.route_weights(s, ids, self.scaling), ids
 
     def __call__(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, H] (ffn_norm'd) -> [n, H]: this rank's routed slots (in slot order) + its shared-expert part."""
         weights, ids = self.route(x, image)
         if self.shards == 1:
-            return self._routed(x, weights, ids) + swiglu(x, self.shared, self.limit)
+            return self._routed(x, weights, ids) + swiglu(x, self.shared, self.limit, ops=self.ops)
         y = None
         for rng, shared in zip(self.shard_ranges, self.shared_shards):
-            part = self._routed(x, weights, ids, rng) + swiglu(x, shared, self.limit)
+            part = self._routed(x, weights, ids, rng) + swiglu(x, shared, self.limit, ops=self.ops)
             y = part if y is None else y + part
         return y
 
@@ -87,19 +99,17 @@ class MoE:
         """Σ over slots (slot order) of the picked experts this rank holds (within `shard`, a TP shard's expert
         ids, when given; the others add nothing)."""
         n = x.shape[0]
-        routed = None
-        if self.stack is not None:   # (an EXL3 stack takes no shard mask: EXL3 blocks are never sharded)
-            routed = (self.stack.routed(x, weights, ids, self.limit) if shard is None else
-                      self.stack.routed(x, weights, ids, self.limit, (ids >= shard.start) & (ids < shard.stop)))
-        if routed is not None:   # the grouped kernel: the same slot sum in one launch
-            return routed
+        if self.stack is not None:   # (an EXL3 stack takes no shard: EXL3 blocks are never sharded)
+            routed = self.ops.routed(self.stack, x, weights, ids, self.limit, shard)
+            if routed is not None:   # the grouped kernel: the same slot sum in one launch
+                return routed
         slots = x.new_zeros((n, self.top_k, x.shape[1]))
         for e in ids.unique().tolist():   # only the experts some row picked (one host sync)
             expert = self.experts.get(e)
             if expert is None or (shard is not None and e not in shard):   # another rank's or shard's expert
                 continue
             rows, slot = torch.nonzero(ids == e, as_tuple=True)
-            slots[rows, slot] = swiglu(x[rows], expert, self.limit, weights[rows, slot][:, None])
+            slots[rows, slot] = swiglu(x[rows], expert, self.limit, weights[rows, slot][:, None], self.ops)
         y = slots[:, 0]
         for j in range(1, self.top_k):
             y = y + slots[:, j]

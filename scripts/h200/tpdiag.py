@@ -24,15 +24,15 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--device", default="cuda")
 ap.add_argument("--kernels", default="1")
 a = ap.parse_args()
-from dsv41.model import device as dev  # noqa: E402
-dev.set_kernels(a.kernels == "1")
+kernels = a.kernels == "1"
 ck = str(builtin_checkpoint())
 prompt = torch.tensor([0] + [random.Random(1).randrange(3, 120000) for _ in range(8)])
-whole = Model.load(ck, device=a.device)
+whole = Model.load(ck, device=a.device, kernels=kernels)
 tw: dict = {}
 ref = whole.forward([SeqInput(whole.new_state(), prompt, logits="last")], trace=tw)[0][0].cpu()
 tc = _ThreadComm(2)
-ranks = [Model.load(ck, device=a.device, share=RankShare(r, 2), comm=tc.for_rank(r)) for r in range(2)]
+ranks = [Model.load(ck, device=a.device, share=RankShare(r, 2), comm=tc.for_rank(r), kernels=kernels)
+         for r in range(2)]
 out, traces = [None, None], [{}, {}]
 
 

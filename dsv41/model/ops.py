@@ -1,0 +1,323 @@
+"""Which function computes each op of the forward: the op set, a value chosen once when the model loads.
+
+`Model.load` picks it from the device, the kernels present and the config (docs/gpu.md "Which function computes each
+op"), stores it as `model.ops`, and gives it to every block it builds (Attention, MoE, Compressor, Indexer, Engram,
+the mHC sites, the DSpark stages); the blocks call it. Nothing inside the math asks a global or the environment which
+implementation to run.
+
+- `reference_ops()`: the CPU float32 reference, the definition of the math: products in ROW_TILE-row tiles
+  (linear.tiled), torch's row sums, the torch forms of every op. FP8/FP4/EXL3 weights kept in checkpoint form
+  (`Model.load(keep_quant=True)`) are dequantised per product: the same bits (dequantisation is exact).
+- `cuda_ops(kernels=True)`: the CUDA path: products in fixed CUDA_ROW_TILE-row tiles (one shape for cuBLAS), row sums
+  as a fixed pairwise tree (a CUDA reduction's order depends on the row count), and the kernels of `kernels/` where
+  they are present (imported when the op set is built), else the same torch fallbacks; `kernels=False`: the
+  fallbacks only (DSV41_KERNELS=0). On a CPU machine the same functions run on CPU tensors, the Triton kernels under
+  TRITON_INTERPRET=1 (tests and benches).
+- `ops.with_exl3()`: what an EXL3 pack adds at load: the fused EXL3 kernels for its packed linears and stacked
+  experts when the op set runs kernels (without them the float32 reference decode runs).
+
+Weights are data (device.Fp8Weight / Fp4Weight / ExpertStack, exl3_load.Exl3Packed / Exl3ExpertStack); `Ops.linear`
+and `Ops.routed` dispatch on their type.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dsv41.model import linear as L
+from dsv41.model.device import CUDA_ROW_TILE, ExpertStack, Fp4Weight, Fp8Weight, address_table
+from dsv41.model.exl3_load import Exl3Packed
+from kernels.numerics import inv_count, tree_row_sum
+
+
+@dataclass(frozen=True)
+class Ops:
+    """One implementation of every op. Fields are functions (see the factories for which); `linear`, `routed` and
+    `tiled` are the methods the blocks call with a weight / stack of any kind."""
+    name: str                      # "reference", "cuda", "cuda-fallbacks" (+ "+exl3")
+    row_tile: int                  # rows of every product tile (linear.tiled)
+    dense_linear: Callable         # (x [n, in], w float [out, in]) -> [n, out]
+    fp8_linear: Callable           # (x, device.Fp8Weight) -> float32 [n, out]
+    fp4_linear: Callable           # (x, device.Fp4Weight) -> float32 [n, out]
+    exl3_linear: Callable          # (x, exl3_load.Exl3Packed) -> float32 [n, out]
+    row_sum: Callable              # (x) -> Σ over the last dim, keepdim
+    row_mean: Callable             # (x) -> mean over the last dim, keepdim
+    rms_norm: Callable             # (x, weight | None, eps) -> float32, the shape of x
+    sinkhorn: Callable             # (comb [n, hc, hc], iters, eps) -> comb (mhc.sinkhorn)
+    hc_collapse: Callable          # (streams [n, hc, H], pre [n, hc]) -> [n, H]
+    hc_expand: Callable            # (y [n, H], residual [n, hc, H], post [n, hc], comb [n, hc, hc]) -> [n, hc, H]
+    route_weights: Callable        # (scores [n, E], ids [n, k], scaling) -> [n, k] (moe.route_weights)
+    index_scores: Callable         # (q [n, h, d], w [n, h], keys [T, d], scale) -> [n, T], no visibility mask
+    round_scores: Callable         # (q [B*n, h, d], w, keys: B x [T_b, d], tpad, counts [B] | None, scale)
+    #                                -> [B*n, tpad], no visibility mask
+    gather_round: Callable         # (srcs: B x [*, D], idx [B*n, K] (-1: a zero-weight row), n) -> [B*n, K, D]
+    fp4_routed: Callable | None = None    # (ExpertStack, x, weights, ids, limit, shard) -> [n, H]; None: per expert
+    exl3_routed: Callable | None = None   # (Exl3ExpertStack, x, weights, ids, limit) -> [n, H]; None: per expert
+    stacks_experts: bool = False   # Model.load stacks each layer's kept experts (the grouped kernels' layout)
+    graphs: bool = True            # a round's row-only pieces may become CUDA graphs (no host sync inside them)
+    kernels: tuple[str, ...] = ()  # the kernels/ functions this op set runs (reports; empty: torch only)
+
+    def linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        """y = x · wᵀ for x [n, in] and a weight [out, in] of any kind (float tensor, FP8, FP4, EXL3 codes)."""
+        if isinstance(w, torch.Tensor):
+            return self.dense_linear(x, w)
+        if isinstance(w, Fp8Weight):
+            return self.fp8_linear(x, w)
+        if isinstance(w, Fp4Weight):
+            return self.fp4_linear(x, w)
+        if isinstance(w, Exl3Packed):
+            return self.exl3_linear(x, w)
+        raise TypeError(f"no linear for a weight of type {type(w).__name__}")
+
+    def routed(self, stack, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float,
+               shard: range | None = None) -> torch.Tensor | None:
+        """Σ over slots (slot order) of a layer's stacked routed experts' outputs in one grouped launch, only the
+        experts within `shard` (a TP shard's global ids) when given; None when this op set has no grouped
+        implementation for the stack (the caller, MoE._routed, runs the experts one by one)."""
+        if isinstance(stack, ExpertStack):
+            f = self.fp4_routed
+            return None if f is None else f(stack, x, weights, ids, limit, shard)
+        f = self.exl3_routed
+        return None if f is None or shard is not None else f(stack, x, weights, ids, limit)
+
+    def tiled(self, fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+        """linear.tiled in this op set's row tile."""
+        return L.tiled(fn, *xs, rows=self.row_tile)
+
+    def with_exl3(self) -> Ops:
+        """This op set for a model with EXL3 codes: the fused EXL3 kernels (kernels/exl3.py) for its packed linears
+        and stacked experts when this op set runs kernels and they import; else the same op set (the reference
+        decode runs). One value per op set (built on first use)."""
+        return _with_exl3(self)
+
+
+@functools.cache
+def _with_exl3(ops: Ops) -> Ops:
+    if not ops.kernels or "exl3_linear" in ops.kernels:
+        return ops
+    try:
+        from kernels.exl3 import exl3_linear_triton
+    except Exception:  # noqa: BLE001 - Triton absent: the float32 reference decode runs
+        return ops
+    from dsv41.model.exl3_load import exl3_routed
+    return dataclasses.replace(ops, name=ops.name + "+exl3", exl3_linear=_exl3_kernel_linear(exl3_linear_triton),
+                               exl3_routed=exl3_routed, kernels=ops.kernels + ("exl3_linear", "exl3_grouped"))
+
+
+def ops_for(device: torch.device | str, kernels: bool = True) -> Ops:
+    """The op set Model.load picks when it is not given one: the CPU reference on the CPU, the CUDA path on CUDA
+    (its kernels unless kernels=False)."""
+    return cuda_ops(kernels) if torch.device(device).type == "cuda" else reference_ops()
+
+
+# ---- the reference (CPU float32) -------------------------------------------------------------------------------
+
+@functools.cache
+def reference_ops() -> Ops:
+    """The CPU float32 reference: exactly the functions the model defines (the bitwise tests' path)."""
+    from dsv41.model import mhc, moe
+    rows = L.ROW_TILE
+    dense = _dense_linear(rows)
+    return Ops(name="reference", row_tile=rows, dense_linear=dense, fp8_linear=_dequant_linear(dense),
+               fp4_linear=_dequant_linear(dense), exl3_linear=_exl3_reference_linear(rows),
+               row_sum=L.row_sum, row_mean=L.row_mean, rms_norm=L.rms_norm, sinkhorn=mhc.sinkhorn,
+               hc_collapse=mhc.hc_collapse, hc_expand=mhc.hc_expand, route_weights=moe.route_weights,
+               index_scores=functools.partial(_index_scores_tiled, rows=rows),
+               round_scores=functools.partial(_round_scores_padded, rows=rows), gather_round=gather_round)
+
+
+# ---- the CUDA path -------------------------------------------------------------------------------------------
+
+def cuda_ops(kernels: bool = True) -> Ops:
+    """The CUDA path's functions: fixed CUDA_ROW_TILE-row product tiles, tree row sums, and (kernels=True) the
+    kernels of kernels/ that import here, once; the torch fallbacks where one is absent (or kernels=False). One
+    value per setting (built on first use)."""
+    return _cuda_ops(bool(kernels))
+
+
+@functools.cache
+def _cuda_ops(kernels: bool) -> Ops:
+    from dsv41.model import mhc, moe
+    rows = CUDA_ROW_TILE
+    dense = _dense_linear(rows)
+    k = _load_kernels() if kernels else {}
+    index_scores = functools.partial(_index_scores_tiled, rows=rows)
+    if "index_scores" in k:
+        index_scores = _kernel_index_scores(k["index_scores"], index_scores)
+    fp8 = _dequant_linear(dense)
+    if "fp8_linear" in k:
+        fp8 = _kernel_fp8_linear(k["fp8_linear"])
+    return Ops(
+        name="cuda" if kernels else "cuda-fallbacks", row_tile=rows, dense_linear=dense, fp8_linear=fp8,
+        fp4_linear=_dequant_linear(dense), exl3_linear=_exl3_reference_linear(rows),
+        row_sum=tree_row_sum, row_mean=tree_row_mean,
+        rms_norm=_kernel_rms_norm(k["rms_norm"]) if "rms_norm" in k else _tree_rms_norm,
+        sinkhorn=_or_fallback(k.get("sinkhorn"), mhc.sinkhorn),
+        hc_collapse=_or_fallback(k.get("hc_collapse"), mhc.hc_collapse),
+        hc_expand=_or_fallback(k.get("hc_expand"), mhc.hc_expand),
+        route_weights=_or_fallback(k.get("route_weights"), moe.route_weights),
+        index_scores=index_scores,
+        round_scores=_cuda_round_scores(k.get("index_scores_table"), index_scores),
+        gather_round=_kernel_gather_round(k["gather_rows"]) if "gather_rows" in k else gather_round,
+        fp4_routed=_kernel_fp4_routed(k["fp4_moe"]) if "fp4_moe" in k else None,
+        stacks_experts=True,
+        # the fallbacks' per-expert MoE waits for the device (ids.unique): those rounds run eagerly
+        graphs="fp4_moe" in k,
+        kernels=tuple(sorted(k)))
+
+
+def _load_kernels() -> dict:
+    """The kernels of kernels/ that import (Triton present); an absent one leaves its op to the torch fallback."""
+    found = {}
+    for module, names in (("kernels.fp8_linear", ("fp8_linear",)), ("kernels.fp4_moe", ("fp4_moe",)),
+                          ("kernels.indexer", ("index_scores", "index_scores_table")),
+                          ("kernels.round_gather", ("gather_rows",)),
+                          ("kernels.rowops", ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "route_weights"))):
+        try:
+            mod = __import__(module, fromlist=list(names))
+            found.update({n: getattr(mod, n) for n in names})
+        except Exception:  # noqa: BLE001, S112 - absent, or Triton missing: the torch fallback runs
+            continue
+    return found
+
+
+# ---- the functions (torch forms here, the model's own in linear / mhc / moe / indexer) ---------------------------
+
+def _dense_linear(rows: int) -> Callable:
+    def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return L.linear(x, w, rows)
+    return dense_linear
+
+
+def _dequant_linear(dense: Callable) -> Callable:
+    """A kept FP8/FP4 weight dequantised for the call (exact in float32), then the dense product."""
+    def dequant_linear(x: torch.Tensor, w) -> torch.Tensor:
+        return dense(x, w.dequant())
+    return dequant_linear
+
+
+def _kernel_fp8_linear(k: Callable) -> Callable:
+    def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+        return k(x.contiguous(), w.q, w.scale).float()
+    return fp8_linear
+
+
+def _exl3_reference_linear(rows: int) -> Callable:
+    """The float32 reference of an EXL3 linear (exl3.exl3_linear: W~ decoded once per block, Hadamards on the
+    activations), block by block."""
+    def exl3_linear(x: torch.Tensor, w) -> torch.Tensor:
+        from dsv41.model.exl3 import exl3_linear as ref
+        outs = [ref(x, b, w_rot=w.rotated(i, x.device), rows=rows) for i, b in enumerate(w.blocks)]
+        return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+    return exl3_linear
+
+
+def _exl3_kernel_linear(k: Callable) -> Callable:
+    """The fused EXL3 kernel (W never formed), block by block."""
+    def exl3_linear(x: torch.Tensor, w) -> torch.Tensor:
+        outs = [k(x.contiguous(), w.kernel_weight(i)).float() for i in range(len(w.blocks))]
+        return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+    return exl3_linear
+
+
+def tree_row_mean(x: torch.Tensor) -> torch.Tensor:
+    """The CUDA path's mean: tree Σ · float32(1/n), written out: the same bits as torch's CUDA `Σ / n`."""
+    return tree_row_sum(x) * inv_count(x.shape[-1])
+
+
+def _tree_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return L.rms_norm(x, weight, eps, mean=tree_row_mean)
+
+
+def _kernel_rms_norm(k: Callable) -> Callable:
+    """kernels/rowops.py's norm (the tree norm's operations in one launch) where it applies: a float32 1-D weight
+    or none."""
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        if weight is None or (weight.dtype == torch.float32 and weight.dim() == 1):
+            return k(x.float(), weight, eps)
+        return _tree_rms_norm(x, weight, eps)
+    return rms_norm
+
+
+def _or_fallback(k: Callable | None, fallback: Callable) -> Callable:
+    """The kernel, or the torch function where the kernel does not apply (it returns None) or is absent."""
+    if k is None:
+        return fallback
+
+    def op(*args):
+        out = k(*args)
+        return out if out is not None else fallback(*args)
+    op.__name__ = getattr(k, "__name__", "op")
+    return op
+
+
+def _index_scores_tiled(q, w, keys, scale, rows):
+    from dsv41.model.indexer import index_scores
+    return index_scores(q, w, keys, scale, rows=rows)
+
+
+def _round_scores_padded(q, w, keys, tpad, counts, scale, rows):
+    from dsv41.model.indexer import round_scores_padded
+    return round_scores_padded(q, w, keys, tpad, scale, rows=rows)
+
+
+def _kernel_index_scores(k: Callable, fallback: Callable) -> Callable:
+    def index_scores(q, w, keys, scale):
+        D = keys.shape[1]
+        return fallback(q, w, keys, scale) if D & (D - 1) else k(q, w, keys, scale)
+    return index_scores
+
+
+def _cuda_round_scores(table_kernel: Callable | None, index_scores: Callable) -> Callable:
+    """A round's scores on the CUDA path: one launch of the round kernel reading each sequence's keys through a
+    table of addresses (no padded copy) where it applies, else each sequence's scores (`index_scores`) padded."""
+    def round_scores(q, w, keys, tpad, counts, scale):
+        B = len(keys)
+        n = q.shape[0] // B
+        Di = q.shape[2]
+        if (table_kernel is not None and not Di & (Di - 1) and counts is not None
+                and all(k.dtype == torch.float32 and k.is_contiguous() for k in keys)):
+            return table_kernel(q, w, address_table(keys, q.device), counts, tpad, scale)
+        return torch.cat([torch.cat([index_scores(q[b * n:(b + 1) * n], w[b * n:(b + 1) * n], k, scale),
+                                     q.new_zeros((n, tpad - k.shape[0]))], dim=1) for b, k in enumerate(keys)])
+    return round_scores
+
+
+def gather_round(srcs: list[torch.Tensor], idx: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows idx [B*n, K] of each sequence's own tensor srcs[b] [*, D] -> [B*n, K, D]; -1 picks a row whose weight
+    is an exact zero (the attention masks it): one index_select per sequence."""
+    B, K, D = len(srcs), idx.shape[1], srcs[0].shape[1]
+    out = srcs[0].new_empty((B * n, K, D))
+    pick = idx.clamp_min(0)
+    for b, c in enumerate(srcs):
+        o = out[b * n:(b + 1) * n].view(n * K, D)
+        if c.shape[0]:
+            torch.index_select(c, 0, pick[b * n:(b + 1) * n].reshape(-1), out=o)
+        else:
+            o.zero_()
+    return out
+
+
+def _kernel_gather_round(k: Callable) -> Callable:
+    """One launch through a table of the sequences' addresses (kernels/round_gather.py) where D is a power of two."""
+    def gather(srcs: list[torch.Tensor], idx: torch.Tensor, n: int) -> torch.Tensor:
+        D = srcs[0].shape[1]
+        if D & (D - 1):
+            return gather_round(srcs, idx, n)
+        return k(address_table(srcs, idx.device), idx, D)
+    return gather
+
+
+def _kernel_fp4_routed(k: Callable) -> Callable:
+    """kernels/fp4_moe.py's grouped launch over the layer's stack; slots of experts outside `shard` (another TP
+    shard's) get -1, contributing nothing, as another rank's do."""
+    def routed(stack: ExpertStack, x, weights, ids, limit, shard):
+        local = stack.local[ids]
+        if shard is not None:
+            local = torch.where((ids >= shard.start) & (ids < shard.stop), local, -1)
+        return k(x.contiguous(), stack.w13, stack.s13, stack.w2, stack.s2, local, weights, limit)
+    return routed
