@@ -27,6 +27,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     tokenizer: str = ""                  # tokenizer dir; "" = the checkpoint's tokenizer.json, else kit/tokenizer
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cuda_graphs: bool = True             # on CUDA, decode rounds replay their row-only pieces as CUDA graphs
+    kernels: bool = True                 # on CUDA, the kernels of kernels/ (off: the torch fallbacks; docs/gpu.md)
     # where to listen
     host: str = "127.0.0.1"
     port: int = 8000
@@ -172,6 +173,9 @@ FIELD_HELP: dict[str, str] = {
     "cuda_graphs": "on CUDA, replay each decode round's row-only pieces (mHC, norms, projections, attention over the "
                    "gathered keys, MoE) as CUDA graphs captured per row bucket; the same bits as running them eagerly "
                    "(docs/gpu.md)",
+    "kernels": "on CUDA, compute with the kernels of kernels/ where they exist; --no-kernels: the torch fallbacks "
+               "everywhere (the same float32 function; to compare the two, or a way out should a kernel misbehave). "
+               "Chosen once at load as the model's op set (docs/gpu.md \"Which function computes each op\")",
     "host": "address to listen on",
     "port": "TCP port to listen on (0 = any free port; the chosen one is printed)",
     "api_key": "accepted API key (repeat the flag; env: comma-separated). Set = every route but /health needs "

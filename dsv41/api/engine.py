@@ -135,7 +135,8 @@ def load_model(cfg: ServeConfig, ckpt: Path, **kw):
     from dsv41.model.engram_store import EngramMissing
     from dsv41.model.model import Model
     try:
-        model = Model.load(str(ckpt), **kw, **engram_args(cfg), cuda_graphs=cfg.cuda_graphs, tp_shards=cfg.tp_shards)
+        model = Model.load(str(ckpt), **kw, **engram_args(cfg), cuda_graphs=cfg.cuda_graphs, tp_shards=cfg.tp_shards,
+                           kernels=cfg.kernels)
     except EngramMissing as e:
         raise StartError(f"the Engram tables are missing ({e}): pass --engram DIR, the folder holding "
                          f"layers.N.engram.embed.weight/.scale (the release's model-00047/48), or --no-engram to "
