@@ -229,3 +229,30 @@ def test_metrics_parse_with_vllm_names_beside_ours(http):
     assert value("dsv41:grammar_seconds", "dsv41:grammar_seconds_total", part="compile") > 0
     assert value("dsv41:grammar_seconds", "dsv41:grammar_seconds_total", part="mask") > 0
 
+
+# ------------------------------------------------------------------------------------------------ logs
+def test_one_log_format_an_access_line_per_request_and_the_done_line_names_the_reply(server, http):
+    import re
+    import time
+
+    r = http.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, **NO_THINK})
+    rid = r.json()["id"]
+    bad = http.post("/v1/completions", json={"prompt": "hi", "model": "gpt-nonesuch"})
+    assert bad.status_code == 404
+    stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (INFO|WARNING|ERROR|DEBUG) [\w.]+: "
+    deadline = time.monotonic() + 10
+    while True:
+        text = "".join(server.lines)
+        access = re.search(rf"{stamp}POST /v1/chat/completions 200 \d+\.\d{{3}}s reply_id={rid}$", text, re.M)
+        done = re.search(rf"{stamp}done \d+ reply_id={rid} prompt=\d+ ", text, re.M)
+        refused = re.search(stamp + r"POST /v1/completions 404 \d+\.\d{3}s error='model_not_found: The model "
+                            r"`gpt-nonesuch` does not exist", text, re.M)
+        if (access and done and refused) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert access and access.group(1) == "INFO", text[-3000:]
+    assert done, text[-3000:]
+    assert refused and refused.group(1) == "INFO", text[-3000:]
+    # uvicorn's own lines come in the same format (no "INFO:     Started server process")
+    assert re.search(stamp + r"Started server process", text, re.M), text[:2000]
+    assert not re.search(r"^INFO: ", text, re.M)

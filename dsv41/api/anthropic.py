@@ -369,6 +369,7 @@ async def create_message(request: HttpRequest) -> Response:
     body = await read_object(request, MessagesRequest)
     run = await prepare_chat(eng, to_chat(body), params=PARAMS)
     mid = _message_id()
+    request.state.reply_id = run.r.tag = mid            # the access and `done` log lines name it
     if body.get("stream"):
         return StreamingResponse(_stream(request, eng, run, mid, bool(body.get("return_token_ids"))),
                                  media_type="text/event-stream", headers=sse.HEADERS)

@@ -503,6 +503,12 @@ def _name_reply(request: HttpRequest, rid: str, prep: Prepared) -> None:
     prep.r.tag = rid
 
 
+def _name_reply(request: HttpRequest, rid: str, prep: Prepared) -> None:
+    """The reply's id on the request's access line and on its scheduler `done` line."""
+    request.state.reply_id = rid
+    prep.r.tag = rid
+
+
 def _choices(req: SamplingFields) -> int:
     """`n`: how many choices (1..MAX_CHOICES); n > 1 is served without `stream`."""
     n = 1 if req.n is None else req.n
@@ -520,6 +526,7 @@ async def _more_choices(eng, first: Prepared, n: int, again) -> list[Prepared]:
     try:
         for i in range(1, n):
             preps.append(await again(i))
+            preps[-1].r.tag = first.r.tag
             preps[-1].r.tag = first.r.tag
     except BaseException:
         for p in preps:
@@ -583,6 +590,7 @@ async def chat_completions(request: HttpRequest) -> Response:
     prep = await prepare_chat(eng, raw, req)
     rid = "chatcmpl-" + secrets.token_hex(16)
     _name_reply(request, rid, prep)
+    _name_reply(request, rid, prep)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_chat_stream(request, eng, prep, rid, include_usage, req.return_token_ids),
@@ -641,6 +649,7 @@ async def completions(request: HttpRequest) -> Response:
     prep = prepare_completion(eng, req)
     want_lp = req.logprobs is not None
     rid = "cmpl-" + secrets.token_hex(16)
+    _name_reply(request, rid, prep)
     _name_reply(request, rid, prep)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -807,8 +816,8 @@ async def metrics_text(request: HttpRequest) -> Response:
 
 # ------------------------------------------------------------------------------------------------ wiring
 class Guard:
-    """ASGI middleware: API keys, OpenAI-shaped errors for everything, request counting. Pure ASGI (no body
-    buffering), so SSE streams and disconnects pass straight through."""
+    """ASGI middleware: API keys, OpenAI-shaped errors for everything, request counting, the access line. Pure ASGI
+    (no body buffering), so SSE streams and disconnects pass straight through."""
 
     def __init__(self, app, state: AppState):
         self.app = app
@@ -819,6 +828,7 @@ class Guard:
             return await self.app(scope, receive, send)
         path = scope["path"]
         status_box = [0]
+        t0 = time.monotonic()
 
         async def send_counted(msg):
             if msg["type"] == "http.response.start":
@@ -833,6 +843,7 @@ class Guard:
                 if not self.state.keys.ok(Headers(scope=scope)):
                     err = ApiError(401, "A valid API key is required", code="invalid_api_key",
                                    headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
+                    scope.setdefault("state", {})["error"] = f"{err.code}: {err.message}"
                     # Anthropic clients expect their own error shape on their routes.
                     from dsv41.api import anthropic
                     resp = anthropic.error_response(err) if path.startswith("/v1/messages") else err.response()
@@ -840,6 +851,20 @@ class Guard:
             await self.app(scope, receive, send_counted)
         finally:
             self.state.metrics.request_done(_route_label(path), status_box[0])
+            _access_line(scope, status_box[0], time.monotonic() - t0)
+
+
+access_log = logging.getLogger("dsv41.access")
+
+
+def _access_line(scope, status: int, seconds: float) -> None:
+    """One line a request: method, path, status, seconds, the reply's id (the scheduler's `done` line names it too)
+    and, for an error, its reason. A status of 0 is a client gone before any reply."""
+    st = scope.get("state") or {}
+    extra = "".join(f" {k}={st[k]}" for k in ("reply_id",) if st.get(k))
+    if st.get("error"):
+        extra += f" error={st['error']!r}"
+    access_log.info("%s %s %s %.3fs%s", scope["method"], scope["path"], status or "-", seconds, extra)
 
 
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
@@ -854,10 +879,12 @@ def _route_label(path: str) -> str:
 
 
 async def _api_error(request, exc: ApiError) -> Response:
+    request.state.error = f"{exc.code or exc.type}: {exc.message}"     # the access line says why (info level)
     return exc.response()
 
 
 async def _http_error(request, exc: HTTPException) -> Response:
+    request.state.error = f"{exc.status_code}: {exc.detail}"
     if exc.status_code == 404:
         return ApiError(404, f"unknown path {request.url.path}", code="not_found").response()
     if exc.status_code == 405:

@@ -511,6 +511,7 @@ async def create_response(request: HttpRequest) -> Response:
     chat, conv = to_chat(body, previous)
     run = await prepare_chat(eng, chat, params=PARAMS)
     rid = _id("resp")
+    request.state.reply_id = run.r.tag = rid            # the access and `done` log lines name it
     created = int(time.time())
     keep = body.get("store", True) is not False
     if body.get("stream"):

@@ -89,6 +89,7 @@ class Request:
     cache_salt: str | None = None           # kept states are shared only between requests of one salt (kept.py)
     draft: bool = True                      # speculative decoding for this request (when the server drafts)
     images: list = field(default_factory=list)  # dsv41.model.vision.PromptImage spans of prompt_ids, in order
+    tag: str = ""                           # the reply's id (chatcmpl-..., resp_...): named on the `done` log line
     id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.monotonic)
 

@@ -534,8 +534,9 @@ class Scheduler:
     def _finish(self, req: Request, ev: FinishEvent, admitted: bool = True) -> None:
         req.finish(ev)
         ttft = f"{req.first_token_time - req.arrival:.3f}" if req.first_token_time else "-"
-        log.info("done %d prompt=%d cached=%d reply=%d finish=%s ttft=%s seconds=%.3f", req.id, req.prompt_len,
-                 req.cached_tokens, len(req.output_ids), ev.reason, ttft, req.finish_time - req.arrival)
+        log.info("done %d%s prompt=%d cached=%d reply=%d finish=%s ttft=%s seconds=%.3f", req.id,
+                 f" reply_id={req.tag}" if req.tag else "", req.prompt_len, req.cached_tokens, len(req.output_ids),
+                 ev.reason, ttft, req.finish_time - req.arrival)
         self._marks.pop(req.id, None)
         self._drafts.pop(req.id, None)
         self._expect.pop(req.id, None)
