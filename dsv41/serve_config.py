@@ -34,6 +34,10 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     api_key: list[str] = []
     api_key_file: str = ""               # more keys, one a line (dsv41/api/auth.py); read at start
     metrics_open: bool = False
+    # what one request may cost (dsv41/api/limits.py)
+    max_body_bytes: int = 32 << 20       # larger request bodies get 413 (a Content-Length above it: before reading)
+    body_timeout_s: float = 60.0         # the whole body must arrive within this (408)
+    prepare_timeout_s: float = 60.0      # tokenizing and compiling the grammar of one request, in worker threads
     # shape of the engine
     context: int = 0                     # positions per sequence; 0 = the model's max_position_embeddings
     max_streams: int = 32                # sequences in a round at once
@@ -98,6 +102,11 @@ class ServeConfig(msgspec.Struct, kw_only=True):
                 read_key_file(self.api_key_file)
             except KeyFileError as e:
                 raise bad("api_key_file", str(e)) from None
+        if self.max_body_bytes < 1:
+            raise bad("max_body_bytes", "must be at least 1")
+        for f in ("body_timeout_s", "prepare_timeout_s"):
+            if getattr(self, f) <= 0:
+                raise bad(f, "must be positive")
         for f in ("max_streams", "prefill_chunk", "max_tokens"):
             if getattr(self, f) < 1:
                 raise bad(f, "must be at least 1")
@@ -186,6 +195,12 @@ FIELD_HELP: dict[str, str] = {
                     "one its group or others may read or write (chmod 600), or one with no key, stops the server "
                     "from starting (on SIGHUP: the keys in use stay)",
     "metrics_open": "serve /metrics without a key even when keys are set",
+    "max_body_bytes": "largest request body in bytes; a larger one gets 413 (refused before it is read when its "
+                      "Content-Length says so); base64 images count",
+    "body_timeout_s": "seconds a request's whole body may take to arrive; slower gets 408 and the connection is "
+                      "closed (a client that disconnects meanwhile is counted as status 499, not an error)",
+    "prepare_timeout_s": "seconds one request's tokenization and grammar compilation may take (they run in worker "
+                         "threads, never on the event loop); a prompt that takes longer gets 413, a grammar 400",
     "context": "the older name of --max-model-len (positions one request may hold, prompt + max_tokens); 0 = not "
                "given",
     "max_streams": "sequences decoded together in one round",

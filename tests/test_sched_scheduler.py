@@ -126,6 +126,23 @@ def test_cancel_frees_memory_and_closes_in_the_next_plan():
     assert w.finish_reason == "cancelled" and not any(getattr(o, "seq", None) == w.id for o in p.ops)
 
 
+def test_a_shutdown_cancel_finishes_shutdown_not_cancelled():
+    """The drain's cancels are the server's (finish "shutdown": 503), a client's are its own ("cancelled": 499), so
+    the metrics tell them apart; a request cancelled by its client first keeps that reason."""
+    s = make()
+    a, b = s.submit(req(4, max_tokens=50)), s.submit(req(4, max_tokens=50))
+    p = s.plan_round()
+    s.commit_round(p, answer(p))
+    s.cancel(a)                       # the client went away first
+    a.cancel("shutdown")
+    b.cancel("shutdown")
+    w = s.submit(req(4))
+    w.cancel("shutdown")
+    s.plan_round()
+    assert (a.finish_reason, b.finish_reason, w.finish_reason) == ("cancelled", "shutdown", "shutdown")
+    assert isinstance(events(b)[-1], FinishEvent) and s.budget.used == 0
+
+
 def test_finish_reasons_eos_length_ignore_eos():
     s = make()
     a = s.submit(req(2, max_tokens=5))

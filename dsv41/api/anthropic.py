@@ -23,7 +23,7 @@ import msgspec
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 
-from dsv41.api import sse
+from dsv41.api import limits, sse
 from dsv41.api.app import (
     DELTA,
     ERROR,
@@ -470,8 +470,9 @@ async def count_tokens(request: HttpRequest) -> Response:
     eng = engine(request)
     chat = to_chat(await read_object(request, CountTokensRequest), counting=True)
     chat_controls(eng, chat)
-    prompt = chat_prompt(eng, chat)
-    chat_grammar(eng, chat, prompt)      # a tool_choice / schema the server cannot serve is refused here too
+    prompt = await limits.off_loop(eng, chat_prompt, eng, chat, param="messages")      # off the event loop
+    # a tool_choice / schema the server cannot serve is refused here too
+    await limits.off_loop(eng, chat_grammar, eng, chat, prompt, what="grammar")
     return json_response({"input_tokens": len(prompt.token_ids)})
 
 

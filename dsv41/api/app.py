@@ -26,7 +26,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from dsv41.api import sse
+from dsv41.api import limits, sse
 from dsv41.api.auth import OPEN_PATHS, KeyCheck
 from dsv41.api.errors import ApiError, bad_request, context_exceeded, from_decode_error
 from dsv41.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -330,8 +330,9 @@ async def prepare_chat(eng, raw: dict, req: ChatCompletionRequest | None = None,
         model = _served_name(eng, req.model)
         if not req.messages:
             raise bad_request("the conversation is empty: send at least one message", param="messages")
-        prompt = chat_prompt(eng, raw)
-        matcher = chat_grammar(eng, raw, prompt)
+        # tokenizing and compiling off the event loop, bounded (dsv41/api/limits.py)
+        prompt = await limits.off_loop(eng, chat_prompt, eng, raw, limit=eng.context_len, param="messages")
+        matcher = await limits.off_loop(eng, chat_grammar, eng, raw, prompt, what="grammar")
         # image placeholders -> their spans (dsv41/api/images.py: fetch, decode, tower, cached by hash)
         ids, images = await eng.images.prompt_images(prompt) if prompt.images else (list(prompt.token_ids), [])
         asked_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -351,6 +352,21 @@ async def prepare_chat(eng, raw: dict, req: ChatCompletionRequest | None = None,
     parser = ReplyParser(thinking=prompt.thinking, tools=prompt.tools or None,
                          parallel_tool_calls=req.parallel_tool_calls is not False)
     return Prepared(r, Reply(eng, r, prompt.thinking), model, prompt, parser)
+
+
+async def _completion_request(eng, body: bytes) -> CompletionRequest:
+    """A completions body decoded, its string prompt (or a batch of one string) tokenized off the event loop, bounded
+    by the context (dsv41/api/limits.py), and put back as its ids (BOS first with add_special_tokens): the ids
+    `_completion_prompt` would make, without blocking every stream while a long text is tokenized."""
+    req = _decode(body, CompletionRequest)
+    p = req.prompt
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if isinstance(p, str):
+        bos = [eng.bos_id] if req.add_special_tokens else []
+        ids = await limits.off_loop(eng, eng.tok.encode, p, True, limit=eng.context_len - len(bos), param="prompt")
+        req.prompt = bos + ids
+    return req
 
 
 def _completion_prompt(eng, req: CompletionRequest) -> list[int]:
@@ -394,8 +410,11 @@ def prepare_completion(eng, req: CompletionRequest, choice: int = 0) -> Prepared
 
 # ------------------------------------------------------------------------------------------------ the reply loop
 def finish_error(ev: FinishEvent) -> ApiError | None:
-    """The error a finish stands for (cancelled by a shutdown: 503; an engine failure: 500), None for a reply."""
+    """The error a finish stands for (cancelled by its client: 499, nginx's 'client closed request', which nobody
+    reads; by a shutdown: 503; an engine failure: 500), None for a reply."""
     if ev.reason == "cancelled":
+        return ApiError(499, "the client closed the request", code="client_closed_request")
+    if ev.reason == "shutdown":
         return ApiError(503, "the request was cancelled (server shutting down)", type="server_error")
     if ev.reason == "error":
         return ApiError(500, ev.error or "the engine failed", type="server_error")
@@ -644,7 +663,7 @@ async def _chat_stream(request, eng, prep: Prepared, rid: str, include_usage: bo
 # ------------------------------------------------------------------------------------------------ completions
 async def completions(request: HttpRequest) -> Response:
     eng = engine(request)
-    req = _decode(await request.body(), CompletionRequest)
+    req = await _completion_request(eng, await request.body())
     n = _choices(req)
     prep = prepare_completion(eng, req)
     want_lp = req.logprobs is not None
@@ -760,10 +779,10 @@ async def tokenize(request: HttpRequest) -> Response:
         raise bad_request("send exactly one of `prompt` and `messages`", param="prompt")
     if req.messages is not None:
         raw = msgspec.json.decode(body)
-        prompt = chat_prompt(eng, raw)
+        prompt = await limits.off_loop(eng, chat_prompt, eng, raw, param="messages")
         ids = list(prompt.token_ids)
     else:
-        ids = eng.tok.encode(req.prompt, special=True)
+        ids = await limits.off_loop(eng, eng.tok.encode, req.prompt, True, param="prompt")
         if req.add_special_tokens:
             ids = [eng.bos_id] + ids
     out = {"count": len(ids), "max_model_len": eng.context_len, "tokens": ids}
@@ -826,6 +845,7 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        body_bytes = 0
         path = scope["path"]
         status_box = [0]
         t0 = time.monotonic()
@@ -848,8 +868,22 @@ class Guard:
                     from dsv41.api import anthropic
                     resp = anthropic.error_response(err) if path.startswith("/v1/messages") else err.response()
                     return await resp(scope, receive, send_counted)
+            if scope["method"] in limits.BODY_METHODS:   # the whole body first, within its size and time limits
+                try:
+                    receive, body_bytes = await limits.read_body(scope, receive, self.state.cfg.max_body_bytes,
+                                                                 self.state.cfg.body_timeout_s)
+                except limits.BodyError as err:
+                    body_bytes = err.received
+                    if err.status == 499:
+                        limits.client_gone(path, err)
+                    scope.setdefault("state", {})["error"] = f"{err.code}: {err.message}"
+                    from dsv41.api import anthropic
+                    resp = anthropic.error_response(err) if path.startswith("/v1/messages") else err.response()
+                    return await resp(scope, receive, send_counted)
             await self.app(scope, receive, send_counted)
         finally:
+            if body_bytes >= limits.TRIM_AFTER_BYTES:      # hand what the body and its tokens used back
+                limits.trim_memory_soon()
             self.state.metrics.request_done(_route_label(path), status_box[0])
             _access_line(scope, status_box[0], time.monotonic() - t0)
 

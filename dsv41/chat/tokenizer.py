@@ -10,13 +10,20 @@ Two encoders are built from one tokenizer.json:
 `tokenizers` splits a string at added-token matches first and encodes each piece between them independently, so
 "split at specials, encode the runs between them with `plain`" gives exactly the ids of `full.encode(whole)`; the
 chat encoder relies on that to tokenize template text (specials matched) and client text (never) in one pass.
+
+A server bounds each request's tokenization with a `TokenBudget` set for the thread that runs it (`token_budget`):
+before any work, text that cannot fit the limit even at the longest token of the vocabulary per token is refused
+(`TooManyTokens`), and between groups of chunks the tokens counted so far and the deadline are checked, so a text
+that does not fit stops after about `limit` tokens, and a slow one at its deadline (`TokenizeTimeout`).
 """
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -53,16 +60,78 @@ def chunks(text: str, size: int = CHUNK_CHARS) -> list[str]:
     return out
 
 
-def encode_many(enc: _HFTokenizer, texts: list[str], size: int = CHUNK_CHARS) -> list[list[int]]:
-    """Ids of each text, long ones cut into chunks encoded in one parallel batch."""
+GROUP = 16              # chunks per batch call: ~256K characters, a budget check between calls (the call holds the
+                        # GIL for part of its work: ~20 ms a group on the 2-core box, ~0.5 s for a 5 MB batch)
+
+
+class TooManyTokens(ValueError):
+    """The text is at least `count` tokens, which reaches the budget's limit (it cannot fit)."""
+
+    def __init__(self, count: int, limit: int):
+        super().__init__(f"at least {count} tokens, limit {limit}")
+        self.count, self.limit = count, limit
+
+
+class TokenizeTimeout(TimeoutError):
+    """The budget's deadline passed (or its request was given up) while tokenizing."""
+
+
+class TokenBudget:
+    """Bounds on one request's tokenization: `limit` tokens (None: none), a `deadline` (time.monotonic(); None:
+    none), and `cancelled` (set from another thread to stop at the next check). `counted` is the tokens encoded
+    under it so far, a lower bound of the prompt's length."""
+
+    def __init__(self, limit: int | None = None, deadline: float | None = None):
+        self.limit, self.deadline = limit, deadline
+        self.counted = 0
+        self.cancelled = False
+
+    def check(self, more: int = 0) -> None:
+        """Raise when `more` tokens beyond those counted reach the limit, or the time is up."""
+        if self.cancelled or (self.deadline is not None and time.monotonic() > self.deadline):
+            raise TokenizeTimeout("tokenizing took longer than its budget")
+        if self.limit is not None and self.counted + more >= self.limit:
+            raise TooManyTokens(self.counted + more, self.limit)
+
+
+_budget = threading.local()
+
+
+@contextlib.contextmanager
+def token_budget(budget: TokenBudget | None):
+    """Tokenization in this thread runs under `budget` inside the block."""
+    old = getattr(_budget, "value", None)
+    _budget.value = budget
+    try:
+        yield budget
+    finally:
+        _budget.value = old
+
+
+def encode_many(enc: _HFTokenizer, texts: list[str], size: int = CHUNK_CHARS,
+                max_token_chars: int | None = None) -> list[list[int]]:
+    """Ids of each text, long ones cut into chunks encoded in parallel batches of GROUP chunks. Under a
+    TokenBudget (this thread's): refused before any work when the texts cannot fit even at `max_token_chars`
+    characters a token, and checked between batches."""
+    budget: TokenBudget | None = getattr(_budget, "value", None)
+    if budget is not None:
+        budget.check(sum(-(-len(t) // max_token_chars) for t in texts) if max_token_chars else 0)
     parts, owner = [], []
     for k, t in enumerate(texts):
         for c in chunks(t, size):
             parts.append(c)
             owner.append(k)
     out: list[list[int]] = [[] for _ in texts]
-    for k, e in zip(owner, enc.encode_batch_fast(parts, add_special_tokens=False)):
-        out[k].extend(e.ids)
+    for g in range(0, len(parts), GROUP):
+        if budget is not None and g:
+            budget.check()
+        for k, e in zip(owner[g:g + GROUP], enc.encode_batch_fast(parts[g:g + GROUP], add_special_tokens=False)):
+            ids = e.ids
+            out[k].extend(ids)
+            if budget is not None:
+                budget.counted += len(ids)
+    if budget is not None and budget.limit is not None:
+        budget.check()
     return out
 
 
@@ -145,6 +214,9 @@ class Tokenizer:
             except KeyError:
                 table[i] = text.encode("utf-8")
         self._bytes = table
+        # the most bytes (so characters) of input one token can stand for: a text of n characters is at least
+        # n / max_token_chars tokens, known before tokenizing it
+        self.max_token_chars = max(len(b) for b in table if b is not None)
         self.bos_id = self.added[BOS]
         self.eos_id = self.added[EOS]
         self.think_start_id = self.added[THINK_START]
@@ -178,7 +250,7 @@ class Tokenizer:
         """Token ids of `text`. special=True matches added tokens anywhere (the reference); False: plain BPE only."""
         if not text:
             return []
-        return encode_many(self.full if special else self.plain, [text])[0]
+        return encode_many(self.full if special else self.plain, [text], max_token_chars=self.max_token_chars)[0]
 
     def split_specials(self, text: str) -> list[tuple[str, int | None]]:
         """`text` cut into (piece, None) plain pieces and (token text, id) added-token matches, in order, as the
@@ -239,7 +311,7 @@ class Tokenizer:
                 known[it] = hit
                 if hit is None:
                     todo.append(it)
-        for text, run_ids in zip(todo, encode_many(self.plain, todo)):
+        for text, run_ids in zip(todo, encode_many(self.plain, todo, max_token_chars=self.max_token_chars)):
             known[text] = run_ids
             if len(text) >= self.memo.min_chars:
                 self.memo.put(text, run_ids)

@@ -2,7 +2,8 @@
 
 A Request is created by the API layer with token ids and sampling params; the scheduler owns it from `submit` on.
 Events go to the request's asyncio queue: TokenEvent for each committed token (with the text it adds, stop strings
-held back), then exactly one FinishEvent (finish_reason "stop" / "length" / "cancelled" / "error").
+held back), then exactly one FinishEvent (finish_reason "stop" / "length" / "cancelled" (its client went away) /
+"shutdown" (cancelled by the server's drain) / "error").
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class TokenEvent:
 
 @dataclass
 class FinishEvent:
-    reason: str               # "stop" | "length" | "cancelled" | "error"
+    reason: str               # "stop" | "length" | "cancelled" (by its client) | "shutdown" | "error"
     text: str = ""            # held-back text released at the end (never a matched stop string)
     stop_sequence: str | None = None
     error: str | None = None
@@ -105,6 +106,7 @@ class Request:
     finish_time: float | None = None
     finish_reason: str | None = None
     cancelled: bool = False
+    cancel_reason: str = ""                  # "client" (it went away) or "shutdown" (the server's drain)
     drafted: int = 0                         # draft tokens verified for this reply (docs/drafts.md)
     draft_accepted: int = 0                  # of them, accepted
     decode_rounds: int = 0                   # rounds that added reply tokens
@@ -126,8 +128,11 @@ class Request:
     def finished(self) -> bool:
         return self.phase is Phase.DONE
 
-    def cancel(self) -> None:
-        """Ask the scheduler to drop this request at the next round boundary (client gone, shutdown)."""
+    def cancel(self, why: str = "client") -> None:
+        """Ask the scheduler to drop this request at the next round boundary: its client went away ("client"; it
+        finishes "cancelled") or the server shuts down ("shutdown"; it finishes "shutdown")."""
+        if not self.cancelled:
+            self.cancel_reason = why
         self.cancelled = True
 
     # --- called by the scheduler on the event loop -------------------------------------------------------------

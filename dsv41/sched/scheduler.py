@@ -158,7 +158,7 @@ class Scheduler:
         while (self.running or self.waiting) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for r in list(self.waiting) + list(self.running):
-            r.cancel()
+            r.cancel("shutdown")
         self._wake.set()
         while self.running or self.waiting:
             await asyncio.sleep(0.01)
@@ -295,9 +295,9 @@ class Scheduler:
         # cancelled requests: finish them, release memory, close their states in this plan
         for r in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(r)
-            self._finish(r, FinishEvent("cancelled"), admitted=False)
+            self._finish(r, FinishEvent(_cancel_reason(r)), admitted=False)
         for r in [r for r in self.running if r.cancelled]:
-            self._finish(r, FinishEvent("cancelled"))
+            self._finish(r, FinishEvent(_cancel_reason(r)))
         close, self._to_close = self._to_close, []
         kept_ops = self._kept_finished()
         # admission: arrival order; the head waits if its state does not fit yet (no overtaking: no starvation)
@@ -564,6 +564,11 @@ class Scheduler:
             if isinstance(op, (SaveState, RestoreState)) and self.kept is not None:
                 self.kept.forget(op.key)
                 self._drop_keys.append(op.key)
+
+
+def _cancel_reason(req: Request) -> str:
+    """A cancelled request's finish reason: "shutdown" when the drain cancelled it, else "cancelled" (its client)."""
+    return "shutdown" if req.cancel_reason == "shutdown" else "cancelled"
 
 
 def _image_spans(req: Request) -> list[ImageSpan]:
