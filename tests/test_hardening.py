@@ -134,6 +134,37 @@ def test_rss_after_ten_refused_20mb_bodies_stays_within_200mb(server):
     assert after - before < 200 * 1024, (before, after)
 
 
+def test_grammar_compilation_and_detokenizing_run_off_the_event_loop(server):
+    """A 200k-string enum schema (it blocked /health 2.3 s) and /detokenize of 5M ids (~2 s of work) run in
+    worker threads: /health answers within 0.5 s throughout. A 100k-id prompt is refused before its ids are
+    checked."""
+    schema = {"type": "object", "properties": {"a": {"enum": [f"value-{i}" for i in range(200000)]}},
+              "required": ["a"]}
+    jobs = [("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "pick"}],
+                                      "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {
+                                          "name": "big", "schema": schema}}}),
+            ("/detokenize", {"tokens": list(range(1000, 6000)) * 1000})]
+    for path, body in jobs:
+        data = json.dumps(body).encode()
+        out = {}
+        t = threading.Thread(target=lambda: out.update(r=post_raw(server.url, path, data)))
+        t.start()
+        worst = 0.0
+        while t.is_alive():
+            t0 = time.monotonic()
+            assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.02)
+        t.join()
+        r, took = out["r"]
+        assert r.status_code in (200, 400), r.text[:300]
+        assert worst < 0.5, (path, worst, took)
+        if path == "/detokenize":
+            assert r.status_code == 200 and len(r.json()["prompt"]) > 1e6
+    r, took = post_raw(server.url, "/v1/completions", json.dumps({"model": "tiny", "prompt": [5] * 100000}))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded" and took < 1.0
+
+
 # ------------------------------------------------------------------------------------------------ half-sent bodies
 def half_sent(port: int, rst: bool) -> None:
     """Headers that promise 100000 bytes, 1000 of them, then the connection closes (FIN, or RST)."""

@@ -360,12 +360,15 @@ async def _completion_request(eng, body: bytes) -> CompletionRequest:
     `_completion_prompt` would make, without blocking every stream while a long text is tokenized."""
     req = _decode(body, CompletionRequest)
     p = req.prompt
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]
     if isinstance(p, str):
         bos = [eng.bos_id] if req.add_special_tokens else []
         ids = await limits.off_loop(eng, eng.tok.encode, p, True, limit=eng.context_len - len(bos), param="prompt")
         req.prompt = bos + ids
+    elif isinstance(p, list) and len(p) >= eng.context_len and isinstance(p[0], int):
+        # ids that cannot fit: refused before every one of them is checked against the vocabulary
+        raise context_exceeded(eng.context_len, len(p), req.max_tokens, "prompt")
     return req
 
 
@@ -794,10 +797,16 @@ async def tokenize(request: HttpRequest) -> Response:
 async def detokenize(request: HttpRequest) -> Response:
     eng = engine(request)
     req = _decode(await request.body(), DetokenizeRequest)
-    bad = [t for t in req.tokens if not 0 <= t < eng.vocab_size]
+    return json_response({"prompt": await limits.off_loop(eng, _detokenized, eng, req.tokens, param="tokens")})
+
+
+def _detokenized(eng, tokens: list[int]) -> str:
+    """The text of `tokens` (a worker thread's job: millions of ids take seconds); an id outside the vocabulary is
+    a 400."""
+    bad = [t for t in tokens if not 0 <= t < eng.vocab_size]
     if bad:
         raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{eng.vocab_size - 1})", param="tokens")
-    return json_response({"prompt": eng.tok.decode(req.tokens)})
+    return eng.tok.decode(tokens)
 
 
 async def health(request: HttpRequest) -> Response:
