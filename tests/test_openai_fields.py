@@ -256,3 +256,27 @@ def test_one_log_format_an_access_line_per_request_and_the_done_line_names_the_r
     # uvicorn's own lines come in the same format (no "INFO:     Started server process")
     assert re.search(stamp + r"Started server process", text, re.M), text[:2000]
     assert not re.search(r"^INFO: ", text, re.M)
+
+
+# ------------------------------------------------------------------------------------------------ completions' text
+def test_completions_bos_and_special_tokens_as_vllm(http):
+    plain = http.post("/tokenize", json={"prompt": "Hello there", "add_special_tokens": False}).json()["tokens"]
+    bos = http.post("/tokenize", json={"prompt": ""}).json()["tokens"]
+    assert len(bos) == 1
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    got = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert got["prompt_token_ids"] == bos + plain                       # BOS added by default, as vLLM does
+    got = http.post("/v1/completions", json={**body, "add_special_tokens": False}).json()["choices"][0]
+    assert got["prompt_token_ids"] == plain
+    eos_text = "<｜end▁of▁sentence｜>"
+    eos = http.post("/tokenize", json={"prompt": eos_text, "add_special_tokens": False}).json()["tokens"]
+    assert len(eos) == 1
+    forced = {**body, "logit_bias": {str(eos[0]): 100}}
+    got = http.post("/v1/completions", json=forced).json()["choices"][0]
+    assert got["token_ids"] == eos * 3 and got["text"] == ""            # skip_special_tokens: true by default
+    got = http.post("/v1/completions", json={**forced, "skip_special_tokens": False}).json()["choices"][0]
+    assert got["token_ids"] == eos * 3 and got["text"] == eos_text * 3
+    for path, b in (("/v1/completions", body), ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 1})):
+        assert error(http.post(path, json={**b, "prompt_logprobs": 1}), 400)["param"] == "prompt_logprobs"
+    assert error(http.post("/v1/completions", json={**body, "echo": True}), 400)["param"] == "echo"

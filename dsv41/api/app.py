@@ -146,6 +146,9 @@ def _sampling(eng, f: SamplingFields, prompt_ids: list[int], logprobs: bool, top
     _check_number("frequency_penalty", f.frequency_penalty, -2.0, 2.0)
     _check_number("presence_penalty", f.presence_penalty, -2.0, 2.0)
     _check_number("repetition_penalty", f.repetition_penalty, 0.0, lo_open=True)
+    if f.prompt_logprobs is not None:
+        raise bad_request("`prompt_logprobs` is not served (the prompt's logits are not computed); leave it out",
+                          param="prompt_logprobs")
     _check_number("top_p", f.top_p, 0.0, 1.0, lo_open=True)
     _check_number("min_p", f.min_p, 0.0, 1.0)
     if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
@@ -193,9 +196,26 @@ def _submit(eng, r: Request) -> Request:
         raise bad_request(str(e), param="max_tokens", code="context_length_exceeded") from None
 
 
-def _detokenizer(eng):
+def _detokenizer(eng, skip_special: bool = False):
     from dsv41.chat.tokenizer import IncrementalDetokenizer
-    return IncrementalDetokenizer(eng.tok)
+    d = IncrementalDetokenizer(eng.tok)
+    return _SkipSpecial(d, eng.tok.special_ids) if skip_special else d
+
+
+class _SkipSpecial:
+    """A detokenizer whose text leaves special tokens out (completions' skip_special_tokens, vLLM's default)."""
+
+    def __init__(self, inner, special: frozenset[int]):
+        self.inner, self.special = inner, special
+
+    def push(self, tid: int) -> str:
+        return "" if tid in self.special else self.inner.push(tid)
+
+    def push_many(self, ids) -> str:
+        return self.inner.push_many([i for i in ids if i not in self.special])
+
+    def finish(self) -> str:
+        return self.inner.finish()
 
 
 def _served_name(eng, asked: str | None) -> str:
@@ -406,7 +426,8 @@ def prepare_completion(eng, req: CompletionRequest, choice: int = 0) -> Prepared
     max_tokens = _max_tokens(eng, len(ids), req.max_tokens, "prompt")
     params = _sampling(eng, req, ids, req.logprobs is not None, req.logprobs or 0, choice)
     r = _submit(eng, Request(prompt_ids=ids, params=params, max_tokens=max_tokens, eos_ids=eng.eos_ids,
-                             ignore_eos=req.ignore_eos, stop=_stops(req.stop), detokenizer=_detokenizer(eng),
+                             ignore_eos=req.ignore_eos, stop=_stops(req.stop),
+                             detokenizer=_detokenizer(eng, req.skip_special_tokens),
                              cache_salt=req.cache_salt, draft=req.draft))
     return Prepared(r, Reply(eng, r, thinking=False), model)
 

@@ -37,6 +37,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     cache_salt: str | None = None          # kept prompt states are shared only within one salt (sched/kept.py)
+    prompt_logprobs: int | None = None     # vLLM's; not served: any value but null is a 400
     draft: bool = True                     # false: this request decodes without drafts (docs/drafts.md)
 
 
@@ -56,7 +57,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[Union[int, str, list[int]]]    # a string, ids, or a batch of one of either
     logprobs: int | None = None            # legacy API: the number of top logprobs (0 = only the chosen token's)
-    add_special_tokens: bool = False
+    add_special_tokens: bool = True        # a string prompt gets BOS first, as vLLM's completions add it
+    skip_special_tokens: bool = True       # the reply's text leaves special tokens out (vLLM's default)
     echo: bool = False
     suffix: str | None = None
 
