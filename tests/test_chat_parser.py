@@ -58,6 +58,7 @@ def _by_id(case_id):
     ("parse_call_without_blank_line", "Sure.", "", [("get_weather", {"city": "Paris"})]),
     ("parse_call_single_newline_before", "Sure.\n", "", [("get_weather", {"city": "Paris"})]),
     ("parse_call_inside_reasoning", "answer", None, []),              # a block inside reasoning is reasoning
+    ("parse_call_v4_spelling", "", "", [("f", {"a": "1"})]),           # V4's <｜DSML｜tool_calls> read as V4.1's
 ])
 def test_where_the_reference_refuses(case_id, content, reasoning, calls):
     out = parse_call(_by_id(case_id))
@@ -251,3 +252,32 @@ def test_long_block_in_reasoning_is_reasoning(monkeypatch):
         assert _run(text, list(range(step, len(text), step)), True)[1] == parse_reply(text, True, WEATHER,
                                                                                       new_id=lambda: "call_x")
     assert len(parse_reply("r" + _block(("get_weather", {"city": "X"})), True, WEATHER).tool_calls) == 1
+
+
+def _v4(text: str) -> str:
+    """The same reply in V4's spelling of the block (serving.md §2.4: `<｜DSML｜tool_calls>`, no space)."""
+    return (text.replace("<｜DSML｜ calls>", "<｜DSML｜tool_calls>").replace("</｜DSML｜ calls>", "</｜DSML｜tool_calls>")
+            .replace("｜DSML｜ invoke", "｜DSML｜invoke").replace("｜DSML｜ parameter", "｜DSML｜parameter"))
+
+
+def test_v4_spelling_gives_the_calls():
+    text = "ok" + _block(("get_weather", {"city": "Paris"}), ("get_weather", {"n": 3}))
+    v4 = _v4(text)
+    assert "<｜DSML｜tool_calls>" in v4 and "｜DSML｜ " not in v4
+    final = parse_reply(v4, thinking=False, tools=WEATHER)
+    assert [json.loads(c["function"]["arguments"]) for c in final.tool_calls] == [{"city": "Paris"}, {"n": 3}]
+    assert final.content == "ok"
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reasoning=TEXT, content=TEXT, calls=st.lists(CALL, max_size=3), thinking=st.booleans(),
+       cut_at_end=st.booleans(), data=st.data())
+def test_v4_spelling_parses_as_v41_under_any_cut(reasoning, content, calls, thinking, cut_at_end, data):
+    text = (reasoning + "</think>" if thinking else "") + content + (_block(*calls) if calls else "")
+    if cut_at_end:
+        text = text[:data.draw(st.integers(0, len(text)))]
+    _, want = _run(text, [], thinking)
+    v4 = _v4(text)
+    deltas, final = _run(v4, data.draw(st.lists(st.integers(0, len(v4)), max_size=12)), thinking)
+    _check(deltas, final)
+    assert final == want

@@ -40,6 +40,19 @@ INVOKE_RE = re.compile(re.escape(INVOKE_PREFIX) + r'\s+name="(.*?)"\s*>')
 PARAM_RE = re.compile(re.escape(PARAM_PREFIX) + r'\s+name="(.*?)"(?:\s+string="(true|false)")?\s*>')
 TAG_LIMIT = 256  # a tag header not complete within this many characters is not a tag
 HELD_LIMIT = 32768  # a calls block inside reasoning longer than this (from its opener) is reasoning
+# V4's spelling of the block (serving.md §2.4: `<｜DSML｜tool_calls>`, no space), read as V4.1's: each V4 tag is
+# rewritten to V4.1's before the scanner sees it, so a V4 reply parses exactly as the same reply in V4.1's spelling
+V4_SPELLING = ((f"<{DSML}tool_calls>", CALLS_OPEN), (f"</{DSML}tool_calls>", CALLS_CLOSE),
+               (f"<{DSML}invoke", INVOKE_PREFIX), (f"</{DSML}invoke>", INVOKE_CLOSE),
+               (f"<{DSML}parameter", PARAM_PREFIX), (f"</{DSML}parameter>", PARAM_CLOSE))
+_V4_TAGS = tuple(v4 for v4, _ in V4_SPELLING)
+
+
+def _v41_spelling(text: str) -> str:
+    if DSML in text:
+        for v4, v41 in V4_SPELLING:
+            text = text.replace(v4, v41)
+    return text
 
 _REASONING, _HELD, _CONTENT, _CALLS, _INVOKE, _PARAM = range(6)
 
@@ -136,6 +149,7 @@ class ReplyParser:
                 self.offered.setdefault(name.casefold(), name)
         self.state = _REASONING if thinking else _CONTENT
         self.buf = ""
+        self.raw = ""             # fed text not yet respelled: a tail that may still become a V4 tag
         self.hold = ""            # _HELD: a calls block met inside reasoning, from its blank line on
         self.hold_scanned = 0     # how far `hold` was searched for </think> and the block's closer
         self.hold_close = -1      # where the held block's closer is, once seen
@@ -159,13 +173,18 @@ class ReplyParser:
     def feed(self, text: str) -> list[Delta]:
         if self._done:
             raise RuntimeError("feed() after finish()")
-        self.buf += text
+        raw = self.raw + text
+        keep = _partial_tail(raw, _V4_TAGS)
+        self.raw = raw[len(raw) - keep:]
+        self.buf += _v41_spelling(raw[:len(raw) - keep])
         self._run(final=False)
         return self._take()
 
     def finish(self) -> tuple[list[Delta], FinalMessage]:
         if not self._done:
             self._done = True
+            self.buf += _v41_spelling(self.raw)
+            self.raw = ""
             self._run(final=True)
             self._end()
             self.final.reasoning_content = "".join(self._parts["reasoning"])
