@@ -209,3 +209,21 @@ def test_every_refusal_is_a_400_and_the_server_keeps_serving(server, client):
         client.completions.create(model="tiny", prompt="a <｜deepseek_image｜> b", max_tokens=2)
     ids, _ = ask(client, [{"type": "text", "text": "still there?"}, img_part(small)], max_tokens=2)
     assert len(ids) == 2
+
+
+def test_tokenize_and_count_tokens_count_an_image_as_its_span(server, client):
+    data = image_bytes(90, 50, seed=41)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "What?"}, img_part(data)]}]
+    tk = httpx.post(server.url + "/tokenize", json={"messages": msgs, **NO_THINK}, timeout=300).json()
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, extra_body=NO_THINK)
+    assert tk["count"] == len(tk["tokens"]) == r.usage.prompt_tokens
+    assert tk["count"] > span_tokens(img_part(data))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": data_url(data).split(",", 1)[1]}}]}]}
+    counted = httpx.post(server.url + "/v1/messages/count_tokens", json=body, timeout=300).json()["input_tokens"]
+    m = httpx.post(server.url + "/v1/messages", json={**body, "max_tokens": 1}, timeout=300)
+    assert m.status_code == 200, m.text
+    u = m.json()["usage"]
+    assert counted == u["input_tokens"] + u["cache_read_input_tokens"]      # Anthropic counts cache reads apart

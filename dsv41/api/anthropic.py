@@ -473,7 +473,8 @@ async def count_tokens(request: HttpRequest) -> Response:
     prompt = await limits.off_loop(eng, chat_prompt, eng, chat, param="messages")      # off the event loop
     # a tool_choice / schema the server cannot serve is refused here too
     await limits.off_loop(eng, chat_grammar, eng, chat, prompt, what="grammar")
-    return json_response({"input_tokens": len(prompt.token_ids)})
+    ids = await eng.images.prompt_ids(prompt) if prompt.images else prompt.token_ids    # an image: its span
+    return json_response({"input_tokens": len(ids)})
 
 
 def routes() -> list:

@@ -804,7 +804,8 @@ async def tokenize(request: HttpRequest) -> Response:
     if req.messages is not None:
         raw = msgspec.json.decode(body)
         prompt = await limits.off_loop(eng, chat_prompt, eng, raw, param="messages")
-        ids = list(prompt.token_ids)
+        # an image counts as the span it expands to (as in the chat reply's usage)
+        ids = await eng.images.prompt_ids(prompt) if prompt.images else list(prompt.token_ids)
     else:
         ids = await limits.off_loop(eng, eng.tok.encode, req.prompt, True, param="prompt")
         if req.add_special_tokens:

@@ -211,6 +211,28 @@ class ImageService:
             raise bad_request(str(e), param=PARAM) from None
         return out.tokens, [PromptImage(s, e) for s, e in zip(out.image_starts, encoded)]
 
+    async def prompt_ids(self, prompt) -> list[int]:
+        """A ChatPrompt's ids with every placeholder expanded into its span, as prompt_images makes them, without the
+        tower: each span's size comes from the image's preprocessing plan alone (what /tokenize and count_tokens
+        count)."""
+        grids = []
+        loop = asyncio.get_running_loop()
+        for k, im in enumerate(prompt.images):
+            data = im.data if im.data is not None else await self.fetch(im.url, k)
+            got = self._cache.get(image_sha256(data))
+            if got is not None:
+                grids.append((got.n_h, got.n_w))
+                continue
+            try:
+                plan = (await loop.run_in_executor(self._executor, prepare_image, data, self.prep)).plan
+            except ImageError as e:
+                raise bad_request(f"image {k + 1}: {e}", param=PARAM) from None
+            grids.append((plan.n_llm_h, plan.n_llm_w))
+        try:
+            return expand_image_placeholders(prompt.token_ids, grids, self.image_token_id).tokens
+        except ImageError as e:
+            raise bad_request(str(e), param=PARAM) from None
+
     async def fetch(self, url: str, k: int) -> bytes:
         """An http(s) image URL's bytes within the size and time limits (only when URLs are on)."""
         import httpx
