@@ -40,7 +40,8 @@ SUM_ROWS, SUM_COLS = 8, 512
 @dataclass(frozen=True)
 class Config:
     """impl "cuda": the CUDA C kernels of csrc/decode.cu (kernels/cuda.py; fixed tiling: 64 weight rows a block,
-    16-byte lane steps, the prmt table unpacking). impl "triton": the Triton kernels below with their gate/up column block (w1 and w3 rows each), down column block, packed bytes per K step, warps, stages,
+    16-byte lane steps, the prmt table unpacking). impl "triton": the Triton kernels below with their gate/up column
+    block (w1 and w3 rows each), down column block, packed bytes per K step, warps, stages,
     and whether the bytes are unpacked by the prmt table (GPU) or arithmetically."""
     impl: str = "triton"
     bn_up: int = 64

@@ -63,10 +63,17 @@ CUDA = Config(impl="cuda")
 CONFIGS: dict[tuple[int, int], Config] = {}
 
 
-def config_for(out_f: int, in_f: int, device: torch.device | None = None) -> Config:
-    """The configuration a weight [out_f, in_f] runs with on `device`: the CUDA C kernel where it can run (a GPU of
-    compute capability >= 8.0 with a CUDA compiler; decided once per device), else the Triton kernel."""
-    if device is not None and device.type == "cuda" and not INTERPRET and _cuda_ok(device, out_f, in_f):
+# bf16 weights with at least this many rows (the head, the DSpark Markov head) take the Triton kernel: it streams them
+# at 91-95 % of the copy bandwidth at 1-8 rows on the H200, the CUDA C one at 60-66 % (bench/results/kernels.md)
+TRITON_BF16_ROWS = 65536
+
+
+def config_for(out_f: int, in_f: int, device: torch.device | None = None, fp8: bool = True) -> Config:
+    """The configuration a weight [out_f, in_f] runs with on `device` (a function of the shape and format only): the
+    CUDA C kernel where it can run (a GPU of compute capability >= 8.0 with a CUDA compiler; decided once per
+    device), else the Triton kernel."""
+    if (device is not None and device.type == "cuda" and not INTERPRET and (fp8 or out_f < TRITON_BF16_ROWS)
+            and _cuda_ok(device, out_f, in_f)):
         return CUDA
     return CONFIGS.get((out_f, in_f), DEFAULT)
 
@@ -305,7 +312,7 @@ def _store_tiles(ptr, t0, t1, t2, t3, r0, M, offs_n, n_ok, N, SWAP: tl.constexpr
         _store_rows(ptr, t3, r0 + 3 * BM_, M, offs_n, n_ok, N, SWAP, BM_)
 
 
-# ---- host side --------------------------------------------------------------------------------------------------------
+# ---- host side ------------------------------------------------------------------------------------------------
 
 @functools.cache
 def split_for(out_f: int, in_f: int, cfg: Config = DEFAULT) -> int:
@@ -390,7 +397,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
     y = torch.empty((n, out_f), dtype=torch.float32, device=x.device)
     if n == 0:
         return y
-    cfg = cfg or config_for(out_f, in_f, x.device)
+    cfg = cfg or config_for(out_f, in_f, x.device, w.dtype == torch.float8_e4m3fn)
     if cfg.impl == "cuda":
         return _linear_cuda(x, w, scale, y)
     if cfg.post and cfg.bk != 32:
@@ -420,7 +427,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
 def pack_x(x: torch.Tensor, mode: int, rows: torch.Tensor | None = None, topk: int = 1) -> torch.Tensor:
     """x (float32 [n, K], last dim contiguous, 16-byte aligned rows) rounded to bf16 and laid out as the CUDA C
     products read their activation fragments (csrc/decode.cu `pack_x`): int32 [n, K/2]. mode 0: FP8 weights, 1: bf16
-    weights, 2: FP4 experts; rows: per output row the flat (row * topk + slot) pair whose x row it takes (else row i)."""
+    weights, 2: FP4 experts; rows: per output row the flat (row * topk + slot) pair whose x row it takes (else
+    row i)."""
     from kernels import cuda
     n = x.shape[0] if rows is None else rows.shape[0]
     k = x.shape[1]

@@ -160,6 +160,31 @@ def test_fp8_and_fp4_linear(n):
     _close(CUDA.linear(x, w4), want4)
 
 
+@pytest.mark.parametrize("n", [1, 17])
+def test_bf16_weights_and_grouped_products(n):
+    """A bf16 weight kept as stored (weights.BF16_KEPT): the reference and the fallbacks widen it (exact: the same
+    bits as its float32 copy); the kernel op set runs the bf16 decode product (x rounded to bf16), within 2^-8 of
+    Σ|x||w|. wo_a's grouped product: group by group on the reference (the same bits as slicing by hand) and in one
+    launch where the kernel runs (the same bits as its own groups one by one)."""
+    wb = (torch.randn(96, 128, generator=_g(21)) * 0.05).bfloat16().to(DEVICE)
+    x = _x(n, 128, 22 + n)
+    want = REF.linear(x, wb.float())
+    assert torch.equal(REF.linear(x, wb), want)
+    assert torch.equal(FALLBACKS.linear(x, wb), FALLBACKS.linear(x, wb.float()))
+    if "bf16_linear" in CUDA.kernels:
+        got = CUDA.linear(x, wb)
+        bound = 2.0 ** -8 * (x.abs() @ wb.float().abs().t()) + 1e-30
+        assert bool(((got - want).abs() <= bound).all())
+        assert (got - want).abs().max() > 0                   # the activations' bf16 rounding is the kernel's
+    w = _fp8(4 * 64, 96, 23)
+    xg = _x(n, 4 * 96, 24 + n)
+    by_hand = torch.cat([REF.linear(xg[:, g * 96:(g + 1) * 96], w[g * 64:(g + 1) * 64]) for g in range(4)], dim=1)
+    assert torch.equal(REF.grouped(xg, w, 4), by_hand)
+    if "fp8_linear" in CUDA.kernels:
+        ones = torch.cat([CUDA.linear(xg[:, g * 96:(g + 1) * 96], w[g * 64:(g + 1) * 64]) for g in range(4)], dim=1)
+        assert torch.equal(CUDA.grouped(xg, w, 4), ones)
+
+
 @pytest.mark.parametrize("n", ROWS)
 def test_mhc_and_routing_ops_are_the_same_bits(n):
     """Sinkhorn, the stream collapse / expand and the routing weights: the kernels (kernels/rowops.py) and the torch

@@ -88,10 +88,8 @@ class Attention:
         n = o.shape[0]
         o = apply_rope(o, cos, sin, inverse=True)
         groups = self.wo_a.shape[0] // self.o_lora
-        per_group = o.reshape(n, groups, -1)
-        lo = self.o_lora  # group g's rows of wo_a (a row slice works for weights kept in FP8 form too)
         lin = self.ops.linear
-        mid = torch.cat([lin(per_group[:, g], self.wo_a[g * lo:(g + 1) * lo]) for g in range(groups)], dim=1)
+        mid = self.ops.grouped(o.reshape(n, -1), self.wo_a, groups)   # group g's wo_a rows x its heads' columns
         if self.shards == 1:
             return lin(mid, self.wo_b)
         c = mid.shape[1] // self.shards

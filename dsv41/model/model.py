@@ -162,8 +162,8 @@ def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, 
                   hc_attn=site("attn"), hc_ffn=site("ffn"), attn=attn, moe=moe, ops=ops)
     if role.owns_compressor:
         c = f"{p}.attn.compressor"
-        block.compressor = Compressor(layer=role.index, ratio=role.ratio, wkv=W[f"{c}.wkv.weight"].float(),
-                                      wgate=W[f"{c}.wgate.weight"].float() if role.ratio > 1 else None,
+        block.compressor = Compressor(layer=role.index, ratio=role.ratio, wkv=W[f"{c}.wkv.weight"],
+                                      wgate=W[f"{c}.wgate.weight"] if role.ratio > 1 else None,
                                       norm=W[f"{c}.norm.weight"], eps=eps, ops=ops)
     if role.index_source:
         i = f"{p}.attn.indexer"

@@ -42,6 +42,8 @@ class Ops:
     row_tile: int                  # rows of every product tile (linear.tiled)
     dense_linear: Callable         # (x [n, in], w float [out, in]) -> [n, out]
     fp8_linear: Callable           # (x, device.Fp8Weight) -> float32 [n, out]
+    grouped_linear: Callable       # (ops, x [n, G * in], w [G * rows, in] of any kind, G) -> [n, G * rows]: group g's
+    #                                rows times x's group g columns (wo_a)
     fp4_linear: Callable           # (x, device.Fp4Weight) -> float32 [n, out]
     exl3_linear: Callable          # (x, exl3_load.Exl3Packed) -> float32 [n, out]
     row_sum: Callable              # (x) -> Σ over the last dim, keepdim
@@ -72,6 +74,11 @@ class Ops:
         if isinstance(w, Exl3Packed):
             return self.exl3_linear(x, w)
         raise TypeError(f"no linear for a weight of type {type(w).__name__}")
+
+    def grouped(self, x: torch.Tensor, w, groups: int) -> torch.Tensor:
+        """The block-diagonal product of a grouped projection (wo_a): group g's weight rows times x's group g
+        columns, concatenated -> [n, groups * rows]."""
+        return self.grouped_linear(self, x, w, groups)
 
     def routed(self, stack, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float,
                shard: range | None = None) -> torch.Tensor | None:
@@ -123,6 +130,7 @@ def reference_ops() -> Ops:
     rows = L.ROW_TILE
     dense = _dense_linear(rows)
     return Ops(name="reference", row_tile=rows, dense_linear=dense, fp8_linear=_dequant_linear(dense),
+               grouped_linear=_grouped_linear,
                fp4_linear=_dequant_linear(dense), exl3_linear=_exl3_reference_linear(rows),
                row_sum=L.row_sum, row_mean=L.row_mean, rms_norm=L.rms_norm, sinkhorn=mhc.sinkhorn,
                hc_collapse=mhc.hc_collapse, hc_expand=mhc.hc_expand, route_weights=moe.route_weights,
@@ -149,10 +157,14 @@ def _cuda_ops(kernels: bool) -> Ops:
     if "index_scores" in k:
         index_scores = _kernel_index_scores(k["index_scores"], index_scores)
     fp8 = _dequant_linear(dense)
+    grouped = _grouped_linear
     if "fp8_linear" in k:
         fp8 = _kernel_fp8_linear(k["fp8_linear"])
+        grouped = _kernel_grouped_linear(k["fp8_linear_grouped"], fp8)
+    kdense = _kernel_dense_linear(k["bf16_linear"], dense) if "bf16_linear" in k else dense
     return Ops(
-        name="cuda" if kernels else "cuda-fallbacks", row_tile=rows, dense_linear=dense, fp8_linear=fp8,
+        name="cuda" if kernels else "cuda-fallbacks", row_tile=rows, dense_linear=kdense, fp8_linear=fp8,
+        grouped_linear=grouped,
         fp4_linear=_dequant_linear(dense), exl3_linear=_exl3_reference_linear(rows),
         row_sum=tree_row_sum, row_mean=tree_row_mean,
         rms_norm=_kernel_rms_norm(k["rms_norm"]) if "rms_norm" in k else _tree_rms_norm,
@@ -173,7 +185,8 @@ def _cuda_ops(kernels: bool) -> Ops:
 def _load_kernels() -> dict:
     """The kernels of kernels/ that import (Triton present); an absent one leaves its op to the torch fallback."""
     found = {}
-    for module, names in (("kernels.fp8_linear", ("fp8_linear",)), ("kernels.fp4_moe", ("fp4_moe",)),
+    for module, names in (("kernels.fp8_linear", ("fp8_linear", "bf16_linear", "fp8_linear_grouped")),
+                          ("kernels.fp4_moe", ("fp4_moe",)),
                           ("kernels.indexer", ("index_scores", "index_scores_table")),
                           ("kernels.round_gather", ("gather_rows",)),
                           ("kernels.rowops", ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "route_weights"))):
@@ -188,8 +201,20 @@ def _load_kernels() -> dict:
 # ---- the functions (torch forms here, the model's own in linear / mhc / moe / indexer) ---------------------------
 
 def _dense_linear(rows: int) -> Callable:
+    """A float weight's product in `rows`-row tiles; a bf16 weight (kept as stored, weights.BF16_KEPT) widened to
+    float32 for the call: the reference's function (the widening is exact)."""
     def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return L.linear(x, w, rows)
+        return L.linear(x, w.float() if w.dtype == torch.bfloat16 else w, rows)
+    return dense_linear
+
+
+def _kernel_dense_linear(k: Callable, dense: Callable) -> Callable:
+    """A bf16 weight through the decode-product kernel (x rounded to bf16, fp32 sums: kernels/fp8_linear.py); a
+    float32 weight as the dense product."""
+    def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if w.dtype == torch.bfloat16:
+            return k(x.contiguous(), w)
+        return dense(x, w)
     return dense_linear
 
 
@@ -198,6 +223,23 @@ def _dequant_linear(dense: Callable) -> Callable:
     def dequant_linear(x: torch.Tensor, w) -> torch.Tensor:
         return dense(x, w.dequant())
     return dequant_linear
+
+
+def _grouped_linear(ops: Ops, x: torch.Tensor, w, groups: int) -> torch.Tensor:
+    """Group by group through ops.linear (a row slice of an FP8 weight stays in checkpoint form), concatenated."""
+    rows, cols = w.shape[0] // groups, x.shape[1] // groups
+    return torch.cat([ops.linear(x[:, g * cols:(g + 1) * cols], w[g * rows:(g + 1) * rows]) for g in range(groups)],
+                     dim=1)
+
+
+def _kernel_grouped_linear(k: Callable, fp8: Callable) -> Callable:
+    """An FP8 grouped weight in one launch of the decode-product kernel (kernels.fp8_linear.fp8_linear_grouped: the
+    same bits as the groups one by one through the same kernel); any other weight group by group."""
+    def grouped_linear(ops: Ops, x: torch.Tensor, w, groups: int) -> torch.Tensor:
+        if isinstance(w, Fp8Weight):
+            return k(x.contiguous(), w.q, w.scale, groups)
+        return _grouped_linear(ops, x, w, groups)
+    return grouped_linear
 
 
 def _kernel_fp8_linear(k: Callable) -> Callable:

@@ -299,7 +299,8 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig, share: RankShare = RankShar
     """Load and dequantise the share's tensors (see module doc). BF16 and FP8/FP4 tensors come back in `dtype`;
     F32 tensors (hc_*, attn_sink, gate bias) stay float32. Engram tables are checked but not returned.
     keep_quant=True (the GPU path): FP8 and packed FP4 weights come back in checkpoint form under `.weight` as
-    `device.Fp8Weight` / `device.Fp4Weight` (weight + scale, not dequantised)."""
+    `device.Fp8Weight` / `device.Fp4Weight` (weight + scale, not dequantised), and the BF16 product weights of
+    BF16_KEPT as bf16 tensors."""
     if cfg.quant.quant_method == "exl3":   # an EXL3 pack: its own inventory and decoder (docs/exl3.md)
         from dsv41.model.exl3_load import load_exl3_weights
         return load_exl3_weights(ckpt, cfg, share=share, dtype=dtype, device=device, keep_quant=keep_quant)
@@ -333,9 +334,23 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig, share: RankShare = RankShar
     return out
 
 
+# BF16 product weights (and the embedding, read by rows) that keep_quant leaves in bf16: the GPU path multiplies them
+# as stored (issue 24: no float32 copies; the head alone is 2.6 GB as float32). The norms' gains and the other small
+# BF16 tensors become float32 as before.
+BF16_KEPT = ("embed.weight", "head.weight", ".ffn.gate.weight", ".attn.compressor.wkv.weight",
+             ".attn.compressor.wgate.weight", ".attn.indexer.weights_proj.weight", ".attn.indexer.wk.weight",
+             ".markov_head.head.weight")
+
+
+def keeps_bf16(name: str) -> bool:
+    return name in ("embed.weight", "head.weight") or name.endswith(BF16_KEPT[2:])
+
+
 def _load_one(f, wm, d: Path, name: str, spec: TensorSpec, part, dtype, keep_quant: bool = False):
     if spec.fmt == "plain":
         t = _read(f, name, part)
+        if keep_quant and t.dtype == torch.bfloat16 and keeps_bf16(name):
+            return t
         return t if t.dtype == torch.float32 and spec.dtype == F32 else t.to(dtype)
     scale_name = name[: -len(".weight")] + ".scale"
     if wm[scale_name] == wm[name]:

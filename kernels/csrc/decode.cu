@@ -563,7 +563,8 @@ DEVI void moe_up_body(const u32* x, const u8* w13, const u8* s13, const int* til
                     float hv = gt / (1.0f + expf(-gt)) * up * wgt;
                     unsigned short hb;
                     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(hb) : "f"(hv));
-                    const int r8 = row & 7, pos = (row & ~7) | ((r8 & 1) << 2) | (r8 & 2) | (r8 >> 2);   // its place there
+                    const int r8 = row & 7;              // its place in the group: r8's three bits reversed
+                    const int pos = (row & ~7) | ((r8 & 1) << 2) | (r8 & 2) | (r8 >> 2);
                     h[(long long)(tl.p0 + q) * I + pos] = hb;
                 }
             }
