@@ -63,9 +63,9 @@ CUDA = Config(impl="cuda")
 CONFIGS: dict[tuple[int, int], Config] = {}
 
 
-# bf16 weights with at least this many rows (the head, the DSpark Markov head) take the Triton kernel: it streams them
-# at 91-95 % of the copy bandwidth at 1-8 rows on the H200, the CUDA C one at 60-66 % (bench/results/kernels.md)
-TRITON_BF16_ROWS = 65536
+# bf16 weights with at least this many rows (the head and its TP shards, the DSpark Markov head) take the Triton kernel:
+# it streams them at 91-95 % of the copy bandwidth at 1-8 rows on the H200, the CUDA C one at 60-66 % (kernels.md)
+TRITON_BF16_ROWS = 32768
 
 
 def config_for(out_f: int, in_f: int, device: torch.device | None = None, fp8: bool = True) -> Config:
