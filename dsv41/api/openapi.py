@@ -113,6 +113,13 @@ def document() -> dict:
                         "content": {_JSON: {"schema": err_ref}}},
             },
         }
+        if method == "post":        # the body's limits (dsv41/api/limits.py)
+            op["responses"]["413"] = {"description": "The body is larger than --max-body-bytes, or its prompt took "
+                                                     "longer than --prepare-timeout-s to tokenize (code "
+                                                     "request_too_large)", "content": {_JSON: {"schema": err_ref}}}
+            op["responses"]["408"] = {"description": "The body did not arrive within --body-timeout-s (code "
+                                                     "request_timeout); the connection closes",
+                                      "content": {_JSON: {"schema": err_ref}}}
         if aliases:
             op["description"] = "Also served at " + ", ".join(f"`{a}`" for a in aliases) + "."
         if open_:
