@@ -406,3 +406,23 @@ def test_token_budget_refuses_before_and_during_tokenizing_and_changes_no_ids():
         with pytest.raises(TokenizeTimeout):
             tok.encode(words, special=False)
     assert tok.encode("hi", special=True) == tok.encode("hi", special=True)     # no budget outside the block
+
+
+def test_serve_sh_escalates_to_sigkill_and_exits_non_zero(tmp_path):
+    """--tp 2 with a stand-in Python: rank 0 fails at once, the follower ignores SIGTERM (and anything else but
+    SIGKILL). serve.sh gives it half of --kill-grace-s, sends SIGTERM, then SIGKILL at the end of the grace, and
+    exits with rank 0's status: never waiting forever."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\ncase " $* " in *" --rank 0 "*) sleep 0.3; exit 3 ;; esac\n'
+                    f"echo $$ > {tmp_path}/follower.pid\ntrap '' TERM INT HUP\nexec sleep 120\n")
+    fake.chmod(0o755)
+    grace = 2.0
+    t0 = time.monotonic()
+    p = subprocess.run([str(ROOT / "scripts/serve.sh"), "--tp", "2", "--kill-grace-s", str(grace)],
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHON=str(fake)))
+    took = time.monotonic() - t0
+    assert p.returncode == 3, p.stderr
+    assert "SIGTERM" in p.stderr and "SIGKILL" in p.stderr, p.stderr
+    assert grace <= took < grace + 2.5, took
+    pid = int((tmp_path / "follower.pid").read_text())
+    assert not os.path.exists(f"/proc/{pid}"), "the follower outlived the script"
