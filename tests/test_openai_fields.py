@@ -19,8 +19,11 @@ C = 1000                     # the token the tests bias (an ordinary vocabulary 
 
 @pytest.fixture(scope="module")
 def server():
+    # --draft-tokens 3: every decode round verifies drafts (the adaptive policy may decline them all on a loaded CPU),
+    # so the penalties are checked on verify rows too and /metrics has drafts to count
     with LiveServer("--context", "512", "--prefill-chunk", "64", "--keepalive-s", "0.3", "--state-budget-gib", "2",
-                    "--name", "tiny", "--served-model-name", "alias-a", "--served-model-name", "alias-b") as s:
+                    "--name", "tiny", "--served-model-name", "alias-a", "--served-model-name", "alias-b",
+                    "--draft-tokens", "3") as s:
         yield s
 
 

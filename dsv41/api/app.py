@@ -546,12 +546,6 @@ def _name_reply(request: HttpRequest, rid: str, prep: Prepared) -> None:
     prep.r.tag = rid
 
 
-def _name_reply(request: HttpRequest, rid: str, prep: Prepared) -> None:
-    """The reply's id on the request's access line and on its scheduler `done` line."""
-    request.state.reply_id = rid
-    prep.r.tag = rid
-
-
 def _choices(req: SamplingFields) -> int:
     """`n`: how many choices (1..MAX_CHOICES); n > 1 is served without `stream`."""
     n = 1 if req.n is None else req.n
@@ -569,7 +563,6 @@ async def _more_choices(eng, first: Prepared, n: int, again) -> list[Prepared]:
     try:
         for i in range(1, n):
             preps.append(await again(i))
-            preps[-1].r.tag = first.r.tag
             preps[-1].r.tag = first.r.tag
     except BaseException:
         for p in preps:
@@ -633,7 +626,6 @@ async def chat_completions(request: HttpRequest) -> Response:
     prep = await prepare_chat(eng, raw, req)
     rid = "chatcmpl-" + secrets.token_hex(16)
     _name_reply(request, rid, prep)
-    _name_reply(request, rid, prep)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_chat_stream(request, eng, prep, rid, include_usage, req.return_token_ids),
@@ -692,7 +684,6 @@ async def completions(request: HttpRequest) -> Response:
     prep = prepare_completion(eng, req)
     want_lp = req.logprobs is not None
     rid = "cmpl-" + secrets.token_hex(16)
-    _name_reply(request, rid, prep)
     _name_reply(request, rid, prep)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
