@@ -7,6 +7,8 @@ vLLM's names; the access and `done` log lines. (adjust_row alone: tests/test_sch
 """
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from test_server import LiveServer, ids_prompt
@@ -130,6 +132,10 @@ def test_n_choices_are_n_seeded_requests(http):
     u = out["usage"]
     assert u["prompt_tokens"] == len(ids_prompt(3)) and u["completion_tokens"] == 18
     assert u["total_tokens"] == u["prompt_tokens"] + 18
+    streamed = sse_choices(http, "/v1/completions", {**body, "n": 3})     # interleaved chunks, indexed
+    assert [(c["content"], c["token_ids"]) for c in streamed["choices"]] == \
+        [(c["text"], c["token_ids"]) for c in out["choices"]]
+    assert totals(streamed["usage"]) == totals(u)
 
 
 def test_n_chat_choices_and_refusals(http):
@@ -140,7 +146,37 @@ def test_n_chat_choices_and_refusals(http):
     assert [(c["index"], c["message"]["content"], c["token_ids"]) for c in out["choices"]] == \
         [(i, a["message"]["content"], a["token_ids"]) for i, a in enumerate(alone)]
     assert error(http.post("/v1/chat/completions", json={**body, "n": 0}), 400)["param"] == "n"
-    assert error(http.post("/v1/chat/completions", json={**body, "n": 2, "stream": True}), 400)["param"] == "n"
+    assert error(http.post("/v1/chat/completions", json={**body, "n": 17}), 400)["param"] == "n"
+    streamed = sse_choices(http, "/v1/chat/completions", {**body, "n": 2})
+    assert [(c["content"], c["token_ids"], c["finish_reason"]) for c in streamed["choices"]] == \
+        [(c["message"]["content"], c["token_ids"], c["finish_reason"]) for c in out["choices"]]
+    assert totals(streamed["usage"]) == totals(out["usage"])
+
+
+def totals(usage: dict) -> tuple:
+    """usage's counts (cached_tokens aside: a repeated prompt resumes from a kept state)."""
+    return usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]
+
+
+def sse_choices(http, path: str, body: dict) -> dict:
+    """A streamed reply's choices put back together by index (text or content, token_ids, finish_reason) and its
+    usage chunk; [DONE] comes once, last."""
+    with http.stream("POST", path, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        data = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert data[-1] == "[DONE]" and data.count("[DONE]") == 1
+    frames = [json.loads(d) for d in data[:-1]]
+    usage = [f["usage"] for f in frames if not f["choices"]]
+    assert len(usage) == 1 and frames[-1]["usage"] == usage[0]
+    got: dict[int, dict] = {}
+    for f in frames:
+        for c in f["choices"]:
+            g = got.setdefault(c["index"], {"content": "", "token_ids": None, "finish_reason": None})
+            g["content"] += c.get("text") or (c.get("delta") or {}).get("content") or ""
+            g["token_ids"] = c.get("token_ids", g["token_ids"])
+            g["finish_reason"] = c.get("finish_reason") or g["finish_reason"]
+    assert sorted(got) == list(range(len(got)))
+    return {"choices": [got[i] for i in sorted(got)], "usage": usage[0]}
 
 
 # ------------------------------------------------------------------------------------------------ model, method, tools

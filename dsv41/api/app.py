@@ -547,12 +547,10 @@ def _name_reply(request: HttpRequest, rid: str, prep: Prepared) -> None:
 
 
 def _choices(req: SamplingFields) -> int:
-    """`n`: how many choices (1..MAX_CHOICES); n > 1 is served without `stream`."""
+    """`n`: how many choices (1..MAX_CHOICES)."""
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_CHOICES:
         raise bad_request(f"`n` must be in 1..{MAX_CHOICES}, got {n}", param="n")
-    if n > 1 and req.stream:
-        raise bad_request("`n` > 1 is served without `stream` (send n requests to stream them)", param="n")
     return n
 
 
@@ -582,30 +580,76 @@ async def _run_choices(eng, preps: list[Prepared], one) -> list[tuple[FinishEven
                 eng.sched.cancel(p.r)
 
 
+def _usage(preps: list[Prepared]) -> Usage:
+    """The usage of one or more choices: the prompt once, every choice's tokens."""
+    us = [p.reply.usage() for p in preps]
+    if len(us) == 1:
+        return us[0]
+    completion = sum(u.completion_tokens for u in us)
+    return Usage(us[0].prompt_tokens, completion, us[0].prompt_tokens + completion, us[0].prompt_tokens_details,
+                 CompletionTokensDetails(sum(u.completion_tokens_details.reasoning_tokens for u in us)))
+
+
 def _choices_body(preps: list[Prepared], rid: str, obj: str, done: list[tuple[FinishEvent, dict]]) -> dict:
     """The reply body of one or more choices: usage counts the prompt once and every choice's tokens."""
     out = _reply_body(preps[0], rid, obj, done[0][1], done[0][0])
     if len(preps) > 1:
-        us = [p.reply.usage() for p in preps]
-        completion = sum(u.completion_tokens for u in us)
         out["choices"] = [c for _, c in done]
-        out["usage"] = Usage(us[0].prompt_tokens, completion, us[0].prompt_tokens + completion,
-                             us[0].prompt_tokens_details,
-                             CompletionTokensDetails(sum(u.completion_tokens_details.reasoning_tokens for u in us)))
+        out["usage"] = _usage(preps)
         out.pop("stop_sequence", None)          # each choice names its own (stop_reason)
     return out
 
 
-class _Frames:
-    """The SSE frames of one streamed chat or completions reply: chunks, the usage chunk, [DONE]."""
+async def _choices_stream(eng, preps: list[Prepared], streams: list, rid: str, obj: str, include_usage: bool):
+    """The SSE frames of n streamed choices (each stream's chunks name its choice's index), interleaved as they
+    come, then one usage chunk (with include_usage: the prompt once, every choice's tokens) and [DONE]. An error
+    frame (it carries its own [DONE]) or a client gone ends every choice."""
+    q: asyncio.Queue = asyncio.Queue()
 
-    def __init__(self, rid: str, obj: str, model: str):
+    async def pump(frames) -> None:
+        try:
+            async for f in frames:
+                await q.put(f)
+        finally:
+            q.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            f = await q.get()
+            if f is None:
+                left -= 1
+                continue
+            yield f
+            if f.endswith(sse.DONE):
+                return
+        if include_usage:
+            yield sse.frame({**_Frames(rid, obj, preps[0].model).base, "choices": [],
+                             "usage": msgspec.to_builtins(_usage(preps))})
+        yield sse.DONE
+    finally:
+        for t in tasks:
+            t.cancel()
+        for p in preps:
+            if not p.r.finished:
+                eng.sched.cancel(p.r)
+
+
+class _Frames:
+    """The SSE frames of one streamed chat or completions reply: chunks, the usage chunk, [DONE]. A choice of an
+    `n` > 1 reply (`index`, last False) leaves the usage and [DONE] to _choices_stream."""
+
+    def __init__(self, rid: str, obj: str, model: str, index: int = 0, last: bool = True):
         self.base = {"id": rid, "object": obj, "created": int(time.time()), "model": model}
+        self.index, self.last = index, last
 
     def chunk(self, choice: dict) -> bytes:
-        return sse.frame({**self.base, "choices": [{"index": 0, **choice}]})
+        return sse.frame({**self.base, "choices": [{"index": self.index, **choice}]})
 
     def end(self, prep: Prepared, include_usage: bool) -> bytes:
+        if not self.last:
+            return b""
         usage = sse.frame({**self.base, "choices": [], "usage": msgspec.to_builtins(prep.reply.usage())})
         return (usage if include_usage else b"") + sse.DONE
 
@@ -626,11 +670,16 @@ async def chat_completions(request: HttpRequest) -> Response:
     prep = await prepare_chat(eng, raw, req)
     rid = "chatcmpl-" + secrets.token_hex(16)
     _name_reply(request, rid, prep)
+    preps = await _more_choices(eng, prep, n, lambda i: prepare_chat(eng, raw, req, choice=i))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_chat_stream(request, eng, prep, rid, include_usage, req.return_token_ids),
-                                 media_type="text/event-stream", headers=sse.HEADERS)
-    preps = await _more_choices(eng, prep, n, lambda i: prepare_chat(eng, raw, req, choice=i))
+        if n == 1:
+            stream = _chat_stream(request, eng, prep, rid, include_usage, req.return_token_ids)
+        else:
+            stream = _choices_stream(eng, preps, [_chat_stream(request, eng, p, rid, False, req.return_token_ids,
+                                                               index=i, last=False) for i, p in enumerate(preps)],
+                                     rid, "chat.completion.chunk", include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=sse.HEADERS)
 
     async def one(i: int, p: Prepared):
         logprobs: list[dict] = []
@@ -647,8 +696,9 @@ async def chat_completions(request: HttpRequest) -> Response:
     return json_response(_choices_body(preps, rid, "chat.completion", await _run_choices(eng, preps, one)))
 
 
-async def _chat_stream(request, eng, prep: Prepared, rid: str, include_usage: bool, return_ids: bool):
-    frames = _Frames(rid, "chat.completion.chunk", prep.model)
+async def _chat_stream(request, eng, prep: Prepared, rid: str, include_usage: bool, return_ids: bool,
+                       index: int = 0, last: bool = True):
+    frames = _Frames(rid, "chat.completion.chunk", prep.model, index, last)
 
     def chunk(delta: dict, finish_reason=None, logprobs=None, **extra) -> bytes:
         return frames.chunk({"delta": delta, "logprobs": {"content": logprobs} if logprobs else None,
@@ -685,16 +735,20 @@ async def completions(request: HttpRequest) -> Response:
     want_lp = req.logprobs is not None
     rid = "cmpl-" + secrets.token_hex(16)
     _name_reply(request, rid, prep)
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_completion_stream(request, eng, prep, rid, include_usage, req.return_token_ids,
-                                                    want_lp),
-                                 media_type="text/event-stream", headers=sse.HEADERS)
 
     async def again(i: int) -> Prepared:
         return prepare_completion(eng, req, choice=i)
 
     preps = await _more_choices(eng, prep, n, again)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if n == 1:
+            stream = _completion_stream(request, eng, prep, rid, include_usage, req.return_token_ids, want_lp)
+        else:
+            stream = _choices_stream(eng, preps, [_completion_stream(request, eng, p, rid, False, req.return_token_ids,
+                                                                     want_lp, index=i, last=False)
+                                                  for i, p in enumerate(preps)], rid, "text_completion", include_usage)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=sse.HEADERS)
 
     async def one(i: int, p: Prepared):
         texts: list[str] = []
@@ -741,8 +795,8 @@ class _LegacyLogprobs:
 
 
 async def _completion_stream(request, eng, prep: Prepared, rid: str, include_usage: bool, return_ids: bool,
-                             want_lp: bool):
-    frames = _Frames(rid, "text_completion", prep.model)
+                             want_lp: bool, index: int = 0, last: bool = True):
+    frames = _Frames(rid, "text_completion", prep.model, index, last)
     lp = _LegacyLogprobs(prep.reply) if want_lp else None
     sent_lp = 0
 
