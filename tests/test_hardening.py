@@ -136,8 +136,10 @@ def test_rss_after_ten_refused_20mb_bodies_stays_within_200mb(server):
 
 def test_grammar_compilation_and_detokenizing_run_off_the_event_loop(server):
     """A 200k-string enum schema (it blocked /health 2.3 s) and /detokenize of 5M ids (~2 s of work) run in
-    worker threads: /health answers within 0.5 s throughout. A 100k-id prompt is refused before its ids are
-    checked."""
+    worker threads: /health keeps answering while they run -- its slowest answer well under the work's own time
+    (on the event loop it would wait out all of it) and under 0.5 s unless the box is so loaded that the work
+    itself took over a second (a full-suite run on 2 cores saw 1.07 s beside 2.84 s of work). A 100k-id prompt is
+    refused before its ids are checked."""
     schema = {"type": "object", "properties": {"a": {"enum": [f"value-{i}" for i in range(200000)]}},
               "required": ["a"]}
     jobs = [("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "pick"}],
@@ -158,7 +160,7 @@ def test_grammar_compilation_and_detokenizing_run_off_the_event_loop(server):
         t.join()
         r, took = out["r"]
         assert r.status_code in (200, 400), r.text[:300]
-        assert worst < 0.5, (path, worst, took)
+        assert worst < max(0.5, 0.5 * took), (path, worst, took)
         if path == "/detokenize":
             assert r.status_code == 200 and len(r.json()["prompt"]) > 1e6
     r, took = post_raw(server.url, "/v1/completions", json.dumps({"model": "tiny", "prompt": [5] * 100000}))
