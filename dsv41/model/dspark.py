@@ -110,7 +110,7 @@ class DSpark:
                 keys.append(k[None].expand(S, -1, -1))
                 valid.append(ok[None].expand(S, -1))
             o = blk.attn.attend(q, torch.cat(keys), torch.cat(valid))
-            y = m.comm.all_reduce(blk.attn.output(o, cos, sin))
+            y = m.reduce_attn(blk.attn.output(o, cos, sin))
             streams = ops.hc_expand(y, streams, post_a, comb_a)
             pre_f, post_f, comb_f = hc_mixes(streams, blk.hc_ffn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
             x = ops.rms_norm(ops.hc_collapse(streams, pre_a), blk.ffn_norm, t.rms_norm_eps)
@@ -118,7 +118,7 @@ class DSpark:
             streams = ops.hc_expand(y, streams, post_f, comb_f)
             pre = pre_f
         x = ops.hc_collapse(streams, pre)
-        logits = m.comm.all_gather_cols(m.head_logits(ops.rms_norm(x, self.norm, t.rms_norm_eps))).view(B, S, -1)
+        logits = m.gather_logits(m.head_logits(ops.rms_norm(x, self.norm, t.rms_norm_eps))).view(B, S, -1)
         x = x.view(B, S, -1)
         # The Markov steps, all sequences at once (linear's fixed row tiles keep each row independent of the others)
         prev = torch.tensor([int(tok) for _, tok in items], device=dv)           # d_0 = next_token

@@ -41,7 +41,7 @@ from dsv41.model.moe import Expert, MoE
 from dsv41.model.ops import Ops, ops_for, reference_ops
 from dsv41.model.rope import Rope, apply_rope
 from dsv41.model.state import DEAD, SeqState
-from dsv41.model.weights import TP_SHARDS, RankShare, load_weights, local_shards
+from dsv41.model.weights import TP_SHARDS, RankShare, SplitPlan, load_weights, part_range, tp_parts
 
 INDEX_KEY_MODES = ("intended", "quirk")
 
@@ -131,8 +131,10 @@ class _Round:
 
 
 def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, n_experts: int, top_k: int,
-                 engram_rows: Callable | None, ops: Ops, shards: int = 1) -> Block:
-    """One layer (or DSpark stage) from the weights; every part gets the op set `ops`."""
+                 engram_rows: Callable | None, ops: Ops, shards: int = 1, plan: SplitPlan | None = None,
+                 rank: int = 0) -> Block:
+    """One layer (or DSpark stage) from the weights; every part gets the op set `ops`. `shards`, `plan`, `rank`:
+    the tensor-parallel parts this rank computes apart (_shard_block)."""
     t = cfg.text
     p = role.name
     eps = t.rms_norm_eps
@@ -153,11 +155,13 @@ def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, 
     experts = {e: expert(f"{p}.ffn.experts.{e}") for e in range(n_experts) if f"{p}.ffn.experts.{e}.w1.weight" in W}
     moe = MoE(gate=W[f"{p}.ffn.gate.weight"], bias=W[f"{p}.ffn.gate.bias"].float(),
               bias_vl=W[f"{p}.ffn.gate.bias_vl"].float(), experts=experts,
-              shared=expert(f"{p}.ffn.shared_experts"), top_k=top_k, gate_temp=t.gate_temp,
+              # absent on ranks > 0 when the plan keeps it whole (rank 0 adds it once: weights.SplitPlan)
+              shared=(expert(f"{p}.ffn.shared_experts") if f"{p}.ffn.shared_experts.w1.weight" in W else None),
+              top_k=top_k, gate_temp=t.gate_temp,
               scaling=t.routed_scaling_factor, limit=t.swiglu_limit,
               stack=dev.stack_experts(experts, n_experts) if ops.stacks_experts else None, ops=ops)
     if shards > 1:
-        _shard_block(attn, moe, shards, n_experts)
+        _shard_block(attn, moe, shards, n_experts, plan, rank)
     block = Block(role=role, attn_norm=W[f"{p}.attn_norm.weight"], ffn_norm=W[f"{p}.ffn_norm.weight"],
                   hc_attn=site("attn"), hc_ffn=site("ffn"), attn=attn, moe=moe, ops=ops)
     if role.owns_compressor:
@@ -178,32 +182,39 @@ def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, 
     return block
 
 
-def _shard_block(attn: Attention, moe: MoE, shards: int, n_experts: int) -> None:
-    """Give a block's split weights as `shards` TP shards (weights.TP_SHARDS), so this rank computes what that
-    many ranks would, shard by shard. A block whose weights cannot be cut so (EXL3 packs) stays whole."""
-    per, rest = divmod(n_experts, shards)
-    groups = attn.wo_a.shape[0] // attn.o_lora
-    if rest or attn.n_heads % shards or groups % shards:
-        return
+def _shard_block(attn: Attention, moe: MoE, shards: int, n_experts: int, plan: SplitPlan, rank: int) -> None:
+    """Give a block's split weights as this rank's `shards` parts of `plan` (parts rank*shards ...), so it computes
+    what that many ranks would, part by part. A family the plan keeps whole stays whole (attention: computed whole
+    by every rank; the shared expert: part 0's). A block whose weights cannot be cut so (EXL3 packs) stays whole."""
     if moe.stack is not None and not isinstance(moe.stack, dev.ExpertStack):   # an EXL3 stack: no shard mask
         return
-    wq_b, wo_b = dev.shard_rows(attn.wq_b, shards), dev.shard_cols(attn.wo_b, shards)
+    wq_b = wo_b = None
+    if plan.heads:
+        wq_b, wo_b = dev.shard_rows(attn.wq_b, shards), dev.shard_cols(attn.wo_b, shards)
+        if None in (wq_b, wo_b):
+            return
     sh = moe.shared
-    w1, w3, w2 = dev.shard_rows(sh.w1, shards), dev.shard_rows(sh.w3, shards), dev.shard_cols(sh.w2, shards)
-    if None in (wq_b, wo_b, w1, w3, w2):
-        return
-    # the column shards are copies: the whole wo_b they replace is not kept (the rows' shards are views)
-    attn.shards, attn.wq_b_shards, attn.wo_b_shards, attn.wo_b = shards, wq_b, wo_b, None
+    if sh is None or not plan.shared:     # whole: part 0 (rank 0's first) holds it, the others nothing
+        shared_shards = [sh if i == 0 else None for i in range(shards)]
+    else:
+        w1, w3, w2 = dev.shard_rows(sh.w1, shards), dev.shard_rows(sh.w3, shards), dev.shard_cols(sh.w2, shards)
+        if None in (w1, w3, w2):
+            return
+        shared_shards = [Expert(w1=a, w2=c, w3=b) for a, b, c in zip(w1, w3, w2)]
+    if plan.heads:
+        # the column shards are copies: the whole wo_b they replace is not kept (the rows' shards are views)
+        attn.shards, attn.wq_b_shards, attn.wo_b_shards, attn.wo_b = shards, wq_b, wo_b, None
     moe.shards = shards
-    moe.shard_ranges = [range(i * per, (i + 1) * per) for i in range(shards)]
-    moe.shared_shards = [Expert(w1=a, w2=c, w3=b) for a, b, c in zip(w1, w3, w2)]
+    moe.shard_ranges = [part_range(n_experts, rank * shards + i, plan.parts) for i in range(shards)]
+    moe.shared_shards = shared_shards
 
 
 class Model:
     def __init__(self, cfg: ModelConfig, W: dict[str, torch.Tensor], engram_rows: Callable,
                  hasher: EngramHasher | None,
                  qat: bool = True, index_keys: str = "intended", comm: Comm | None = None,
-                 engram_store: EngramStore | None = None, tp_shards: int = TP_SHARDS, ops: Ops | None = None):
+                 engram_store: EngramStore | None = None, tp_shards: int = TP_SHARDS, ops: Ops | None = None,
+                 rank: int = 0):
         if index_keys not in INDEX_KEY_MODES:
             raise ValueError(f"index_keys must be one of {INDEX_KEY_MODES}, got {index_keys!r}")
         # which function computes each op (dsv41/model/ops.py): chosen once, here; every block gets it
@@ -225,16 +236,20 @@ class Model:
         self.embed = W["embed.weight"]
         self.head = W["head.weight"]
         self.norm = W["norm.weight"]
-        # TP shards this rank computes apart: one rank computes what two would, so both give the same bits
-        self.shards = local_shards(self.comm.world, tp_shards)
-        self.head_shards = dev.shard_rows(self.head, self.shards) if self.shards > 1 else None
+        # Tensor parallelism (weights.SplitPlan): products cut into plan.parts parts, of which this rank (`rank` of
+        # comm.world) computes `shards` apart, as that many ranks would: one rank with --tp-shards W == W ranks
+        self.rank = rank
+        self.plan = SplitPlan.of(t, tp_parts(self.comm.world, tp_shards))
+        self.shards = self.plan.parts // self.comm.world
+        self.head_shards = (dev.shard_rows(self.head, self.shards) if self.shards > 1 and self.plan.vocab
+                            else None)
         self.blocks = [_build_block(W, r, cfg, t.n_routed_experts, t.num_experts_per_tok, engram_rows, ops,
-                                    self.shards) for r in self.layout.layers]
+                                    self.shards, self.plan, rank) for r in self.layout.layers]
         self.dspark = None
         if self.layout.stages and "mtp.0.main_proj.weight" in W:
             from dsv41.model.dspark import DSpark
             stages = [_build_block(W, r, cfg, t.dspark_n_routed_experts, t.dspark_num_experts_per_tok, None, ops,
-                                   self.shards) for r in self.layout.stages]
+                                   self.shards, self.plan, rank) for r in self.layout.stages]
             self.dspark = DSpark(self, W, stages)
 
     # ---- loading ----------------------------------------------------------------------------------------------
@@ -278,6 +293,7 @@ class Model:
             raise ValueError("a tensor-parallel share needs a Comm of the same world size")
         d = Path(ckpt)
         cfg = ModelConfig.from_checkpoint(d)
+        share = share.planned(cfg.text, tp_shards)     # the families this world and tp_shards cut (SplitPlan)
         W = load_weights(d, cfg, share=share, dtype=dtype, device=dv,
                          keep_quant=dv.type == "cuda" if keep_quant is None else keep_quant)
         if ops is None:
@@ -293,7 +309,7 @@ class Model:
         engram_rows = _engram_row_reader(store)
         hasher = _make_hasher(d, cfg) if cfg.text.engram_layer_ids else None   # no Engram layers: nothing to hash
         model = cls(cfg, W, engram_rows, hasher, qat=qat, index_keys=index_keys, comm=comm, engram_store=store,
-                    tp_shards=tp_shards, ops=ops)
+                    tp_shards=tp_shards, ops=ops, rank=share.rank)
         if dv.type == "cuda" and cuda_graphs:
             model.graphs = PieceGraphs("cuda")
         elif cuda_graphs and os.environ.get("DSV41_GRAPHS") == "emulate":   # tests: the graphs' bookkeeping on CPU
@@ -414,7 +430,7 @@ class Model:
             else:   # the partial sums cross ranks between the pieces
                 y, = piece("attn_out", functools.partial(self._attn_out, blk), q, keys, valid, cos, sin)
                 streams, pre, post_f, comb_f, y = piece("ffn", functools.partial(self._ffn, blk, image=image),
-                                                        self.comm.all_reduce(y), streams, pre_a, post_a, comb_a)
+                                                        self.reduce_attn(y), streams, pre_a, post_a, comb_a)
                 streams, = piece("ffn_out", functools.partial(_expand, blk.ops), self.comm.all_reduce(y), streams,
                                  post_f, comb_f)
             if trace is not None:
@@ -434,7 +450,7 @@ class Model:
         rows = torch.cat(want)
         if rows.numel():
             x = self.ops.rms_norm(self.ops.hc_collapse(streams[rows], pre[rows]), self.norm, t.rms_norm_eps)
-            logits = self.comm.all_gather_cols(self.head_logits(x))
+            logits = self.gather_logits(self.head_logits(x))
         else:   # no row wants logits (a prompt's earlier chunks): skip the head, whose empty call still runs one
             logits = streams.new_zeros((0, t.vocab_size))    # padded row tile, a full read of its weight (~1 GB)
         for (_, n, _, st) in segs:
@@ -446,6 +462,15 @@ class Model:
         return out
 
     __call__ = forward
+
+    def reduce_attn(self, y: torch.Tensor) -> torch.Tensor:
+        """The attention output from this rank's partial: the rank-order sum, or y itself where every rank computes
+        the whole attention (heads not cut: weights.SplitPlan)."""
+        return self.comm.all_reduce(y) if self.plan.heads else y
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Whole logits rows from this rank's vocabulary columns (all of them where the head is not cut)."""
+        return self.comm.all_gather_cols(logits) if self.plan.vocab else logits
 
     def head_logits(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary columns of the logits: its head rows, shard by shard (TP_SHARDS)."""

@@ -65,7 +65,7 @@ class MoE:
     bias: torch.Tensor             # [E]
     bias_vl: torch.Tensor          # [E]
     experts: dict[int, Expert]     # this rank's routed experts by id
-    shared: Expert
+    shared: Expert | None          # None on a rank > 0 when the shared expert is not cut (weights.SplitPlan)
     top_k: int
     gate_temp: float
     scaling: float
@@ -73,7 +73,8 @@ class MoE:
     stack: ExpertStack | None = None   # on the GPU: the experts in the grouped kernel's layout (device.py)
     shards: int = 1                    # TP shards computed apart (weights.TP_SHARDS // world)
     shard_ranges: list[range] | None = None     # each shard's routed experts (global ids)
-    shared_shards: list[Expert] | None = None   # each shard's part of the shared expert (w1/w3 rows, w2 columns)
+    shared_shards: list[Expert | None] | None = None   # each shard's part of the shared expert (w1/w3 rows, w2
+    #                                                    columns); None: a part without one (weights.SplitPlan)
     ops: Ops = field(default_factory=reference_ops)   # the model's op set (given at load)
 
     def route(self, x: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,10 +88,13 @@ class MoE:
         """x [n, H] (ffn_norm'd) -> [n, H]: this rank's routed slots (in slot order) + its shared-expert part."""
         weights, ids = self.route(x, image)
         if self.shards == 1:
-            return self._routed(x, weights, ids) + swiglu(x, self.shared, self.limit, ops=self.ops)
+            y = self._routed(x, weights, ids)
+            return y if self.shared is None else y + swiglu(x, self.shared, self.limit, ops=self.ops)
         y = None
         for rng, shared in zip(self.shard_ranges, self.shared_shards):
-            part = self._routed(x, weights, ids, rng) + swiglu(x, shared, self.limit, ops=self.ops)
+            part = self._routed(x, weights, ids, rng)
+            if shared is not None:     # None: a shared expert not cut is part 0's (weights.SplitPlan)
+                part = part + swiglu(x, shared, self.limit, ops=self.ops)
             y = part if y is None else y + part
         return y
 

@@ -173,68 +173,154 @@ def expected_tensors(cfg: ModelConfig, vision: bool = False) -> dict[str, Tensor
 # ---------------------------------------------------------------------------------------------------------------
 # A rank's share
 
-# How tensor parallelism splits the checkpoint (a rank of world W loads 1/W; each split product is then computed in
-# TP_SHARDS // W shards, below).
-#   tensor (per layer / DSpark stage)                     split                    reduce
-#   attn.wq_b, attn.attn_sink                             rows by head             -
-#   attn.wo_a                                             rows by o_group          -
-#   attn.wo_b                                             columns by o_group       sum partials in rank order
-#   ffn.experts.E.*                                       whole experts, E in the rank's contiguous range
-#   ffn.shared_experts.w1/w3 | w2                         rows | columns of inter  sum partials in rank order
-#   head.weight                                           rows (vocabulary)        gather logits in rank order
-#   everything else (norms, wq_a, wkv, compressor,        replicated
-#   indexer, gate, hc_*, embed, engram, mtp extras, vision)
-# The widest tensor-parallel world whose replies equal one rank's bit for bit: every rank computes each split
-# product as the TP_SHARDS // world shards it holds, each as the rank holding only that shard would, and adds the
-# partials in shard (= rank) order; the exchange adds the ranks' sums in rank order. So worlds 1 and 2 give the
-# same bits (docs/tp.md "Exactness"); a wider world computes one shard a rank and matches only itself.
+# How tensor parallelism splits the checkpoint. A split product is cut into P parts (P = the world, or --tp-shards
+# when that is wider: `parts`); rank r of a world of W holds parts [r P/W, (r+1) P/W) and computes them apart (each
+# as the rank holding only that part would) and adds them in part order; the exchange adds the ranks' sums in rank
+# order. Each family of tensors is cut only where no part boundary cuts a 32x32 FP8 block (or a head, an o_group,
+# an expert); a family that cannot be cut into P parts is not split (`SplitPlan`):
+#   family   tensors (per layer / DSpark stage)              cut                      when not cut
+#   heads    attn.wq_b, attn.attn_sink | attn.wo_a | wo_b    rows by head | rows by   every rank holds and computes
+#                                                            o_group | columns        the whole attention (no exchange)
+#   shared   ffn.shared_experts.w1/w3 | w2                   rows | columns of inter  part 0 (rank 0) holds it whole
+#   vocab    head.weight                                     rows                     every rank computes all logits
+#   experts  ffn.experts.E.*                                 whole experts, contiguous ranges [p E/P, (p+1) E/P)
+#   everything else (norms, wq_a, wkv, compressor, indexer, gate, hc_*, embed, engram, mtp extras, vision): whole on
+#   every rank.
+# The release cuts every family at 1, 2, 4 and 8 parts (tests/test_tp_shares.py); the built-in tiny checkpoint (4
+# heads in 2 o_groups, a 64-wide shared expert) keeps its attention and shared expert whole at 4 parts.
+# Worlds W and one rank with --tp-shards W give the same bits (docs/tp.md "Exactness"); TP_SHARDS, the default, makes
+# one rank and two equal.
 TP_SHARDS = 2
+BLOCK = 32      # FP8 weights' 32x32 block scales: no part boundary inside a block
+
+
+def tp_parts(world: int, shards: int = TP_SHARDS) -> int:
+    """The parts every split product is cut into for a world of `world` ranks computing in `shards` shards: the
+    wider of the two (the narrower one must divide it: both are powers of two)."""
+    parts = max(world, shards)
+    if parts % world or parts % shards:
+        raise ValueError(f"--tp-shards {shards} and --tp {world}: one must divide the other")
+    return parts
 
 
 def local_shards(world: int, shards: int = TP_SHARDS) -> int:
-    """The shards a rank of `world` computes apart when products are cut in `shards` (at least its own one)."""
-    return max(1, shards // world)
+    """The parts a rank of `world` computes apart when products are cut in `shards` (at least its own one)."""
+    return tp_parts(world, shards) // world
 
 
-_SPLIT_ROWS = re.compile(r"(attn\.wq_b|attn\.wo_a|ffn\.shared_experts\.w[13])\.(weight|scale)$|"
-                         r"attn\.attn_sink$|^head\.weight$")
-_SPLIT_COLS = re.compile(r"(attn\.wo_b|ffn\.shared_experts\.w2)\.(weight|scale)$")
+@dataclass(frozen=True)
+class SplitPlan:
+    """Which families a cut into `parts` parts splits (True) or keeps whole (False), for one config."""
+
+    parts: int
+    heads: bool     # attention: wq_b rows and attn_sink by head, wo_a rows by o_group, wo_b columns
+    shared: bool    # the shared expert's intermediate width (w1/w3 rows, w2 columns)
+    vocab: bool     # head.weight rows (the logits' columns)
+
+    @classmethod
+    def of(cls, t, parts: int) -> SplitPlan:
+        """`t`: the TextConfig. A family is cut only where each part is whole heads / o_groups / 32-blocks."""
+        if parts < 1:
+            raise ValueError(f"parts must be >= 1, got {parts}")
+        heads, groups = t.num_attention_heads, t.o_groups
+        cut_heads = (heads % parts == 0 and groups % parts == 0 and heads // parts * t.head_dim % BLOCK == 0
+                     and groups // parts * t.o_lora_rank % BLOCK == 0)
+        cut_shared = t.moe_intermediate_size % (parts * BLOCK) == 0
+        return cls(parts, cut_heads, cut_shared, t.vocab_size % parts == 0)
+
+    def whole(self) -> list[str]:
+        """The families not cut (docs and start-up lines name them)."""
+        return [f for f in ("heads", "shared", "vocab") if not getattr(self, f)]
+
+
+def part_range(n: int, part: int, parts: int) -> range:
+    """Part `part` of `parts` of n units (experts): contiguous, sizes differing by at most one."""
+    return range(part * n // parts, (part + 1) * n // parts)
+
+
+_FAMILY = (
+    ("heads", 0, re.compile(r"(attn\.wq_b|attn\.wo_a)\.(weight|scale)$|attn\.attn_sink$")),
+    ("heads", 1, re.compile(r"attn\.wo_b\.(weight|scale)$")),
+    ("shared", 0, re.compile(r"ffn\.shared_experts\.w[13]\.(weight|scale)$")),
+    ("shared", 1, re.compile(r"ffn\.shared_experts\.w2\.(weight|scale)$")),
+    ("vocab", 0, re.compile(r"^head\.weight$")),
+)
 _EXPERT = re.compile(r"\.ffn\.experts\.(\d+)\.")
+
+
+def split_family(name: str) -> tuple[str, int] | None:
+    """(family, dim) of a tensor that tensor parallelism cuts, or None for one every rank holds whole."""
+    for fam, dim, rx in _FAMILY:
+        if rx.search(name):
+            return fam, dim
+    return None
 
 
 @dataclass(frozen=True)
 class RankShare:
-    """Which part of the checkpoint a tensor-parallel rank holds. RankShare(0, 1) is the whole model."""
+    """Which part of the checkpoint a tensor-parallel rank holds. RankShare(0, 1) is the whole model. `plan` (from
+    `planned`) says which families are cut; without one every family is cut over the world (EXL3 packs, benches)."""
 
     rank: int = 0
     world: int = 1
+    plan: SplitPlan | None = None
 
     def __post_init__(self):
         if not (self.world >= 1 and 0 <= self.rank < self.world):
             raise ValueError(f"RankShare: rank {self.rank} outside world {self.world}")
+        if self.plan is not None and self.plan.parts % self.world:
+            raise ValueError(f"RankShare: {self.plan.parts} parts do not split over {self.world} ranks")
+
+    def planned(self, t, shards: int = TP_SHARDS) -> RankShare:
+        """This share with the plan of config `t` (TextConfig) cut into tp_parts(world, shards) parts."""
+        return RankShare(self.rank, self.world, SplitPlan.of(t, tp_parts(self.world, shards)))
+
+    def cut(self, family: str) -> bool:
+        return self.plan is None or getattr(self.plan, family)
 
     def expert_range(self, n_experts: int) -> range:
-        """The routed experts this rank holds: a contiguous range of n_experts / world."""
-        per = n_experts // self.world
-        return range(self.rank * per, (self.rank + 1) * per)
+        """The routed experts this rank holds: a contiguous range of about n_experts / world."""
+        return part_range(n_experts, self.rank, self.world)
 
     def wants(self, name: str, n_experts: int) -> bool:
         m = _EXPERT.search(name)
-        return m is None or int(m.group(1)) in self.expert_range(n_experts)
+        if m is not None:
+            return int(m.group(1)) in self.expert_range(n_experts)
+        fam = split_family(name)
+        # a shared expert that is not cut belongs to part 0 alone (its sum is added once, by rank 0)
+        return fam is None or fam[0] != "shared" or self.cut("shared") or self.rank == 0
 
     def split(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
         """(dim, start, stop) of the stored tensor this rank reads, or None for the whole tensor.
         Scales split with their weight; stored widths are divided so blocks of 32 stay whole."""
-        if self.world == 1:
+        fam = split_family(name)
+        if self.world == 1 or fam is None or not self.cut(fam[0]):
             return None
-        dim = 0 if _SPLIT_ROWS.search(name) else 1 if _SPLIT_COLS.search(name) else None
-        if dim is None:
-            return None
+        dim = fam[1]
         n = shape[dim]
         if n % self.world:
             raise WeightError(name, f"dim {dim} ({n}) does not split over {self.world} ranks")
         per = n // self.world
         return dim, self.rank * per, (self.rank + 1) * per
+
+
+def share_parts(inv: dict[str, TensorSpec], share: RankShare, cfg: ModelConfig) -> dict[str, tuple | None]:
+    """name -> the slice this share reads ((dim, start, stop) or None: whole) of every weight it loads, scales
+    beside their weight (in their own units), from the inventory's metadata alone: the shares of the release can be
+    checked without its tensors (tests/test_tp_shares.py). Raises WeightError where a cut would split a block."""
+    out: dict[str, tuple | None] = {}
+    for name, spec in inv.items():
+        if spec.fmt in ("scale", "engram"):
+            continue
+        n_exp = cfg.text.dspark_n_routed_experts if name.startswith("mtp.") else cfg.text.n_routed_experts
+        if not share.wants(name, n_exp):
+            continue
+        part = share.split(name, spec.shape)
+        out[name] = part
+        if spec.fmt in ("fp8", "fp4"):
+            out[name[: -len(".weight")] + ".scale"] = _scale_slice(name[: -len(".weight")] + ".scale", part,
+                                                                   spec.fmt)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -311,6 +397,8 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig, share: RankShare = RankShar
     for name in inv:
         by_file.setdefault(wm[name], []).append(name)
     out: dict[str, torch.Tensor] = {}
+    share = share if share.plan is not None or share.world == 1 else share.planned(cfg.text)
+    parts = share_parts(inv, share, cfg)
     for fname, names in by_file.items():
         path = d / fname
         if not path.is_file():
@@ -323,13 +411,9 @@ def load_weights(ckpt: str | Path, cfg: ModelConfig, share: RankShare = RankShar
                 _check_header(f, name, inv[name])
             for name in names:
                 spec = inv[name]
-                if spec.fmt in ("scale", "engram"):
-                    continue  # scales are read with their weight; Engram rows go through the store
-                n_exp = cfg.text.dspark_n_routed_experts if name.startswith("mtp.") else cfg.text.n_routed_experts
-                if not share.wants(name, n_exp):
-                    continue
-                part = share.split(name, spec.shape)
-                t = _load_one(f, wm, d, name, spec, part, dtype, keep_quant)
+                if name not in parts or spec.fmt == "scale":
+                    continue  # another rank's; scales are read with their weight; Engram rows via the store
+                t = _load_one(f, wm, d, name, spec, parts[name], dtype, keep_quant)
                 out[name] = t.to(device) if isinstance(t, torch.Tensor) else dev.to_device(t, device)
     return out
 
@@ -353,11 +437,12 @@ def _load_one(f, wm, d: Path, name: str, spec: TensorSpec, part, dtype, keep_qua
             return t
         return t if t.dtype == torch.float32 and spec.dtype == F32 else t.to(dtype)
     scale_name = name[: -len(".weight")] + ".scale"
+    spart = _scale_slice(scale_name, part, spec.fmt)
     if wm[scale_name] == wm[name]:
-        s = _scale_part(f, scale_name, part, spec.fmt)
+        s = _scale_part(f, scale_name, spart)
     else:
         with safe_open(d / wm[scale_name], framework="pt") as g:
-            s = _scale_part(g, scale_name, part, spec.fmt)
+            s = _scale_part(g, scale_name, spart)
     w = _read(f, name, part)
     if keep_quant:
         return dev.Fp8Weight(w, s) if spec.fmt == "fp8" else dev.Fp4Weight(w, s)
@@ -368,14 +453,22 @@ def _load_one(f, wm, d: Path, name: str, spec: TensorSpec, part, dtype, keep_qua
     raise AssertionError(spec.fmt)
 
 
-def _scale_part(f, scale_name: str, part, fmt: str) -> torch.Tensor:
+def _scale_slice(scale_name: str, part, fmt: str) -> tuple[int, int, int] | None:
+    """The scale rows/columns of a weight slice: FP8 scales are per 32x32 block, so a slice must not cut a block."""
     if part is None:
-        return f.get_tensor(scale_name)
+        return None
     dim, a, b = part
     if fmt != "fp8":
         raise WeightError(scale_name, "only FP8 weights split (routed experts are held whole)")
-    if a % 32 or b % 32:  # FP8 blocks are 32x32: a share boundary must not cut one
+    if a % BLOCK or b % BLOCK:  # FP8 blocks are 32x32: a share boundary must not cut one
         raise WeightError(scale_name, "a share boundary cuts a 32x32 block")
-    a, b = a // 32, b // 32
+    return dim, a // BLOCK, b // BLOCK
+
+
+def _scale_part(f, scale_name: str, part) -> torch.Tensor:
+    """Read the scale slice `part` (from _scale_slice) of `scale_name`."""
+    if part is None:
+        return f.get_tensor(scale_name)
+    dim, a, b = part
     sl = f.get_slice(scale_name)
     return (sl[a:b] if dim == 0 else sl[:, a:b]).contiguous()
