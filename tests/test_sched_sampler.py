@@ -132,3 +132,152 @@ def test_adjust_row_is_vllms_order_and_arithmetic():
     s = sample_row(row, 4, SamplingParams(temperature=0, logprobs=True, logit_bias=((1, 5.0),)))
     assert s.token_id == 1                                                # the bias decides the draw,
     assert math.isclose(s.logprob, float(torch.log_softmax(row.double(), 0)[1]))   # logprobs stay the raw row's
+
+
+# --- the batched sampler (sample_rows) against the host sampler it replaced (tests/sampler_reference.py) ---------
+
+from dsv41.sched.sampler import (_gumbel_t, _ordered_top, _pairwise_sum,  # noqa: E402
+                                 _row_keys, sample_rows)
+from tests.sampler_reference import reference_adjust_row, reference_sample_row  # noqa: E402
+
+
+def _tied_row(rng: np.random.Generator, vocab: int) -> torch.Tensor:
+    """Logits with many exact ties (a few levels), some -0.0 and +0.0, a spread top."""
+    kind = rng.integers(0, 3)
+    if kind == 0:
+        x = rng.integers(-6, 6, vocab).astype(np.float32) / 2       # ~24 levels: ties everywhere
+    elif kind == 1:
+        x = (rng.standard_normal(vocab) * 3).astype(np.float32)
+    else:
+        x = np.round(rng.standard_normal(vocab) * 4).astype(np.float32) / 4
+    x[rng.integers(0, vocab, 5)] = -0.0
+    x[rng.integers(0, vocab, 5)] = 0.0
+    return torch.from_numpy(x)
+
+
+def _random_params(rng: np.random.Generator, vocab: int, draw) -> SamplingParams:
+    greedy = rng.random() < 0.2
+    bias = tuple((int(i), float(rng.choice([-100.0, -1.5, 0.5, 3.0]))) for i in
+                 rng.choice(vocab, int(rng.integers(0, 4)), replace=False)) if rng.random() < 0.3 else ()
+    return SamplingParams(
+        temperature=0.0 if greedy else float(rng.choice([0.05, 0.7, 1.0, 1.3, 4.0])),
+        top_p=float(rng.choice([1.0, 1.0, 0.9, 0.5, 0.1, 0.999])),
+        top_k=int(rng.choice([0, 0, 1, 2, 7, 8, 9, 20, 50, 127, 128, 129, 300, 2000])),
+        min_p=float(rng.choice([0.0, 0.0, 0.05, 0.3])),
+        seed=int(rng.integers(0, 2**63)) if rng.random() < 0.9 else draw,
+        logprobs=bool(rng.random() < 0.4), top_logprobs=int(rng.choice([0, 1, 5, 20, 25])),
+        frequency_penalty=float(rng.choice([0.0, 0.0, 0.5, -0.3])),
+        presence_penalty=float(rng.choice([0.0, 0.0, 0.25, 1.0])),
+        repetition_penalty=float(rng.choice([1.0, 1.0, 1.3, 0.8])),
+        logit_bias=bias, prompt_len=10, prompt_tokens=tuple(int(t) for t in rng.integers(0, vocab, 6)))
+
+
+def _random_mask(rng: np.random.Generator, vocab: int) -> torch.Tensor:
+    """One bitmask row (llguidance's packing): all allowed, a few allowed, or most allowed."""
+    from dsv41.grammar.matchers import allocate_bitmask
+    m = allocate_bitmask(1, vocab)
+    kind = rng.integers(0, 3)
+    if kind == 1:
+        m.zero_()
+        for t in rng.integers(0, vocab, int(rng.integers(1, 12))):
+            m[0, t // 32] |= int(np.int32(np.uint32(1 << (t % 32)).view(np.int32)))
+    elif kind == 2:
+        m[0] = torch.from_numpy(rng.integers(-2**31, 2**31, m.shape[1], dtype=np.int64).astype(np.int32))
+    return m[0]
+
+
+def _reference(row, pos, p, reply, mask):
+    if mask is not None:
+        from dsv41.grammar.matchers import apply_mask
+        row = row.clone()
+        apply_mask(row, mask[None])
+    return reference_sample_row(row, pos, p, reply)
+
+
+def _same(a, b) -> bool:
+    return (a.token_id, a.logprob, a.top) == (b.token_id, b.logprob, b.top)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.sampled_from([3, 40, 300, 1100, 3000]), n=st.integers(1, 9),
+       masked=st.booleans())
+def test_batched_draw_equals_the_host_sampler_bit_for_bit(seed, vocab, n, masked):
+    """Every field of every Sample (token, logprob, top logprobs) equals the numpy row-by-row sampler's, over rows
+    with exact ties, signed zeros, masks, and every parameter mix (greedy, top-k below/at/above the width and the
+    vocabulary, top-p, min-p, bias, penalties)."""
+    rng = np.random.default_rng(seed)
+    rows = torch.stack([_tied_row(rng, vocab) for _ in range(n)])
+    params = [_random_params(rng, vocab, seed) for _ in range(n)]
+    positions = [int(rng.integers(0, 2**40)) for _ in range(n)]
+    replies = [tuple(int(t) for t in rng.integers(0, vocab, int(rng.integers(0, 30)))) for _ in range(n)]
+    mask = torch.stack([_random_mask(rng, vocab) for _ in range(n)]) if masked else None
+    got = sample_rows(rows, positions, params, replies, mask)
+    for i in range(n):
+        want = _reference(rows[i], positions[i], params[i], replies[i], None if mask is None else mask[i])
+        assert _same(got[i], want), (i, params[i], got[i], want)
+
+
+def test_batched_draw_on_the_full_vocabulary():
+    """32 rows of 129,280 logits, sampled and greedy, masked and not: the batched draw == the host sampler."""
+    rng = np.random.default_rng(7)
+    vocab = 129280
+    rows = torch.from_numpy((rng.standard_normal((32, vocab)) * 2.5).astype(np.float32))
+    rows[3, 1000:1100] = rows[3].max()                      # a wide tie at the top
+    params = [SamplingParams(temperature=[0.0, 0.6, 1.0][i % 3], top_p=[1.0, 0.95, 0.8][i % 3 - 1],
+                             top_k=[0, 20, 1024, 50][i % 4], min_p=0.02 * (i % 2), seed=1000 + i,
+                             logprobs=i % 5 == 0, top_logprobs=5 if i % 10 == 0 else 0) for i in range(32)]
+    mask = torch.stack([_random_mask(rng, vocab) for _ in range(32)])
+    positions = list(range(500, 532))
+    for m in (None, mask):
+        got = sample_rows(rows, positions, params, None, m)
+        for i in range(32):
+            assert _same(got[i], _reference(rows[i], positions[i], params[i], (), None if m is None else m[i]))
+
+
+def test_row_alone_equals_row_in_a_batch_of_32():
+    rng = np.random.default_rng(11)
+    vocab = 5000
+    rows = torch.stack([_tied_row(rng, vocab) for _ in range(32)])
+    params = [_random_params(rng, vocab, i) for i in range(32)]
+    replies = [tuple(int(t) for t in rng.integers(0, vocab, 20)) for _ in range(32)]
+    mask = torch.stack([_random_mask(rng, vocab) for _ in range(32)])
+    together = sample_rows(rows, list(range(32)), params, replies, mask)
+    for i in range(32):
+        alone = sample_rows(rows[i:i + 1].clone(), [i], [params[i]], [replies[i]], mask[i:i + 1].clone())[0]
+        assert _same(alone, together[i])
+    # and in another batch order, beside other rows
+    perm = rng.permutation(32).tolist()
+    shuffled = sample_rows(rows[perm], perm, [params[i] for i in perm], [replies[i] for i in perm], mask[perm])
+    assert all(_same(shuffled[j], together[i]) for j, i in enumerate(perm))
+
+
+def test_pieces_equal_numpy():
+    rng = np.random.default_rng(3)
+    for n in list(range(1, 140)) + [255, 256, 257, 1000, 1023, 1024]:
+        a = np.exp(-np.abs(rng.standard_normal((3, n))) * 3)
+        got = _pairwise_sum(torch.from_numpy(a)).numpy()
+        assert [float(x) for x in got] == [float(r.sum()) for r in a], n
+    ids = torch.from_numpy(rng.integers(0, 129280, (4, 1024)))
+    params = [SamplingParams(seed=s) for s in (0, 1, 2**63 - 1, 12345)]
+    positions = [0, 7, 2**40, 3]
+    g = _gumbel_t(torch.from_numpy(_row_keys(params, positions)), ids).numpy()
+    for i in range(4):
+        assert np.array_equal(g[i], gumbel(params[i].seed, positions[i], ids[i].numpy()))
+    for _ in range(20):
+        x = torch.stack([_tied_row(rng, 2000) for _ in range(3)])
+        x[0, :50] = float("-inf")
+        cand, vals = _ordered_top(x, 300)
+        for i in range(3):
+            order = torch.sort(-x[i], stable=True).indices[:300]
+            assert torch.equal(cand[i], order) and torch.equal(vals[i], x[i][order])
+
+
+def test_adjust_equals_the_host_adjust():
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        vocab = int(rng.integers(5, 400))
+        row = _tied_row(rng, vocab)
+        p = _random_params(rng, vocab, 0)
+        reply = [int(t) for t in rng.integers(0, vocab, int(rng.integers(0, 40)))]
+        want = reference_adjust_row(row, p, reply) if p.adjusts else row
+        assert torch.equal(adjust_row(row, p, reply), want)

@@ -108,63 +108,264 @@ def clamp_top_k(top_k: int) -> int:
     return CANDIDATE_WIDTH if top_k <= 0 else min(top_k, CANDIDATE_WIDTH)
 
 
-def _lowest_id_argmax(values: np.ndarray, ids: np.ndarray) -> int:
-    best = values.max()
-    return int(ids[values == best].min())
+
+# ---------------------------------------------------------------------------------------------------------------
+# The draw, over all rows of a round at once, on the device the logits are on. One definition: sample_row is this on
+# one row. Every step is either exact (sorts, selections, integer hashing, counts) or an elementwise float op whose
+# result for an element does not depend on its neighbours, or a reduction written as a fixed sequence of elementwise
+# ops (the top-p mass), so a row's pick never depends on the other rows of the batch.
+
+_I64_MASK = {s: (1 << (64 - s)) - 1 for s in (11, 27, 30, 31)}
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN_S, _C1_S, _C2_S = _signed(int(_GOLDEN)), _signed(int(_C1)), _signed(int(_C2))
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (z >> s) & _I64_MASK[s]
+
+
+def _splitmix64_t(x: torch.Tensor) -> torch.Tensor:
+    """_splitmix64 on int64 tensors holding uint64 bit patterns: add and multiply wrap mod 2^64 as in numpy."""
+    z = x + _GOLDEN_S
+    z = (z ^ _shr(z, 30)) * _C1_S
+    z = (z ^ _shr(z, 27)) * _C2_S
+    return z ^ _shr(z, 31)
+
+
+def _row_keys(params: list[SamplingParams], positions: list[int]) -> np.ndarray:
+    """splitmix64(splitmix64(seed) ^ position) per row, as int64 bit patterns (the last level mixes in the id)."""
+    seeds = np.array([p.seed & 0xFFFFFFFFFFFFFFFF for p in params], dtype=np.uint64)
+    pos = np.array([q & 0xFFFFFFFFFFFFFFFF for q in positions], dtype=np.uint64)
+    return _splitmix64(_splitmix64(seeds) ^ pos).view(np.int64)
+
+
+def _log(t: torch.Tensor) -> torch.Tensor:
+    # On the host numpy's log, as the sampler always used: torch's CPU log differs from it in the last bit for ~0.4 %
+    # of inputs and picks its vector body or scalar tail by where an element sits in the buffer. On a GPU torch's:
+    # one device function for every element.
+    if t.device.type == "cpu":
+        return torch.from_numpy(np.log(t.contiguous().numpy()))
+    return torch.log(t)
+
+
+def _exp(t: torch.Tensor) -> torch.Tensor:
+    # as _log (torch's CPU exp differs from numpy's for ~4.5 % of inputs)
+    if t.device.type == "cpu":
+        return torch.from_numpy(np.exp(t.contiguous().numpy()))
+    return torch.exp(t)
+
+
+def _gumbel_t(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """-log(-log(u)) for candidate ids [M, K] under row keys [M]: u as uniform_keys computes it."""
+    h = _splitmix64_t(keys[:, None] ^ ids)
+    u = (_shr(h, 11).double() + 0.5) / float(1 << 53)
+    return -_log(-_log(u))
+
+
+def _pairwise_sum(a: torch.Tensor) -> torch.Tensor:
+    """Sum of each row of a float64 [M, n], in numpy's pairwise order (np.sum's): blocks of <= 128 summed with 8
+    accumulators, halves split at multiples of 8. Elementwise ops only: the same sums on any device, any row count."""
+    n = a.shape[1]
+    if n < 8:
+        res = torch.zeros(a.shape[0], dtype=a.dtype, device=a.device)
+        for i in range(n):
+            res = res + a[:, i]
+        return res
+    if n <= 128:
+        r = a[:, :8]
+        m = n - n % 8
+        for i in range(8, m, 8):
+            r = r + a[:, i:i + 8]
+        res = ((r[:, 0] + r[:, 1]) + (r[:, 2] + r[:, 3])) + ((r[:, 4] + r[:, 5]) + (r[:, 6] + r[:, 7]))
+        for i in range(m, n):
+            res = res + a[:, i]
+        return res
+    n2 = n // 2
+    n2 -= n2 % 8
+    return _pairwise_sum(a[:, :n2]) + _pairwise_sum(a[:, n2:])
+
+
+def _cumsum(a: torch.Tensor) -> torch.Tensor:
+    # Sequential on the host (numpy's and torch's CPU cumsum agree). On CUDA torch scans a single row with CUB and
+    # several rows with its own kernel, so a lone row gets a scratch row beside it: one scan for any row count.
+    if a.device.type != "cpu" and a.shape[0] == 1:
+        return torch.cumsum(torch.cat([a, torch.zeros_like(a)]), dim=1)[:1]
+    return torch.cumsum(a, dim=1)
+
+
+def _ordered_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first k of each row of float32 x [M, V] sorted by (value descending, id ascending): (ids, values).
+    One int64 key per element (the float's order-preserving bits, then the id reversed) makes every key distinct,
+    so topk has one answer on any device: the stable sort's, without sorting the whole vocabulary."""
+    vocab = x.shape[1]
+    b = x.view(torch.int32)
+    sign = b >> 31                                    # 0 or -1
+    b = ((b & 0x7FFFFFFF) ^ sign) - sign              # sign-magnitude to two's complement: -0.0 and +0.0 both 0
+    rev = (vocab - 1) - torch.arange(vocab, dtype=torch.int64, device=x.device)
+    keys = (b.long() << 32) | rev
+    top = torch.topk(keys, k, dim=1, sorted=True).values
+    cand = (vocab - 1) - (top & 0xFFFFFFFF)
+    return cand, torch.gather(x, 1, cand)
+
+
+def _adjust(rows: torch.Tensor, params: list[SamplingParams], replies: list) -> torch.Tensor:
+    """adjust_row over rows [M, V] (each with its params and reply so far), float32 on the rows' device. The same
+    elementwise float32 ops as one row at a time (the bias added, then x / rp or x * rp, then - f * count - p)."""
+    dev = rows.device
+    m, vocab = rows.shape
+    out = rows.float().clone()
+    bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+    if bias:
+        ri = torch.tensor([i for i, _, _ in bias], dtype=torch.long, device=dev)
+        ti = torch.tensor([t for _, t, _ in bias], dtype=torch.long, device=dev)
+        out[ri, ti] = out[ri, ti] + torch.tensor([b for _, _, b in bias], dtype=torch.float32, device=dev)
+    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep_rows:
+        ri, ti = [], []
+        for i in rep_rows:
+            toks = list(params[i].prompt_tokens) + list(replies[i])
+            ri += [i] * len(toks)
+            ti += toks
+        seen = torch.zeros(m, vocab, dtype=torch.bool, device=dev)
+        seen[torch.tensor(ri, dtype=torch.long, device=dev), torch.tensor(ti, dtype=torch.long, device=dev)] = True
+        rp = torch.tensor([[p.repetition_penalty] for p in params], dtype=torch.float32, device=dev)
+        out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
+    cnt_rows = [i for i, p in enumerate(params) if replies[i] and (p.frequency_penalty or p.presence_penalty)]
+    if cnt_rows:
+        ri = [i for i in cnt_rows for _ in replies[i]]
+        ti = [t for i in cnt_rows for t in replies[i]]
+        counts = torch.zeros(m, vocab, dtype=torch.float32, device=dev)
+        counts.index_put_((torch.tensor(ri, dtype=torch.long, device=dev), torch.tensor(ti, dtype=torch.long, device=dev)),
+                          torch.ones(len(ti), dtype=torch.float32, device=dev), accumulate=True)
+        sel = torch.tensor(cnt_rows, dtype=torch.long, device=dev)
+        c = counts[sel]
+        fp = torch.tensor([[params[i].frequency_penalty] for i in cnt_rows], dtype=torch.float32, device=dev)
+        pp = torch.tensor([[params[i].presence_penalty] for i in cnt_rows], dtype=torch.float32, device=dev)
+        out[sel] = out[sel] - (fp * c + pp * (c > 0).float())
+    return out
 
 
 def adjust_row(row: torch.Tensor, params: SamplingParams, reply: list[int] | tuple[int, ...]) -> torch.Tensor:
     """The row the draw reads, as vLLM processes it: the logit bias added, then the penalties over `reply`, the
     reply's tokens so far (each once per occurrence): repetition (vLLM / HF: a logit > 0 of a token seen in the
     prompt or the reply divided by it, one <= 0 multiplied), frequency (minus penalty x count) and presence (minus
-    penalty once). float32 on the host, one row at a time: the same whatever the batch. `row` is not changed."""
-    out = row.clone()
-    if params.logit_bias:
-        ids = torch.tensor([i for i, _ in params.logit_bias], dtype=torch.long)
-        out[ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
-    if params.repetition_penalty != 1.0:
-        seen = torch.zeros(out.numel(), dtype=torch.bool)
-        if params.prompt_tokens:
-            seen[torch.tensor(params.prompt_tokens, dtype=torch.long)] = True
-        if reply:
-            seen[torch.tensor(reply, dtype=torch.long)] = True
-        rp = float(params.repetition_penalty)
-        out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
-    if reply and (params.frequency_penalty or params.presence_penalty):
-        counts = torch.bincount(torch.tensor(reply, dtype=torch.long), minlength=out.numel()).to(torch.float32)
-        out -= float(params.frequency_penalty) * counts + float(params.presence_penalty) * (counts > 0).float()
+    penalty once). float32, elementwise: the same whatever the batch. `row` is not changed."""
+    return _adjust(row.reshape(1, -1), [params], [tuple(reply)])[0]
+
+
+def sample_rows(logits: torch.Tensor, positions: list[int], params: list[SamplingParams], replies=None,
+                bitmask: torch.Tensor | None = None) -> list[Sample]:
+    """Draw one token per row of logits [N, V], on the logits' device: row i at absolute position positions[i] with
+    params[i]; replies[i]: the reply's tokens before that position (penalties; see adjust_row). bitmask: int32
+    [N, ceil(V/32)] on the host (grammar masks, llguidance's packing; all-ones rows allow every token), applied on
+    the device before anything else: logprobs are then those of the masked row, as the masked row is what is
+    sampled. Only the token ids and the logprobs asked for come to the host (one transfer).
+
+    Row i's pick is sample_row(logits[i], ...)'s whatever the other rows are: nothing reduces across rows."""
+    n = len(params)
+    if n == 0:
+        return []
+    raw = logits.detach().reshape(n, -1)
+    raw = raw.float() if raw.dtype != torch.float32 else raw
+    dev = raw.device
+    if bitmask is not None:
+        from dsv41.grammar.matchers import apply_mask
+        raw = raw.clone()
+        apply_mask(raw, bitmask)
+    replies = list(replies) if replies is not None else [()] * n
+    adj = [i for i, p in enumerate(params) if p.adjusts]
+    row = raw
+    if adj:
+        row = raw.clone()
+        sel = torch.tensor(adj, dtype=torch.long, device=dev)
+        row[sel] = _adjust(raw[sel], [params[i] for i in adj], [tuple(replies[i]) for i in adj])
+    token = torch.empty(n, dtype=torch.long, device=dev)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        g = torch.tensor(greedy, dtype=torch.long, device=dev)
+        token[g] = torch.argmax(row[g], dim=1)     # the first maximal index: ties to the lower id
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if drawn:
+        d = torch.tensor(drawn, dtype=torch.long, device=dev)
+        token[d] = _draw(row[d], [positions[i] for i in drawn], [params[i] for i in drawn])
+    return _fetch(raw, token, params)
+
+
+def _draw(x: torch.Tensor, positions: list[int], params: list[SamplingParams]) -> torch.Tensor:
+    """Keyed Gumbel-max over rows [M, V] (T > 0), the steps of the module docstring; token ids [M]."""
+    dev = x.device
+    m, vocab = x.shape
+    ks = [min(clamp_top_k(p.top_k), vocab) for p in params]
+    width = max(ks)
+    ids, vals = _ordered_top(x, width)
+    temp = torch.tensor([[float(p.temperature)] for p in params], dtype=torch.float64, device=dev)
+    scaled = vals.double() / temp
+    col = torch.arange(width, device=dev)
+    keep = torch.tensor(ks, dtype=torch.long, device=dev)
+    top_p = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    for k in sorted({ks[i] for i in top_p}):        # the mass is summed in numpy's order for k terms
+        rows = [i for i in top_p if ks[i] == k]
+        sel = torch.tensor(rows, dtype=torch.long, device=dev)
+        s = scaled[sel, :k]
+        probs = _exp(s - s[:, :1]).to(dev)
+        probs = probs / _pairwise_sum(probs)[:, None]
+        cut = torch.tensor([[params[i].top_p] for i in rows], dtype=torch.float64, device=dev)
+        # searchsorted(cumsum, p): the number of prefix sums below p
+        keep[sel] = torch.minimum(keep[sel], (_cumsum(probs) < cut).sum(dim=1) + 1)
+    min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if min_p:
+        sel = torch.tensor(min_p, dtype=torch.long, device=dev)
+        s = scaled[sel]
+        floor = s[:, :1] + torch.tensor([[math.log(params[i].min_p)] for i in min_p], dtype=torch.float64,
+                                        device=dev)
+        within = (s >= floor) & (col < torch.tensor([[ks[i]] for i in min_p], device=dev))
+        keep[sel] = torch.minimum(keep[sel], within.sum(dim=1))
+    keep = keep.clamp(min=1)
+    keys = torch.from_numpy(_row_keys(params, positions)).to(dev)
+    value = scaled + _gumbel_t(keys, ids).to(dev)
+    kept = col < keep[:, None]
+    best = torch.where(kept, value, float("-inf")).max(dim=1, keepdim=True).values
+    tie = kept & (value == best)
+    return torch.where(tie, ids, vocab).min(dim=1).values
+
+
+def _fetch(raw: torch.Tensor, token: torch.Tensor, params: list[SamplingParams]) -> list[Sample]:
+    """The tokens, and the logprobs asked for (of the raw row: log_softmax in float64), in one copy to the host."""
+    dev = raw.device
+    lp = [i for i, p in enumerate(params) if p.logprobs]
+    if not lp:
+        return [Sample(t) for t in token.tolist()]
+    vocab = raw.shape[1]
+    sel = torch.tensor(lp, dtype=torch.long, device=dev)
+    logp = torch.log_softmax(raw[sel].double(), dim=-1)
+    parts = [token.double(), logp.gather(1, token[sel][:, None])[:, 0]]
+    tops = [min(params[i].top_logprobs, MAX_TOP_LOGPROBS, vocab) for i in lp]
+    width = max(tops)
+    if width > 0:
+        order = torch.sort(-logp, dim=1, stable=True).indices[:, :width]
+        parts += [order.double().reshape(-1), logp.gather(1, order).reshape(-1)]
+    host = torch.cat(parts).cpu().tolist()
+    n = len(params)
+    tokens = [int(t) for t in host[:n]]
+    chosen = host[n:n + len(lp)]
+    out = [Sample(t) for t in tokens]
+    at = n + len(lp)
+    for j, (i, k) in enumerate(zip(lp, tops)):
+        top = None
+        if params[i].top_logprobs > 0:
+            a = j * width
+            top = [(int(host[at + a + q]), host[at + len(lp) * width + a + q]) for q in range(k)]
+        out[i] = Sample(tokens[i], chosen[j], top)
     return out
 
 
 def sample_row(logits: torch.Tensor, position: int, params: SamplingParams, reply=()) -> Sample:
     """Draw the token at absolute `position` from one logits row [vocab]. Pure: same inputs, same token. `reply`:
     the reply's tokens before `position` (penalties; see adjust_row). logprobs are of the row as given."""
-    raw = logits.detach().to("cpu", torch.float32).reshape(-1)
-    row = adjust_row(raw, params, reply) if params.adjusts else raw
-    if params.greedy:
-        token = int(torch.argmax(row))          # torch returns the first maximal index: ties to the lower id
-    else:
-        k = min(clamp_top_k(params.top_k), row.numel())
-        # stable sort of the negated row: equal logits keep ascending id order
-        order = torch.sort(-row, stable=True).indices[:k]
-        ids = order.numpy().astype(np.int64)
-        scaled = row[order].double().numpy() / float(params.temperature)
-        keep = len(ids)
-        if params.top_p < 1.0:
-            probs = np.exp(scaled - scaled[0])
-            probs /= probs.sum()
-            keep = min(keep, int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1)
-        if params.min_p > 0.0:
-            keep = min(keep, int(np.count_nonzero(scaled >= scaled[0] + math.log(params.min_p))))
-        keep = max(keep, 1)
-        ids, scaled = ids[:keep], scaled[:keep]
-        token = _lowest_id_argmax(scaled + gumbel(params.seed, position, ids), ids)
-    if not params.logprobs:
-        return Sample(token)
-    logp = torch.log_softmax(raw.double(), dim=-1)
-    top = None
-    if params.top_logprobs > 0:
-        n = min(params.top_logprobs, MAX_TOP_LOGPROBS, row.numel())
-        order = torch.sort(-logp, stable=True).indices[:n]
-        top = [(int(i), float(logp[i])) for i in order]
-    return Sample(token, float(logp[token]), top)
+    return sample_rows(logits.reshape(1, -1), [position], [params], [tuple(reply)])[0]
