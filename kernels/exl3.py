@@ -324,12 +324,131 @@ def exl3_linear_prompt(x: torch.Tensor, w: Exl3Weight, w_rot: torch.Tensor | Non
     return _had_out(part, w, ids, out_dtype).reshape(*lead, w.out_features)
 
 
+# ---- the CUDA C kernel (kernels/csrc/exl3.cu) -------------------------------------------------------------------
+#
+# One launch per linear or grouped stack: input Hadamard, trellis decode on the tensor cores, split-K partials added
+# in split order by the last block of each 128-column block, output Hadamard, * svh (+ bias). The split depends on
+# the weight's shape only (never on the rows or the groups), so a row's result is the same bits alone or in any
+# batch, and a grouped launch gives each group the bits of its own matrix's launch.
+
+CUDA_BLOCK_N = 128           # output columns a block: one Hadamard block
+CUDA_TARGET_BLOCKS = 264     # blocks wanted for one matrix: two per H200 SM (132)
+CUDA_MAX_ROWS = 64           # rows a block; more rows run in further row blocks (same tiling)
+CUDA_COUNTERS = 1 << 16
+_K2_CUDA = (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16)
+_counters: dict = {}
+_cuda_ok: dict = {}
+
+
+def cuda_kernel_name(K2: int, cb: int, rows: int) -> str:
+    """The exl3.cu kernel for rate K2/2, codebook cb and a launch of `rows` rows a group: one row tile of 8 when
+    it holds the rows, else eight (the MMA chain of a row tile is the same instructions in both)."""
+    return f"exl3_k{K2}_cb{cb}_t{1 if rows <= 8 else 8}"
+
+
+def cuda_split(in_features: int, out_features: int) -> tuple[int, int]:
+    """(S, 128-row input blocks a chunk) of the CUDA kernel: a function of the shape only."""
+    hb = in_features // 128
+    want = max(1, -(-CUDA_TARGET_BLOCKS // (out_features // CUDA_BLOCK_N)))
+    hpc = -(-hb // min(hb, want))
+    return -(-hb // hpc), hpc
+
+
+def cuda_available(device: torch.device | int | None = None) -> bool:
+    """Whether the CUDA C EXL3 kernel runs here (a CUDA device of compute capability >= 8.0, the CUDA C kernels of
+    kernels/cuda.py available, exl3.cu compiled and loaded); checked once per device. Also makes the split's arrival
+    counters there (outside any graph capture)."""
+    import os
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if isinstance(device, torch.device):
+        device = device.index
+    dev = torch.cuda.current_device() if device is None else device
+    if dev not in _cuda_ok:
+        from kernels import cuda
+        ok = False
+        try:
+            if cuda.available(dev):
+                cuda.function("exl3.cu", cuda_kernel_name(5, 2, 1), dev)
+                _counter(torch.device("cuda", dev))
+                ok = True
+        except (cuda.CudaKernelError, OSError) as exc:
+            import sys
+            print(f"kernels/exl3.py: the CUDA C EXL3 kernel is not used ({exc})", file=sys.stderr)
+        _cuda_ok[dev] = ok
+    return _cuda_ok[dev]
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    buf = _counters.get(device)
+    if buf is None:
+        buf = _counters[device] = torch.zeros(CUDA_COUNTERS, dtype=torch.int32, device=device)
+    return buf
+
+
+def _aligned(t: torch.Tensor, n: int = 16) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % n == 0 else t.clone()
+
+
+def exl3_grouped_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor | None, rows: torch.Tensor | None = None,
+                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """exl3_grouped on the CUDA C kernel: y[g] = x[g] @ W[ids[g]] (+ bias) for x [G, M, in], one launch; rows
+    >= rows[g] of group g are ignored and their outputs unspecified. ids None: every group multiplies matrix 0."""
+    from kernels import cuda
+    if x.dim() != 3 or x.shape[-1] != w.in_features:
+        raise Exl3FormatError(f"x must be [G, M, {w.in_features}], got {tuple(x.shape)}")
+    if w.K2 not in _K2_CUDA:
+        raise Exl3FormatError(f"no CUDA EXL3 kernel for K = {w.K2 / 2}")
+    G, M, D = x.shape
+    N = w.out_features
+    dev = x.device
+    y = torch.empty((G, M, N), dtype=torch.float32, device=dev)
+    if G == 0 or M == 0:
+        return y.to(out_dtype)
+    x = _aligned(x.float())
+    if ids is not None:
+        ids = ids.to(device=dev, dtype=torch.int32).contiguous()
+        if ids.shape != (G,):
+            raise Exl3FormatError(f"ids must be [{G}], got {tuple(ids.shape)}")
+    elif w.experts != 1:
+        raise Exl3FormatError("a stack of matrices needs ids")
+    if rows is not None:
+        rows = rows.to(device=dev, dtype=torch.int32).contiguous()
+    S, hpc = cuda_split(D, N)
+    RB = -(-M // CUDA_MAX_ROWS)
+    cols = N // CUDA_BLOCK_N
+    if G * RB * cols > CUDA_COUNTERS:
+        raise Exl3FormatError(f"a launch of {G * RB * cols} column blocks exceeds the {CUDA_COUNTERS} counters")
+    part = torch.empty((S, G, M, N), dtype=torch.float32, device=dev) if S > 1 else y
+    words = _aligned(w.trellis).view(torch.int32)
+    fn = cuda.function("exl3.cu", cuda_kernel_name(w.K2, w.cb, M), dev.index)
+    cuda.launch(fn, (cols, S, G * RB), 128,
+                [x, words, w.trellis[0].numel() // 2, _aligned(w.suh, 8), _aligned(w.svh, 8),
+                 None if w.bias is None else _aligned(w.bias, 8), ids, rows, y, part, _counter(dev), M, N, D, hpc, S])
+    return y if out_dtype == torch.float32 else y.to(out_dtype)
+
+
+def exl3_linear_cuda(x: torch.Tensor, w: Exl3Weight, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """y = x @ W (+ bias) for one EXL3 matrix on the CUDA C kernel; any row count, row-invariant."""
+    if w.experts != 1:
+        raise Exl3FormatError("exl3_linear_cuda takes one matrix; use exl3_grouped_cuda for a stack")
+    lead = x.shape[:-1]
+    y = exl3_grouped_cuda(x.reshape(1, -1, x.shape[-1]), w, None, out_dtype=out_dtype)
+    return y.reshape(*lead, w.out_features)
+
+
 __all__ = [
     "BLOCK_K",
     "BLOCK_M",
     "BLOCK_N",
     "Exl3Weight",
+    "cuda_available",
+    "cuda_kernel_name",
+    "cuda_split",
     "exl3_grouped",
+    "exl3_grouped_cuda",
+    "exl3_linear_cuda",
     "exl3_linear_prompt",
     "exl3_linear_triton",
     "exl3_reconstruct",

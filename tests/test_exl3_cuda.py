@@ -1,0 +1,244 @@
+"""The CUDA C EXL3 kernel (kernels/csrc/exl3.cu, launched by kernels/exl3.py).
+
+On the CPU: the kernel's trellis decode (the __host__ __device__ helpers: lane layout, window extraction, codebooks,
+the tensor-core fragment each lane builds) compiled by nvcc into a small host program (EXL3_HOST_TEST) and compared
+bit for bit with the torch reference decoder for every rate and codebook (skips without nvcc).
+On a GPU (marker gpu): the product against the float32 reference and against reconstruct + matmul, rows 1..64
+bitwise the same alone as in any batch, grouped launches equal to each expert's own, V4.1 shapes.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv41.model.exl3 import CB_3INST, CB_MCG, CB_MUL1, MCG_MARKER, MUL1_MARKER, decode_trellis, exl3_linear
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "kernels" / "csrc"
+RTOL = 2e-3
+
+RATES = [(1, CB_3INST), (2, CB_3INST), (3, CB_MCG), (4, CB_3INST), (4, CB_MUL1), (5, CB_MCG), (6, CB_MUL1),
+         (7, CB_3INST), (8, CB_MCG), (8, CB_MUL1), (1.5, CB_MUL1), (2.5, CB_MUL1), (3.5, CB_MUL1), (2, CB_MUL1),
+         (3, CB_3INST), (5, CB_MUL1), (6, CB_3INST)]
+
+HARNESS = r"""
+#include <cstdio>
+#include <vector>
+#define EXL3_HOST_TEST
+#include "exl3.cu"
+
+// W~ [kt*16, nt*16] (fp16 bits) of a trellis, each tile decoded lane by lane exactly as the kernel's lanes do,
+// the fragment registers put back at their (k, n) by the m16n8k16 A-fragment layout.
+template <int K2, int CB>
+static void run(const u32* words, int kt, int nt, u16* out) {
+    typedef Rate<K2> R_;
+    const int N = nt * 16;
+    for (int i = 0; i < kt; ++i)
+        for (int j = 0; j < nt; ++j) {
+            const u32* T = words + ((long long)i * nt + j) * R_::NW;
+            for (int lane = 0; lane < 32; ++lane) {
+                const int st = R_::start(lane);
+                u32 W[R_::NWL], frag[4];
+                for (int q = 0; q < R_::NWL; ++q) W[q] = T[((st >> 5) + q) % R_::NW];
+                lane_fragment<K2, CB>(W, st & 31, frag);
+                const int g = lane >> 2, t = lane & 3;
+                const int ns[4] = {g, g + 8, g, g + 8}, ks[4] = {2 * t, 2 * t, 2 * t + 8, 2 * t + 8};
+                for (int r = 0; r < 4; ++r) {
+                    out[(long long)(i * 16 + ks[r]) * N + j * 16 + ns[r]] = frag[r] & 0xFFFF;
+                    out[(long long)(i * 16 + ks[r] + 1) * N + j * 16 + ns[r]] = frag[r] >> 16;
+                }
+            }
+        }
+}
+
+int main() {
+    int h[4];
+    if (fread(h, 4, 4, stdin) != 4) return 2;
+    const int K2 = h[0], CB = h[1], kt = h[2], nt = h[3];
+    std::vector<u32> words((size_t)kt * nt * 4 * K2);
+    if (fread(words.data(), 4, words.size(), stdin) != words.size()) return 2;
+    std::vector<u16> out((size_t)kt * nt * 256);
+#define CASE(k, c) else if (K2 == k && CB == c) run<k, c>(words.data(), kt, nt, out.data());
+#define CASES(k) CASE(k, 0) CASE(k, 1) CASE(k, 2)
+    if (0) {}
+    CASES(2) CASES(4) CASES(6) CASES(8) CASES(10) CASES(12) CASES(14) CASES(16) CASE(3, 2) CASE(5, 2) CASE(7, 2)
+    else return 3;
+    fwrite(out.data(), 2, out.size(), stdout);
+    return 0;
+}
+"""
+
+
+def _parts(n_in, n_out, K, cb, seed, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    t = {"trellis": torch.randint(-32768, 32768, (n_in // 16, n_out // 16, int(16 * K)), generator=g,
+                                  dtype=torch.int16),
+         "suh": (0.02 * torch.randn(n_in, generator=g)).half(), "svh": (0.02 * torch.randn(n_out, generator=g)).half()}
+    if cb == CB_MCG:
+        t["mcg"] = torch.tensor(MCG_MARKER, dtype=torch.int32)
+    if cb == CB_MUL1:
+        t["mul1"] = torch.tensor(MUL1_MARKER, dtype=torch.int32)
+    if bias:
+        t["bias"] = (0.1 * torch.randn(n_out, generator=g)).half()
+    return t
+
+
+# ---- CPU: the kernel's decode helpers, compiled for the host -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    nvcc = shutil.which("nvcc") or next(iter(sorted(Path("/usr/local").glob("cuda*/bin/nvcc"), reverse=True)), None)
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    d = tmp_path_factory.mktemp("exl3_host")
+    src = d / "harness.cu"
+    src.write_text(HARNESS)
+    exe = d / "harness"
+    r = subprocess.run([str(nvcc), "-O1", "-std=c++17", "-arch=sm_80", f"-I{CSRC}", "-o", str(exe), str(src)],
+                       capture_output=True, text=True, check=False, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return exe
+
+
+def _host_decode(exe, trellis: torch.Tensor, K: float, cb: int) -> torch.Tensor:
+    kt, nt, _ = trellis.shape
+    head = torch.tensor([round(2 * K), cb, kt, nt], dtype=torch.int32).numpy().tobytes()
+    r = subprocess.run([str(exe)], input=head + trellis.contiguous().numpy().tobytes(), capture_output=True,
+                       check=False, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return torch.frombuffer(bytearray(r.stdout), dtype=torch.int16).view(kt * 16, nt * 16)
+
+
+@pytest.mark.parametrize("K,cb", RATES)
+def test_kernel_decode_is_bit_exact_on_host(harness, K, cb):
+    t = _parts(128, 256, K, cb, seed=int(K * 10) + 7 * cb)
+    got = _host_decode(harness, t["trellis"], K, cb)
+    want = decode_trellis(t["trellis"], K, cb).view(torch.int16)
+    assert torch.equal(got, want), (got != want).sum().item()
+
+
+def test_kernel_source_names_every_launched_kernel():
+    """kernels/cuda.py resolves every name of KERNELS['exl3.cu'] when the module loads: each must exist in the
+    source, and the launcher only picks names from that list."""
+    from kernels import cuda
+    from kernels.exl3 import cuda_kernel_name
+    src = (CSRC / "exl3.cu").read_text()
+    names = cuda.KERNELS["exl3.cu"]
+    for K, cb in RATES:
+        for rows in (1, 2, 8, 9, 64):
+            assert cuda_kernel_name(round(2 * K), cb, rows) in names
+    for n in names:
+        k2, c, t = (int(p[1:] if p[0] == "k" else p[2:] if p[0] == "c" else p[1:]) for p in n.split("_")[1:])
+        assert f"EXL3_ROWS({k2}, {c})" in src or f"EXL3_CODEBOOKS({k2})" in src, n
+        assert t in (1, 8)
+
+
+# ---- GPU -------------------------------------------------------------------------------------------------------
+
+def _cuda_or_skip():
+    from kernels.exl3 import cuda_available
+    if not cuda_available():
+        pytest.skip("the CUDA C EXL3 kernel does not run here")
+
+
+def _close(y, ref):
+    err = (y.float().cpu() - ref).abs().max().item()
+    assert err <= RTOL * ref.abs().max().item(), (err, ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,cb", RATES)
+def test_product_matches_reference(K, cb):
+    _cuda_or_skip()
+    from kernels.exl3 import Exl3Weight, exl3_linear_cuda, exl3_reconstruct
+    t = _parts(512, 256, K, cb, seed=int(K * 10) + cb, bias=True)
+    w = Exl3Weight.from_tensors(t, "cuda")
+    w_rot = decode_trellis(t["trellis"], K, cb)
+    x = torch.randn(5, 512)
+    ref = exl3_linear(x, t, w_rot=w_rot)
+    y = exl3_linear_cuda(x.cuda(), w)
+    _close(y, ref)
+    # against reconstruct (the Triton decode, bit-exact) + a float32 matmul of the same fp16 rotated activations
+    from dsv41.model.exl3 import hadamard_128_rows
+    xh = (hadamard_128_rows(x * t["suh"].float())).half().float()
+    yr = hadamard_128_rows(xh @ exl3_reconstruct(w).float().cpu()) * t["svh"].float() + t["bias"].float()
+    _close(y, yr)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,cb,n_in,n_out", [(2.5, CB_MUL1, 5120, 2304), (4, CB_3INST, 1280, 1024),
+                                             (4, CB_MUL1, 512, 128)])
+def test_rows_do_not_depend_on_the_batch(K, cb, n_in, n_out):
+    """Rows 1..64 (and 65..70, two row blocks): each row's output is bitwise the same alone as in any batch."""
+    _cuda_or_skip()
+    from kernels.exl3 import Exl3Weight, exl3_linear_cuda
+    w = Exl3Weight.from_tensors(_parts(n_in, n_out, K, cb, seed=5), "cuda")
+    x = torch.randn(70, n_in, device="cuda")
+    full = exl3_linear_cuda(x, w)
+    solo = torch.cat([exl3_linear_cuda(x[i:i + 1], w) for i in range(70)])
+    assert torch.equal(full, solo)
+    for n in (2, 7, 8, 9, 16, 31, 33, 64):
+        assert torch.equal(exl3_linear_cuda(x[:n], w), full[:n]), n
+        assert torch.equal(exl3_linear_cuda(x[70 - n:], w), full[70 - n:]), n
+
+
+@pytest.mark.gpu
+def test_grouped_equals_each_expert():
+    _cuda_or_skip()
+    from kernels.exl3 import Exl3Weight, exl3_grouped_cuda, exl3_linear_cuda
+    experts = [_parts(5120, 2304, 2.5, CB_MUL1, seed=100 + e) for e in range(6)]
+    w = Exl3Weight.from_tensors(experts, "cuda")
+    ids = torch.tensor([5, 1, 4, 0, 5, 2], dtype=torch.int32, device="cuda")
+    rows = torch.tensor([3, 1, 9, 2, 1, 0], dtype=torch.int32, device="cuda")
+    x = torch.randn(6, 9, 5120, device="cuda")
+    y = exl3_grouped_cuda(x, w, ids, rows)
+    for g in range(6):
+        n = int(rows[g])
+        if n == 0:
+            continue
+        one = Exl3Weight(trellis=w.trellis[int(ids[g])].unsqueeze(0), suh=w.suh[int(ids[g])].unsqueeze(0),
+                         svh=w.svh[int(ids[g])].unsqueeze(0), bias=None, K2=w.K2, cb=w.cb, in_features=5120,
+                         out_features=2304)
+        assert torch.equal(y[g, :n], exl3_linear_cuda(x[g, :n], one)), g
+        _close(y[g, :n], exl3_linear(x[g, :n].cpu(), experts[int(ids[g])]))
+
+
+@pytest.mark.gpu
+def test_graph_replay_and_counters():
+    """The split's arrival counters reset themselves: repeated launches and CUDA-graph replays give the same bits."""
+    _cuda_or_skip()
+    from kernels.exl3 import Exl3Weight, exl3_linear_cuda
+    w = Exl3Weight.from_tensors(_parts(5120, 1280, 4, CB_3INST, seed=9), "cuda")
+    x = torch.randn(3, 5120, device="cuda")
+    y0 = exl3_linear_cuda(x, w)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        exl3_linear_cuda(x, w)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = exl3_linear_cuda(x, w)
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(yg, y0)
+    assert torch.equal(exl3_linear_cuda(x, w), y0)
+
+
+@pytest.mark.gpu
+def test_v41_shapes_match_reference():
+    _cuda_or_skip()
+    from kernels.exl3 import Exl3Weight, exl3_linear_cuda
+    for n_in, n_out, K, cb in [(2304, 5120, 2.5, CB_MUL1), (1280, 32768, 4, CB_3INST), (4096, 1024, 5, CB_MCG),
+                               (512, 128, 8, CB_3INST), (5120, 1024, 6, CB_MUL1)]:
+        t = _parts(n_in, n_out, K, cb, seed=n_in + n_out)
+        w = Exl3Weight.from_tensors(t, "cuda")
+        w_rot = decode_trellis(t["trellis"], K, cb)
+        for rows in (1, 8, 64):
+            x = torch.randn(rows, n_in)
+            _close(exl3_linear_cuda(x.cuda(), w), exl3_linear(x, t, w_rot=w_rot))
