@@ -1,14 +1,15 @@
-"""EXL3 Triton kernels on the GPU: one V4.1 layer's decode round, and the prompt-pass GEMM rate.
+"""EXL3 kernels on the GPU: the CUDA C kernel (kernels/csrc/exl3.cu) beside the Triton one, and exllamav3's own.
 
 Decode round (batch B rows): every EXL3 linear of a backbone layer at the reference pack's rates (attention,
 shared expert at 4 bpw, top-6 routed experts at 2.5 bpw mul1, grouped launches for the 8 wo_a slices and for the
-routed experts), timed as one CUDA graph. Compared with the bytes it must read (K/8 bytes a weight + the fp16 sign
-scales) at the copy bandwidth measured in the same run.
-Prompt pass: M rows through a routed-expert matrix (5120 -> 2304 @ 2.5): the fused kernel and the
+routed experts), timed as one CUDA graph, once on each kernel. Compared with the bytes it must read (K/8 bytes a
+weight + the fp16 sign scales) at the copy bandwidth measured in the same run.
+Single linears at rows 1, 8, 32 and the routed experts' grouped launches alone at 1 and 8 rows, same comparison.
+Prompt pass: M rows through a routed-expert matrix (5120 -> 2304 @ 2.5): the fused kernels and the
 reconstruct-then-cuBLAS path, in TFLOP/s against the fp16 GEMM rate measured in the same run.
-If exllamav3 is importable (its extension built), its own forward on the same shapes is timed as a baseline.
+With --exllamav3 (its extension built), exllamav3's own forward on the same shapes and codes is timed as a baseline.
 
-  python3 bench/exl3_bench.py [--out bench/results/exl3.md]
+  python3 bench/exl3_bench.py [--out bench/results/exl3.md] [--exllamav3] [--quick]
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dsv41.model.exl3 import CB_3INST, CB_MUL1, MUL1_MARKER  # noqa: E402
-from kernels.exl3 import (Exl3Weight, exl3_grouped, exl3_linear_prompt, exl3_linear_triton,  # noqa: E402
-                          exl3_reconstruct)
+from kernels.exl3 import (Exl3Weight, cuda_available, exl3_grouped, exl3_grouped_cuda,  # noqa: E402
+                          exl3_linear_cuda, exl3_linear_prompt, exl3_linear_triton, exl3_reconstruct)
 
 DEVICE = "cuda"   # a smoke test on CPU (TRITON_INTERPRET=1) swaps this and the shapes
 D, Q_RANK, HEADS_X_DIM, KV, O_GROUPS, O_RANK, INTER, TOPK, N_EXPERTS = 5120, 1280, 32768, 512, 8, 1024, 2304, 6, 384
@@ -63,8 +64,12 @@ def ceilings():
             "fp16_TFLOPs": 2 * m ** 3 / t_mm / 1e12}
 
 
+IMPLS = {"triton": (exl3_linear_triton, exl3_grouped), "cuda": (exl3_linear_cuda, exl3_grouped_cuda)}
+
+
 def decode_layer(B: int, g: torch.Generator):
-    """The linears of one backbone layer for a decode round of B rows; returns (fn, bytes read)."""
+    """The linears of one backbone layer for a decode round of B rows; returns ({impl: fn}, bytes read, experts,
+    {impl: the routed experts' two grouped launches alone}, their bytes)."""
     w = {
         "wq_a": Exl3Weight.from_tensors(parts(D, Q_RANK, 4, CB_3INST, g), DEVICE),
         "wq_b": Exl3Weight.from_tensors(parts(Q_RANK, HEADS_X_DIM, 4, CB_3INST, g), DEVICE),
@@ -93,26 +98,35 @@ def decode_layer(B: int, g: torch.Generator):
     hsh = torch.randn(B, INTER, device=dev)
     q = torch.randn(B, Q_RANK, device=dev)
 
-    def run():
-        exl3_linear_triton(x, w["wq_a"])
-        exl3_linear_triton(q, w["wq_b"])
-        exl3_linear_triton(x, w["wkv"])
-        oa = exl3_grouped(o, w["wo_a"], ids_o)                       # [8, B, 1024]
-        exl3_linear_triton(oa.permute(1, 0, 2).reshape(B, -1), w["wo_b"])
-        exl3_grouped(xs, w["sh_w13"], ids_sh)
-        exl3_linear_triton(hsh, w["sh_w2"])
-        exl3_grouped(xe13, w["ex_w13"], ids_13)
-        exl3_grouped(xe2, w["ex_w2"], ids_2)
+    def make(impl):
+        linear, grouped = IMPLS[impl]
+
+        def run():
+            linear(x, w["wq_a"])
+            linear(q, w["wq_b"])
+            linear(x, w["wkv"])
+            oa = grouped(o, w["wo_a"], ids_o)                            # [8, B, 1024]
+            linear(oa.permute(1, 0, 2).reshape(B, -1), w["wo_b"])
+            grouped(xs, w["sh_w13"], ids_sh)
+            linear(hsh, w["sh_w2"])
+            grouped(xe13, w["ex_w13"], ids_13)
+            grouped(xe2, w["ex_w2"], ids_2)
+
+        def routed():
+            grouped(xe13, w["ex_w13"], ids_13)
+            grouped(xe2, w["ex_w2"], ids_2)
+        return run, routed
 
     total = sum(nbytes(v) for v in w.values())
-    return run, total, n_used
+    runs = {impl: make(impl) for impl in IMPLS if impl == "triton" or HAS_CUDA}
+    return ({k: v[0] for k, v in runs.items()}, total, n_used, {k: v[1] for k, v in runs.items()},
+            nbytes(w["ex_w13"]) + nbytes(w["ex_w2"]))
 
 
-def exllamav3_time(n_in, n_out, K, cb, g, x1) -> float | None:
-    """exllamav3 1.6.5's own forward on the same shape (its extension must be built), as a baseline."""
+def exllamav3_time(n_in, n_out, K, cb, tp, x1) -> float | None:
+    """exllamav3 1.6.5's own forward on the same shape and codes (its extension must be built), as a baseline."""
     try:
         from exllamav3.modules.quant.exl3 import LinearEXL3
-        tp = parts(n_in, n_out, K, cb, g)
         kw = {"mul1": tp["mul1"].to(DEVICE)} if cb == CB_MUL1 else {}
         lin = LinearEXL3(None, n_in, n_out, suh=tp["suh"].to(DEVICE), svh=tp["svh"].to(DEVICE),
                          trellis=tp["trellis"].to(DEVICE), **kw)
@@ -133,68 +147,103 @@ def time_graph(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e-3
 
 
+HAS_CUDA = False   # set in main: the CUDA C kernel runs here
+
+
+def fmt(t: float | None) -> str:
+    return "n/a" if t is None else f"{t * 1e6:.1f}"
+
+
+def pct(ideal: float, t: float | None) -> str:
+    return "n/a" if t is None else f"{ideal / t * 100:.1f}"
+
+
+LINEARS = [("expert w1 5120->2304 @2.5 mul1", D, INTER, 2.5, CB_MUL1),
+           ("expert w2 2304->5120 @2.5 mul1", INTER, D, 2.5, CB_MUL1),
+           ("wq_a 5120->1280 @4 3inst", D, Q_RANK, 4, CB_3INST),
+           ("wq_b 1280->32768 @4 3inst", Q_RANK, HEADS_X_DIM, 4, CB_3INST),
+           ("wo_b 8192->5120 @4 mul1", O_GROUPS * O_RANK, D, 4, CB_MUL1),
+           ("wkv 5120->512 @4 mul1", D, KV, 4, CB_MUL1),
+           ("indexer wk 5120->128 @8 mul1", D, 128, 8, CB_MUL1),
+           ("head shard 5120->64640 @6 mul1", D, 64640, 6, CB_MUL1)]
+
+
 def main() -> int:
+    global HAS_CUDA
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "exl3.md"))
     ap.add_argument("--prompt-rows", type=int, default=4096)
     ap.add_argument("--exllamav3", action="store_true", help="also time exllamav3's forward (extension built)")
+    ap.add_argument("--quick", action="store_true", help="rows 1 and 8 only, no prompt pass (a short device run)")
     args = ap.parse_args()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
+    HAS_CUDA = cuda_available()
+    print(f"CUDA C EXL3 kernel: {'yes' if HAS_CUDA else 'NOT available'}", flush=True)
     ceil = ceilings()
+    bw = ceil["copy_TBps"] * 1e12
     print(f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s, read {ceil['read_TBps']:.2f} TB/s, "
           f"fp16 GEMM {ceil['fp16_TFLOPs']:.0f} TFLOP/s", flush=True)
 
-    rows_dec = []
+    rows_dec, rows_routed = [], []
     for B in (1, 8):
-        run, nb, n_used = decode_layer(B, g)
-        t = time_graph(run)
-        ideal = nb / (ceil["copy_TBps"] * 1e12)
-        rows_dec.append((B, n_used, nb, t, ideal))
-        print(f"decode round B={B}: {t * 1e6:.1f} us/layer, {nb / 1e6:.1f} MB read, ideal {ideal * 1e6:.1f} us "
-              f"at copy bandwidth ({ideal / t * 100:.1f}%)", flush=True)
-        del run
+        runs, nb, n_used, routed, nb_r = decode_layer(B, g)
+        t = {k: time_graph(fn) for k, fn in runs.items()}
+        tr = {k: time_graph(fn) for k, fn in routed.items()}
+        rows_dec.append((B, n_used, nb, t.get("triton"), t.get("cuda"), nb / bw))
+        rows_routed.append((B, n_used, nb_r, tr.get("triton"), tr.get("cuda"), nb_r / bw))
+        print(f"decode round B={B}: " + ", ".join(f"{k} {v * 1e6:.1f} us ({nb / bw / v * 100:.1f}%)"
+                                                   for k, v in t.items())
+              + f"; {nb / 1e6:.1f} MB read, ideal {nb / bw * 1e6:.1f} us; routed experts alone: "
+              + ", ".join(f"{k} {v * 1e6:.1f} us ({nb_r / bw / v * 100:.1f}%)" for k, v in tr.items()), flush=True)
+        del runs, routed
         torch.cuda.empty_cache()
 
-    # single linears at decode (B = 1): where the time goes
+    # single linears: where the time goes
     rows_lin = []
-    for name, n_in, n_out, K, cb in [("expert w1 5120->2304 @2.5 mul1", D, INTER, 2.5, CB_MUL1),
-                                     ("expert w2 2304->5120 @2.5 mul1", INTER, D, 2.5, CB_MUL1),
-                                     ("wq_a 5120->1280 @4 3inst", D, Q_RANK, 4, CB_3INST),
-                                     ("wq_b 1280->32768 @4 3inst", Q_RANK, HEADS_X_DIM, 4, CB_3INST)]:
-        wt = Exl3Weight.from_tensors(parts(n_in, n_out, K, cb, g), DEVICE)
-        x1 = torch.randn(1, n_in, device=DEVICE)
-        t = time_graph(lambda: exl3_linear_triton(x1, wt))
+    for name, n_in, n_out, K, cb in LINEARS:
+        tp = parts(n_in, n_out, K, cb, g)
+        wt = Exl3Weight.from_tensors(tp, DEVICE)
         nb = nbytes(wt)
-        base = None
-        if args.exllamav3:
-            base = exllamav3_time(n_in, n_out, K, cb, g, x1)
-        rows_lin.append((name, nb, t, nb / (ceil["copy_TBps"] * 1e12), base))
-        print(f"  {name}: {t * 1e6:.1f} us, ideal {nb / (ceil['copy_TBps'] * 1e12) * 1e6:.2f} us"
-              + (f", exllamav3 {base * 1e6:.1f} us" if base else ""), flush=True)
+        for rows in ((1, 8) if args.quick else (1, 8, 32)):
+            x1 = torch.randn(rows, n_in, device=DEVICE)
+            t_tr = time_graph(lambda: exl3_linear_triton(x1, wt))
+            t_cu = time_graph(lambda: exl3_linear_cuda(x1, wt)) if HAS_CUDA else None
+            base = exllamav3_time(n_in, n_out, K, cb, tp, x1) if args.exllamav3 else None
+            rows_lin.append((name, rows, nb, t_tr, t_cu, nb / bw, base))
+            print(f"  {name} rows {rows}: triton {fmt(t_tr)} us, cuda {fmt(t_cu)} us, exllamav3 {fmt(base)} us, "
+                  f"ideal {nb / bw * 1e6:.2f} us (cuda {pct(nb / bw, t_cu)}%)", flush=True)
+        del wt
+        torch.cuda.empty_cache()
 
     # prompt pass
     M = args.prompt_rows
     wt = Exl3Weight.from_tensors(parts(D, INTER, 2.5, CB_MUL1, g), DEVICE)
     xp = torch.randn(M, D, device=DEVICE)
     flops = 2 * M * D * INTER
-    t_fused = time_graph(lambda: exl3_linear_triton(xp, wt))
-    t_rec = time_graph(lambda: exl3_reconstruct(wt))
-    t_prompt = time_graph(lambda: exl3_linear_prompt(xp, wt))
-    w_rot = exl3_reconstruct(wt)
-    t_gemm = time_graph(lambda: exl3_linear_prompt(xp, wt, w_rot=w_rot))
-    rows_p = [("fused (decode in the GEMM loop, row-invariant)", t_fused),
-              ("reconstruct W~ + cuBLAS fp16 GEMM", t_prompt),
-              ("cuBLAS GEMM + Hadamards only (W~ already decoded)", t_gemm)]
+    rows_p = []
+    t_rec = None
+    if not args.quick:
+        t_fused = time_graph(lambda: exl3_linear_triton(xp, wt))
+        t_rec = time_graph(lambda: exl3_reconstruct(wt))
+        t_prompt = time_graph(lambda: exl3_linear_prompt(xp, wt))
+        w_rot = exl3_reconstruct(wt)
+        t_gemm = time_graph(lambda: exl3_linear_prompt(xp, wt, w_rot=w_rot))
+        rows_p = [("Triton fused (decode in the GEMM loop, row-invariant)", t_fused)]
+        if HAS_CUDA:
+            rows_p.append(("CUDA C kernel (64-row blocks, row-invariant)", time_graph(lambda: exl3_linear_cuda(xp, wt))))
+        rows_p += [("reconstruct W~ + cuBLAS fp16 GEMM", t_prompt),
+                   ("cuBLAS GEMM + Hadamards only (W~ already decoded)", t_gemm)]
     for name, t in rows_p:
         print(f"prompt M={M}: {name}: {t * 1e3:.3f} ms, {flops / t / 1e12:.1f} TFLOP/s "
               f"({flops / t / 1e12 / ceil['fp16_TFLOPs'] * 100:.1f}% of fp16 GEMM)", flush=True)
-    print(f"reconstruct alone: {t_rec * 1e6:.1f} us", flush=True)
+    if t_rec is not None:
+        print(f"reconstruct alone: {t_rec * 1e6:.1f} us", flush=True)
 
     cmd = "python3 " + " ".join(sys.argv)
     lines = [
-        "# EXL3 Triton kernels on the GPU", "",
-        f"- command: `{cmd}` (on the device machine, after the fixture run)",
+        "# EXL3 kernels on the GPU: CUDA C (kernels/csrc/exl3.cu), Triton, exllamav3", "",
+        f"- command: `{cmd}`",
         f"- machine: {torch.cuda.get_device_name()} ({socket.gethostname()}), torch {torch.__version__}, "
         f"triton {triton.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- ceilings measured in the same run: device copy {ceil['copy_TBps']:.2f} TB/s (read+write bytes), "
@@ -204,24 +253,31 @@ def main() -> int:
         "Attention (wq_a, wq_b, wkv, 8 wo_a slices grouped, wo_b) and the shared expert at 4 bpw 3INST, "
         "top-6 routed experts at 2.5 bpw mul1 in two grouped launches (w1+w3, w2), each row its own 6 experts. "
         "Compressor/indexer (4 resp. 8 of 40 layers) not included.", "",
-        "| rows B | distinct experts | bytes read (MB) | time/layer (us) | ideal at copy BW (us) | % of ideal |",
-        "|---|---|---|---|---|---|",
+        "| rows B | distinct experts | bytes read (MB) | ideal at copy BW (us) | Triton (us) | % | CUDA C (us) | % |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for B, n_used, nb, t, ideal in rows_dec:
-        lines.append(f"| {B} | {n_used} | {nb / 1e6:.1f} | {t * 1e6:.1f} | {ideal * 1e6:.1f} | "
-                     f"{ideal / t * 100:.1f} |")
-    lines += ["", "## Single linears, B = 1", "",
-              "| linear | bytes (MB) | Triton (us) | ideal (us) | % of ideal | exllamav3 1.6.5 (us) |",
-              "|---|---|---|---|---|---|"]
-    for name, nb, t, ideal, base in rows_lin:
-        lines.append(f"| {name} | {nb / 1e6:.2f} | {t * 1e6:.1f} | {ideal * 1e6:.2f} | {ideal / t * 100:.1f} | "
-                     f"{f'{base * 1e6:.1f}' if base else 'n/a'} |")
-    lines += ["", f"## Prompt pass, M = {M} rows, routed expert 5120 -> 2304 @ 2.5 bpw mul1", "",
-              "| path | time (ms) | TFLOP/s | % of fp16 GEMM |", "|---|---|---|---|"]
-    for name, t in rows_p:
-        lines.append(f"| {name} | {t * 1e3:.3f} | {flops / t / 1e12:.1f} | "
-                     f"{flops / t / 1e12 / ceil['fp16_TFLOPs'] * 100:.1f} |")
-    lines += ["", f"Reconstruct (trellis -> W~ fp16 in memory) alone: {t_rec * 1e6:.1f} us.", ""]
+    for B, n_used, nb, t_tr, t_cu, ideal in rows_dec:
+        lines.append(f"| {B} | {n_used} | {nb / 1e6:.1f} | {ideal * 1e6:.1f} | {fmt(t_tr)} | {pct(ideal, t_tr)} | "
+                     f"{fmt(t_cu)} | {pct(ideal, t_cu)} |")
+    lines += ["", "## The routed experts' grouped launches alone (w1+w3, then w2)", "",
+              "| rows B | distinct experts | bytes read (MB) | ideal (us) | Triton (us) | % | CUDA C (us) | % |",
+              "|---|---|---|---|---|---|---|---|"]
+    for B, n_used, nb, t_tr, t_cu, ideal in rows_routed:
+        lines.append(f"| {B} | {n_used} | {nb / 1e6:.1f} | {ideal * 1e6:.2f} | {fmt(t_tr)} | {pct(ideal, t_tr)} | "
+                     f"{fmt(t_cu)} | {pct(ideal, t_cu)} |")
+    lines += ["", "## Single linears (random codes; exllamav3 on the same codes)", "",
+              "| linear | rows | bytes (MB) | ideal (us) | Triton (us) | % | CUDA C (us) | % | exllamav3 (us) | % |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, rows, nb, t_tr, t_cu, ideal, base in rows_lin:
+        lines.append(f"| {name} | {rows} | {nb / 1e6:.2f} | {ideal * 1e6:.2f} | {fmt(t_tr)} | {pct(ideal, t_tr)} | "
+                     f"{fmt(t_cu)} | {pct(ideal, t_cu)} | {fmt(base)} | {pct(ideal, base)} |")
+    if rows_p:
+        lines += ["", f"## Prompt pass, M = {M} rows, routed expert 5120 -> 2304 @ 2.5 bpw mul1", "",
+                  "| path | time (ms) | TFLOP/s | % of fp16 GEMM |", "|---|---|---|---|"]
+        for name, t in rows_p:
+            lines.append(f"| {name} | {t * 1e3:.3f} | {flops / t / 1e12:.1f} | "
+                         f"{flops / t / 1e12 / ceil['fp16_TFLOPs'] * 100:.1f} |")
+        lines += ["", f"Reconstruct (trellis -> W~ fp16 in memory) alone: {t_rec * 1e6:.1f} us.", ""]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))

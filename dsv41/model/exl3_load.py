@@ -380,12 +380,15 @@ class Exl3ExpertStack:
 
 
 def exl3_routed(stack: Exl3ExpertStack, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                limit: float) -> torch.Tensor:
-    """Σ over slots (slot order) of the routed experts' outputs through the grouped kernel. Each row's result is the
-    same bits as the per-expert path through the fused kernel (same kernels, tile sizes fixed by the shape; slots
-    summed in slot order); rows of experts not in the stack (another rank's) get nothing."""
+                limit: float, grouped=None) -> torch.Tensor:
+    """Σ over slots (slot order) of the routed experts' outputs through the grouped kernel `grouped` (the op set's:
+    kernels.exl3.exl3_grouped_cuda or exl3_grouped, the Triton one when None). Each row's result is the same bits as
+    the per-expert path through the same fused kernel (tile sizes and split fixed by the shape; slots summed in slot
+    order); rows of experts not in the stack (another rank's) get nothing."""
     from dsv41.model.linear import silu
-    from kernels.exl3 import exl3_grouped
+    if grouped is None:
+        from kernels.exl3 import exl3_grouped as grouped
+    exl3_grouped = grouped
     n, top_k = ids.shape
     H = x.shape[1]
     local = stack.local[ids].reshape(-1)                         # [n*k] (row, slot) pairs -> stack index

@@ -58,7 +58,10 @@ class Ops:
     #                                -> [B*n, tpad], no visibility mask
     gather_round: Callable         # (srcs: B x [*, D], idx [B*n, K] (-1: a zero-weight row), n) -> [B*n, K, D]
     fp4_routed: Callable | None = None    # (ExpertStack, x, weights, ids, limit, shard) -> [n, H]; None: per expert
-    exl3_routed: Callable | None = None   # (Exl3ExpertStack, x, weights, ids, limit) -> [n, H]; None: per expert
+    exl3_routed: Callable | None = None   # (Exl3ExpertStack, x, weights, ids, limit, grouped) -> [n, H]; None: per
+    #                                       expert
+    exl3_grouped: Callable | None = None  # (x [G, M, in], Exl3Weight stack, ids [G], rows [G]) -> [G, M, out]: the
+    #                                       grouped EXL3 kernel exl3_routed runs (CUDA C or Triton)
     stacks_experts: bool = False   # Model.load stacks each layer's kept experts (the grouped kernels' layout)
     graphs: bool = True            # a round's row-only pieces may become CUDA graphs (no host sync inside them)
     kernels: tuple[str, ...] = ()  # the kernels/ functions this op set runs (reports; empty: torch only)
@@ -89,7 +92,7 @@ class Ops:
             f = self.fp4_routed
             return None if f is None else f(stack, x, weights, ids, limit, shard)
         f = self.exl3_routed
-        return None if f is None or shard is not None else f(stack, x, weights, ids, limit)
+        return None if f is None or shard is not None else f(stack, x, weights, ids, limit, self.exl3_grouped)
 
     def tiled(self, fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
         """linear.tiled in this op set's row tile."""
@@ -97,22 +100,36 @@ class Ops:
 
     def with_exl3(self) -> Ops:
         """This op set for a model with EXL3 codes: the fused EXL3 kernels (kernels/exl3.py) for its packed linears
-        and stacked experts when this op set runs kernels and they import; else the same op set (the reference
-        decode runs). One value per op set (built on first use)."""
-        return _with_exl3(self)
+        and stacked experts when this op set runs kernels and they import -- the CUDA C kernel (csrc/exl3.cu) where
+        it runs on the current device, else the Triton one; else the same op set (the reference decode runs). One
+        value per op set and device (built on first use)."""
+        cuda = self.kernels and torch.cuda.is_available() and _exl3_cuda_runs(torch.cuda.current_device())
+        return _with_exl3(self, bool(cuda))
 
 
 @functools.cache
-def _with_exl3(ops: Ops) -> Ops:
+def _exl3_cuda_runs(device: int) -> bool:
+    try:
+        from kernels.exl3 import cuda_available
+    except Exception:  # noqa: BLE001 - Triton absent
+        return False
+    return cuda_available(device)
+
+
+@functools.cache
+def _with_exl3(ops: Ops, cuda: bool) -> Ops:
     if not ops.kernels or "exl3_linear" in ops.kernels:
         return ops
     try:
-        from kernels.exl3 import exl3_linear_triton
+        from kernels.exl3 import exl3_grouped, exl3_grouped_cuda, exl3_linear_cuda, exl3_linear_triton
     except Exception:  # noqa: BLE001 - Triton absent: the float32 reference decode runs
         return ops
     from dsv41.model.exl3_load import exl3_routed
-    return dataclasses.replace(ops, name=ops.name + "+exl3", exl3_linear=_exl3_kernel_linear(exl3_linear_triton),
-                               exl3_routed=exl3_routed, kernels=ops.kernels + ("exl3_linear", "exl3_grouped"))
+    # the CUDA C kernel: one launch per linear or expert stack (both Hadamards, decode, split-K sum inside)
+    linear, grouped = (exl3_linear_cuda, exl3_grouped_cuda) if cuda else (exl3_linear_triton, exl3_grouped)
+    return dataclasses.replace(ops, name=ops.name + "+exl3", exl3_linear=_exl3_kernel_linear(linear),
+                               exl3_routed=exl3_routed, exl3_grouped=grouped,
+                               kernels=ops.kernels + ("exl3_linear", "exl3_grouped") + (("exl3_cuda",) if cuda else ()))
 
 
 def ops_for(device: torch.device | str, kernels: bool = True) -> Ops:
@@ -259,7 +276,7 @@ def _exl3_reference_linear(rows: int) -> Callable:
 
 
 def _exl3_kernel_linear(k: Callable) -> Callable:
-    """The fused EXL3 kernel (W never formed), block by block."""
+    """The fused EXL3 kernel (W never formed; CUDA C or Triton), block by block."""
     def exl3_linear(x: torch.Tensor, w) -> torch.Tensor:
         outs = [k(x.contiguous(), w.kernel_weight(i)).float() for i in range(len(w.blocks))]
         return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]

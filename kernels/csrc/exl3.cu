@@ -210,6 +210,26 @@ DEVI float ld_cg(const float* p) {
     return r;
 }
 
+// fp32 multiply and add with explicit rounding: never contracted into an fma, so the Hadamards and the scales are
+// the same operations in every instantiation (and the reference's order: butterflies, * scale, * svh, + bias)
+DEVI float fmul(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+DEVI float fadd(float a, float b) {
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+DEVI float fsub(float a, float b) {
+    float r;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
 DEVI float h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -229,18 +249,18 @@ constexpr int KT_STAGE = 4;                                         // k-tiles (
 // In-place 128-point Walsh-Hadamard (Sylvester order) of a warp's row: lane l holds columns 4l..4l+3 in v.
 // Butterflies (a, b) -> (a + b, a - b) over index bits 0..6 in order: the same fp32 operations for every row.
 DEVI void wht128(float* v, int lane) {
-    float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
-    v[0] = a0 + a2;
-    v[1] = a1 + a3;
-    v[2] = a0 - a2;
-    v[3] = a1 - a3;
+    float a0 = fadd(v[0], v[1]), a1 = fsub(v[0], v[1]), a2 = fadd(v[2], v[3]), a3 = fsub(v[2], v[3]);
+    v[0] = fadd(a0, a2);
+    v[1] = fadd(a1, a3);
+    v[2] = fsub(a0, a2);
+    v[3] = fsub(a1, a3);
 #pragma unroll
     for (int b = 0; b < 5; ++b) {
         const bool upper = (lane >> b) & 1;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             float o = __shfl_xor_sync(0xffffffffu, v[i], 1 << b);
-            v[i] = upper ? o - v[i] : v[i] + o;
+            v[i] = upper ? fsub(o, v[i]) : fadd(v[i], o);
         }
     }
 }
@@ -343,13 +363,14 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
             const uint2 sv = *reinterpret_cast<const uint2*>(su + h * 128 + lane * 4);
             const float s0 = h2f(sv.x & 0xFFFF), s1 = h2f(sv.x >> 16), s2 = h2f(sv.y & 0xFFFF), s3 = h2f(sv.y >> 16);
             for (int r = warp; r < 8 * live; r += 4) {
-                uint2 out = make_uint2(0u, 0u);
+                uint2 out;
+                out.x = out.y = 0u;
                 if (r < R) {
                     const float4 xv = *reinterpret_cast<const float4*>(xg + (long long)r * D + h * 128 + lane * 4);
-                    float v[4] = {xv.x * s0, xv.y * s1, xv.z * s2, xv.w * s3};
+                    float v[4] = {fmul(xv.x, s0), fmul(xv.y, s1), fmul(xv.z, s2), fmul(xv.w, s3)};
                     wht128(v, lane);
-                    out = make_uint2(pack_f16(v[0] * HAD_SCALE, v[1] * HAD_SCALE),
-                                     pack_f16(v[2] * HAD_SCALE, v[3] * HAD_SCALE));
+                    out.x = pack_f16(fmul(v[0], HAD_SCALE), fmul(v[1], HAD_SCALE));
+                    out.y = pack_f16(fmul(v[2], HAD_SCALE), fmul(v[3], HAD_SCALE));
                 }
                 *reinterpret_cast<uint2*>(xs + r * XS::LD + lane * 4) = out;
             }
@@ -420,7 +441,7 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
             const int m = idx / BN, n = idx % BN;
             const float* q = part + (long long)grp * mn + (long long)(m0 + m) * N + col0 + n;
             float sum = 0.f;
-            for (int c = 0; c < S; ++c) sum = sum + ld_cg(q + c * sstride);
+            for (int c = 0; c < S; ++c) sum = fadd(sum, ld_cg(q + c * sstride));
             yrows[m * XS::YLD + n] = sum;
         }
     } else {
@@ -452,15 +473,15 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
         float v[4] = {u.x, u.y, u.z, u.w};
         wht128(v, lane);
         float4 o;
-        o.x = v[0] * HAD_SCALE * v0;
-        o.y = v[1] * HAD_SCALE * v1;
-        o.z = v[2] * HAD_SCALE * v2;
-        o.w = v[3] * HAD_SCALE * v3;
+        o.x = fmul(fmul(v[0], HAD_SCALE), v0);
+        o.y = fmul(fmul(v[1], HAD_SCALE), v1);
+        o.z = fmul(fmul(v[2], HAD_SCALE), v2);
+        o.w = fmul(fmul(v[3], HAD_SCALE), v3);
         if (bias) {
-            o.x += b0;
-            o.y += b1;
-            o.z += b2;
-            o.w += b3;
+            o.x = fadd(o.x, b0);
+            o.y = fadd(o.y, b1);
+            o.z = fadd(o.z, b2);
+            o.w = fadd(o.w, b3);
         }
         *reinterpret_cast<float4*>(y + (long long)grp * mn + (long long)(m0 + m) * N + col0 + lane * 4) = o;
     }
