@@ -174,7 +174,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "exl3.md"))
     ap.add_argument("--prompt-rows", type=int, default=4096)
     ap.add_argument("--exllamav3", action="store_true", help="also time exllamav3's forward (extension built)")
-    ap.add_argument("--quick", action="store_true", help="rows 1 and 8 only, no prompt pass (a short device run)")
+    ap.add_argument("--quick", action="store_true", help="4 linears at rows 1 and 8, no prompt pass (a short device run)")
     args = ap.parse_args()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
@@ -201,7 +201,7 @@ def main() -> int:
 
     # single linears: where the time goes
     rows_lin = []
-    for name, n_in, n_out, K, cb in LINEARS:
+    for name, n_in, n_out, K, cb in (LINEARS[:4] if args.quick else LINEARS):
         tp = parts(n_in, n_out, K, cb, g)
         wt = Exl3Weight.from_tensors(tp, DEVICE)
         nb = nbytes(wt)
