@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dsv41.comm.channel import Follower, Leader
-from dsv41.comm.plan import RankLost
-from dsv41.comm.ring import ShmRing, open_ring, rank_order_sum
+from dsv41.comm.plan import CommError, RankLost
+from dsv41.comm.ring import ShmRing, choose_transport, open_ring, rank_order_sum
 
 from test_comm_channel import free_master
 
@@ -34,20 +34,22 @@ def digest(t: torch.Tensor) -> str:
 
 def ring_worker(rank: int, master: str, q, device: str = "cpu"):
     torch.set_num_threads(1)
-    same_hosts = (True, False)
+    rings = [(True, None), (False, None)]           # (same host, transport): shm and gloo
     if device == "cuda":
         n = torch.cuda.device_count()
         torch.cuda.set_device(rank % n)
         device = f"cuda:{rank % n}"
-        same_hosts = (True, False) if n >= 2 else (True,)      # NCCL refuses two ranks on one GPU
+        # cuda-ipc (or the registered shm ring where the GPUs cannot peer), the registered shm ring, and nccl,
+        # which refuses two ranks on one GPU
+        rings = [(True, None), (True, "shm-cuda")] + ([(False, None)] if n >= 2 else [])
     try:
         ch = Leader(master, 2, start_timeout=30, **HB) if rank == 0 else Follower(master, 1, 2, start_timeout=30,
                                                                                    **HB)
         out = {}
-        for same_host in same_hosts:
+        for same_host, transport in rings:
             # a 64 KiB slot sends the 64-row tensors in 20 pieces: the piecewise path is part of the test
             ring = open_ring(rank, 2, device, master=master, session=ch.session, same_host=same_host, timeout=30,
-                             capacity=64 << 10)
+                             capacity=64 << 10, transport=transport)
             for i, (rows, dtype) in enumerate(CASES):
                 parts = [partial(i, r, rows, dtype).to(device) for r in range(2)]
                 if i % 3 == rank:
@@ -134,9 +136,20 @@ def test_all_reduce_sum_bit_identical_on_both_ranks_shm_and_gloo():
 
 
 @pytest.mark.gpu
-def test_all_reduce_sum_bit_identical_on_gpus_cuda_ipc_and_nccl():
-    """Two GPUs: cuda-ipc and nccl. One GPU: cuda-ipc with both ranks on it (IPC works within a device)."""
-    check_pair(run_pair("cuda"), ("cuda-ipc", "nccl") if torch.cuda.device_count() >= 2 else ("cuda-ipc",))
+def test_all_reduce_sum_bit_identical_on_gpus_cuda_ipc_registered_shm_and_nccl():
+    """Two GPUs: cuda-ipc, the registered shm ring and nccl. One GPU: cuda-ipc and the registered shm ring with both
+    ranks on it (IPC works within a device)."""
+    res = run_pair("cuda")
+    first = choose_transport("cuda", True)
+    kinds = tuple(dict.fromkeys((first, "shm-cuda") + (("nccl",) if torch.cuda.device_count() >= 2 else ())))
+    check_pair(res, kinds)
+
+
+def test_transport_override_is_checked():
+    with pytest.raises(CommError, match="no ring transport 'tcp'"):
+        open_ring(0, 2, "cpu", master="127.0.0.1:1", session="x", same_host=True, transport="tcp")
+    with pytest.raises(CommError, match="does not carry cpu tensors"):
+        open_ring(0, 2, "cpu", master="127.0.0.1:1", session="x", same_host=True, transport="shm-cuda")
 
 
 def test_atomics_found_once_under_concurrent_first_use():

@@ -11,6 +11,10 @@ Transports, chosen once at start by `choose_transport(device, same_host)`:
               write of slot k%2) after all ranks published k+1, i.e. after they finished reading op k: two slots and
               the counters are the whole handshake. Larger tensors go through in slot-sized pieces.
 - "gloo"      CPU across hosts: torch.distributed all_gather_into_tensor on the bytes, then the rank-order sum.
+- "shm-cuda"  GPU, one host, where the ranks' GPUs cannot reach each other by CUDA IPC (no peer access, or each
+              process sees only its own GPU): the "shm" segment, registered with the GPU (cudaHostRegister), so the
+              GPU copies a tensor into its slot and the other ranks' slots back by DMA, no staging copy; the
+              rank-order sum runs on the GPU.
 - "cuda-ipc"  GPU, one host: the same counters in host shared memory; each rank owns a device buffer of two slots x
               world regions and *pushes* its tensor into region [rank] of every rank's buffer (CUDA IPC handle,
               peer copy on the pusher's stream), records an interprocess event "ready[slot]"; readers wait for it
@@ -55,25 +59,49 @@ def rank_order_sum(parts) -> torch.Tensor:
     return out
 
 
-def choose_transport(device: str | torch.device, same_host: bool) -> str:
+TRANSPORTS = ("shm", "gloo", "shm-cuda", "cuda-ipc", "nccl")
+
+
+def cuda_peers_reach(world: int) -> bool:
+    """Whether every pair of the GPUs ranks 0..world-1 take on this host (rank r: cuda:(r mod visible GPUs), as
+    follower_device picks) can reach each other by CUDA IPC: the same GPU, or peer access. Every rank of a host
+    with the same CUDA_VISIBLE_DEVICES computes the same answer."""
+    n = torch.cuda.device_count()
+    if n == 0:
+        return False
+    devs = sorted({r % n for r in range(world)})
+    return all(a == b or torch.cuda.can_device_access_peer(a, b) for a in devs for b in devs)
+
+
+def choose_transport(device: str | torch.device, same_host: bool, world: int = 2) -> str:
     dev = torch.device(device).type
     if dev == "cpu":
         return "shm" if same_host and _atomics() is not None else "gloo"
     if dev == "cuda":
-        return "cuda-ipc" if same_host else "nccl"
+        if not same_host:
+            return "nccl"
+        return "cuda-ipc" if cuda_peers_reach(world) else "shm-cuda"
     raise CommError(f"no ring transport for device type {dev!r}")
 
 
 def open_ring(rank: int, world: int, device: str | torch.device, *, master: str, session: str, same_host: bool,
-              timeout: float = 300.0, capacity: int = DEFAULT_CAPACITY) -> "Ring":
-    """The ring for this lane: `master` and `session`/`same_host` come from the channel (Leader/Follower)."""
+              timeout: float = 300.0, capacity: int = DEFAULT_CAPACITY, transport: str | None = None) -> "Ring":
+    """The ring for this lane: `master` and `session`/`same_host` come from the channel (Leader/Follower).
+    `transport`: one of TRANSPORTS instead of choose_transport's pick (benches and tests; every rank must pass the
+    same one)."""
     from dsv41.comm.channel import parse_master
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:      # peers and NCCL need the index, not "the current one"
         device = torch.device("cuda", torch.cuda.current_device())
-    kind = choose_transport(device, same_host)
+    kind = transport or choose_transport(device, same_host, world)
+    if kind not in TRANSPORTS:
+        raise CommError(f"no ring transport {kind!r} (one of {', '.join(TRANSPORTS)})")
+    if (kind in ("shm", "gloo")) != (device.type == "cpu"):
+        raise CommError(f"ring transport {kind!r} does not carry {device.type} tensors")
     if kind == "shm":
         return ShmRing(rank, world, session, capacity=capacity, timeout=timeout)
+    if kind == "shm-cuda":
+        return RegisteredShmRing(rank, world, session, device, capacity=capacity, timeout=timeout)
     if kind == "cuda-ipc":
         return CudaIpcRing(rank, world, session, device, capacity=capacity, timeout=timeout)
     host, port = parse_master(master)
@@ -353,10 +381,10 @@ class ShmRing(Ring):
     kind = "shm"
 
     def __init__(self, rank: int, world: int, session: str, *, capacity: int = DEFAULT_CAPACITY,
-                 timeout: float = 300.0):
+                 timeout: float = 300.0, tag: str = "shm"):
         self.rank, self.world = rank, world
         self.cap = -(-capacity // 64) * 64
-        self.ctl = _Control(rank, world, session, world * 2 * self.cap, timeout, "shm")
+        self.ctl = _Control(rank, world, session, world * 2 * self.cap, timeout, tag)
         self.op = 0
         self.slots = [[self.ctl.data((r * 2 + s) * self.cap, self.cap) for s in (0, 1)] for r in range(world)]
 
@@ -421,6 +449,88 @@ class ShmRing(Ring):
             self.slots = []
             self.ctl.close()
             self.ctl = None
+
+
+class RegisteredShmRing(ShmRing):
+    """The shm ring for GPU tensors: the segment is registered with the GPU (cudaHostRegister, portable), so a
+    tensor goes from the GPU into this rank's slot, and every rank's slot back to the GPU, as direct DMA copies
+    (pageable memory would be staged through a driver buffer). The CPU publishes its counter once its copy is done
+    (the stream is synchronised: the partial must be in the slot before anyone reads it); the copies back are
+    queued on the stream, and are done before this rank publishes its next op, so no slot is overwritten while
+    they read it. The rank-order sum runs on the GPU (elementwise adds: the CPU's bits)."""
+    kind = "shm-cuda"
+
+    def __init__(self, rank: int, world: int, session: str, device: torch.device, *,
+                 capacity: int = DEFAULT_CAPACITY, timeout: float = 300.0):
+        self.device = device
+        self._registered = 0
+        super().__init__(rank, world, session, capacity=capacity, timeout=timeout, tag="shmcuda")
+        with torch.cuda.device(device):
+            cudart = torch.cuda.cudart()
+            # cudaHostRegisterPortable (1): pinned for every CUDA context of this process, not only the current one
+            torch.cuda.check_error(cudart.cudaHostRegister(self.ctl.addr, self.ctl.mm.size(), 1))
+        self._registered = self.ctl.addr
+
+    def _round(self, src_bytes: torch.Tensor | None, a: int, b: int) -> int:
+        self.op += 1
+        k = self.op
+        stream = torch.cuda.current_stream(self.device)
+        if src_bytes is not None:
+            self._slot(self.rank, k)[: b - a].copy_(src_bytes[a:b], non_blocking=True)
+        stream.synchronize()            # our piece is in the slot, and our reads of op k-1 are done
+        self.ctl.publish(k)
+        self.ctl.wait(k)
+        return k
+
+    def _gather_piece(self, k: int, n: int) -> torch.Tensor:
+        """[world, n] bytes of op k's slots on the GPU (DMA from the registered segment)."""
+        out = torch.empty(self.world, n, dtype=torch.uint8, device=self.device)
+        for j in range(self.world):
+            out[j].copy_(self._slot(j, k)[:n], non_blocking=True)
+        return out
+
+    @_skip_empty
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        src = _as_bytes(t)
+        out = torch.empty(self.world, src.numel(), dtype=torch.uint8, device=self.device)
+        for a, b in self._pieces(src.numel(), t.element_size()):
+            k = self._round(src, a, b)
+            out[:, a:b] = self._gather_piece(k, b - a)
+        return out.view(t.dtype).view(self.world, *t.shape)
+
+    @_skip_empty
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        src = _as_bytes(t)
+        out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        flat = out.view(-1)
+        es = t.element_size()
+        for a, b in self._pieces(src.numel(), es):
+            k = self._round(src, a, b)
+            part = self._gather_piece(k, b - a).view(t.dtype)
+            acc = flat[a // es: b // es]
+            torch.add(part[0], part[1], out=acc)            # p0 + p1, then the rest in rank order
+            for j in range(2, self.world):
+                acc.add_(part[j])
+        return out
+
+    @_skip_empty
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        mine = _as_bytes(t) if self.rank == src else None
+        out = (t.contiguous().clone() if self.rank == src
+               else torch.empty(t.shape, dtype=t.dtype, device=self.device))
+        ob = out.view(-1).view(torch.uint8)
+        for a, b in self._pieces(ob.numel(), t.element_size()):
+            k = self._round(mine, a, b)
+            if self.rank != src:
+                ob[a:b].copy_(self._slot(src, k)[: b - a], non_blocking=True)
+        return out
+
+    def close(self) -> None:
+        if self.ctl is not None and self._registered:
+            torch.cuda.synchronize(self.device)          # no copy still reads the segment
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self._registered))
+            self._registered = 0
+        super().close()
 
 
 # ---------------------------------------------------------------------------------------------------- CUDA IPC
