@@ -1,12 +1,17 @@
-"""Ring latency for decode-round tensors: all_reduce_sum of [rows, 5120] fp32/bf16 between two processes.
+"""Ring latency for decode-round tensors: all_reduce_sum of [rows, 5120] fp32/bf16 between 2, 4 or 8 processes, and
+a whole round's communication (the release's 80 all-reduces of [rows, 5120] fp32 + the logits all-gather).
 
-    python bench/comm_bench.py                                  # CPU: shm ring vs gloo -> bench/results/comm-cpu.md
-    python bench/comm_bench.py --device cuda        # GPUs: cuda-ipc (+ nccl with 2 GPUs) -> bench/results/comm-cuda.md
+    python bench/comm_bench.py [--world 2,4]                    # CPU: shm ring vs gloo -> bench/results/comm-cpu.md
+    python bench/comm_bench.py --device cuda [--world 2,4,8]    # GPUs: cuda-ipc, shm-cuda (the registered host ring),
+                                                                # nccl (when every rank has its own GPU)
+                                                                # -> bench/results/comm-cuda.md
     python bench/comm_bench.py tp-plan                          # bytes per round, expert TP vs EP (docs/comm.md)
 
-Two processes (rank 0, rank 1) on this host; each op is timed on rank 0 from call to result (on a GPU: to the
-end of the stream). Prints a table of median / p90 microseconds and writes it as markdown with the command and
-machine. Figures on a shared or oversubscribed host are noisy: the table says how many CPUs there were.
+`world` processes on this host; each op is timed on rank 0 from call to result (on a GPU: to the end of the stream).
+A round: 2 all-reduces per layer x 40 layers of the [rows, 5120] fp32 partials, then the all-gather of each rank's
+[rows, 129280 / world] fp32 logits columns, timed as one sequence on rank 0. Prints the tables and puts them at the
+top of the markdown file (newest run first) with the command and machine. Figures on a shared or oversubscribed host
+are noisy (each rank spins while it waits): the table says how many CPUs there were.
 """
 from __future__ import annotations
 
@@ -28,25 +33,37 @@ sys.path.insert(0, str(ROOT))
 from dsv41.comm.channel import free_lane_port  # noqa: E402
 
 HIDDEN = 5120
+VOCAB = 129280
+LAYERS = 40
 ROWS = (1, 2, 4, 8, 16, 32, 64)
+ROUND_ROWS = (1, 8, 32, 64)
 
 
-def worker(rank: int, args, session: str, port: int, q) -> None:
+def _ring(kind: str, rank: int, world: int, session: str, port: int, dev):
+    from dsv41.comm.ring import CudaIpcRing, DistRing, RegisteredShmRing, ShmRing
+    if kind == "shm":
+        return ShmRing(rank, world, session, timeout=120)
+    if kind == "shm-cuda":
+        return RegisteredShmRing(rank, world, session, dev, timeout=120)
+    if kind == "cuda-ipc":
+        return CudaIpcRing(rank, world, session, dev, timeout=120)
+    return DistRing(rank, world, kind, "127.0.0.1", port, timeout=120, device=dev)
+
+
+def worker(rank: int, world: int, args, session: str, port: int, q) -> None:
     import torch
-    from dsv41.comm.ring import CudaIpcRing, DistRing, ShmRing
     torch.set_num_threads(args.threads)
     dev = torch.device("cpu")
     if args.device == "cuda":
-        dev = torch.device("cuda", rank % torch.cuda.device_count())     # one GPU: both ranks share it
+        dev = torch.device("cuda", rank % torch.cuda.device_count())     # fewer GPUs than ranks: they share
         torch.cuda.set_device(dev)
-    rings = {}
-    for i, kind in enumerate(args.transports.split(",")):
-        if kind == "shm":
-            rings[kind] = ShmRing(rank, 2, session + str(i), timeout=60)
-        elif kind == "cuda-ipc":
-            rings[kind] = CudaIpcRing(rank, 2, session + str(i), dev, timeout=60)
-        else:
-            rings[kind] = DistRing(rank, 2, kind, "127.0.0.1", port + i, timeout=60, device=dev)
+    kinds = args.transports.split(",")
+    rings = {kind: _ring(kind, rank, world, session + str(i), port + i, dev) for i, kind in enumerate(kinds)}
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
         for rows in ROWS:
@@ -54,66 +71,118 @@ def worker(rank: int, args, session: str, port: int, q) -> None:
             cell = {kind: [] for kind in rings}
             for it in range(args.warmup + args.iters):
                 for kind, ring in rings.items():     # interleaved, so load changes hit every transport alike
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
+                    sync()
                     t0 = time.perf_counter()
                     ring.all_reduce_sum(t)
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
+                    sync()
                     if it >= args.warmup:
                         cell[kind].append(time.perf_counter() - t0)
             for kind, times in cell.items():
                 results[(kind, str(dtype).removeprefix("torch."), rows)] = times
+    for rows in ROUND_ROWS:
+        partial = torch.randn(rows, HIDDEN, device=dev)
+        logits = torch.randn(rows, VOCAB // world, device=dev)
+        cell = {kind: [] for kind in rings}
+        for it in range(2 + args.rounds):
+            for kind, ring in rings.items():
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(2 * LAYERS):
+                    ring.all_reduce_sum(partial)
+                ring.all_gather(logits)
+                sync()
+                if it >= 2:
+                    cell[kind].append(time.perf_counter() - t0)
+        for kind, times in cell.items():
+            results[(kind, "round", rows)] = times
     for ring in rings.values():
         ring.close()
     if rank == 0:
         q.put(results)
 
 
-def run(args) -> None:
+def _pct(ts: list[float], p: float) -> float:
+    ts = sorted(ts)
+    return ts[int(p * (len(ts) - 1))]
+
+
+def run_world(args, world: int) -> list[str]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    kinds = args.transports.split(",")
     # the DistRing stores' ports (one per transport), below the ephemeral range: a rank's retried connect
     # could otherwise take one as its own source port
-    session, port = secrets.token_hex(6), free_lane_port(count=len(args.transports.split(",")))
-    ps = [ctx.Process(target=worker, args=(r, args, session, port, q)) for r in (0, 1)]
+    session, port = secrets.token_hex(6), free_lane_port(count=len(kinds))
+    ps = [ctx.Process(target=worker, args=(r, world, args, session, port, q)) for r in range(world)]
     for p in ps:
         p.start()
-    results = q.get(timeout=1800)
+    results = q.get(timeout=3600)
     for p in ps:
         p.join(60)
-    kinds = args.transports.split(",")
     head = ["dtype", "rows", "bytes"] + [f"{k} median µs" for k in kinds] + [f"{k} p90 µs" for k in kinds]
     lines = []
     for dtype in ("float32", "bfloat16"):
         for rows in ROWS:
             row = [dtype, str(rows), str(rows * HIDDEN * (4 if dtype == "float32" else 2))]
-            med, p90 = [], []
-            for k in kinds:
-                ts = sorted(results[(k, dtype, rows)])
-                med.append(f"{statistics.median(ts) * 1e6:.0f}")
-                p90.append(f"{ts[int(0.9 * (len(ts) - 1))] * 1e6:.0f}")
+            med = [f"{statistics.median(results[(k, dtype, rows)]) * 1e6:.0f}" for k in kinds]
+            p90 = [f"{_pct(results[(k, dtype, rows)], 0.9) * 1e6:.0f}" for k in kinds]
             lines.append(row + med + p90)
     table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in lines]
-    print("\n".join(table))
+    rhead = ["rows", "bytes per rank"] + [f"{k} median ms" for k in kinds] + [f"{k} per op µs" for k in kinds]
+    rlines = []
+    for rows in ROUND_ROWS:
+        nbytes = 2 * LAYERS * rows * HIDDEN * 4 + rows * (VOCAB // world) * 4
+        med = [statistics.median(results[(k, "round", rows)]) for k in kinds]
+        rlines.append([str(rows), f"{nbytes / 1e6:.1f} MB"] + [f"{m * 1e3:.1f}" for m in med]
+                      + [f"{m / (2 * LAYERS + 1) * 1e6:.0f}" for m in med])
+    rtable = (["| " + " | ".join(rhead) + " |", "|" + "---|" * len(rhead)]
+              + ["| " + " | ".join(r) + " |" for r in rlines])
+    out = [f"### {world} ranks: all_reduce_sum of [rows, {HIDDEN}]", "", *table, "",
+           f"### {world} ranks: a decode round's communication ({2 * LAYERS} all_reduce_sum of [rows, {HIDDEN}] fp32 "
+           f"+ all_gather of [rows, {VOCAB // world}] fp32; median of {args.rounds} rounds)", "", *rtable, ""]
+    print("\n".join(out))
+    return out
+
+
+def run(args) -> None:
+    import torch
+    worlds = [int(w) for w in args.world.split(",")]
+    body = []
+    for world in worlds:
+        body += run_world(args, world)
     machine = f"{platform.node()}: {platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
     note = []
     if args.device == "cuda":
-        import torch
-        machine += f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-        if torch.cuda.device_count() == 1:
-            note = ["Both ranks share the one GPU: their CUDA contexts are time-sliced, so these figures are a "
-                    "correctness run's, not the two-GPU latency.", ""]
-    import torch
-    text = [f"# Ring all_reduce_sum latency ({args.device}, 2 ranks, one host)", "",
+        n = torch.cuda.device_count()
+        machine += f", {n} x {torch.cuda.get_device_name(0)}"
+        if n < max(worlds):
+            note = [f"{max(worlds)} ranks on {n} GPU(s): ranks share GPUs, their CUDA contexts time-sliced, so these "
+                    "figures are a correctness run's, not the latency of one GPU per rank.", ""]
+    elif (os.cpu_count() or 1) < max(worlds) * args.threads:
+        note = [f"{max(worlds)} ranks on {os.cpu_count()} CPUs: the ranks outnumber the cores and each spins while "
+                "it waits, so the wider rings measure the oversubscription as much as the transport.", ""]
+    text = [f"## Ring latency ({args.device}, {', '.join(map(str, worlds))} ranks, one host), "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
             f"Command: `python bench/comm_bench.py {' '.join(sys.argv[1:])}`", "",
-            f"Machine: {machine}; torch {torch.__version__}; torch threads per rank: {args.threads}; "
-            f"{args.iters} timed ops after {args.warmup} warm-up per cell; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-            "", *note, *table, ""]
+            f"Machine: {machine}; torch {torch.__version__}; commit {_commit()}; torch threads per rank: "
+            f"{args.threads}; {args.iters} timed ops after {args.warmup} warm-up per cell", "", *note, *body]
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join(text))
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        title = "# Ring all_reduce_sum latency and a round's communication (newest run first)"
+        old = path.read_text() if path.is_file() else ""
+        if old.startswith(title):
+            old = old[len(title):].lstrip("\n")
+        elif old.startswith("# "):      # the file's first run, written before runs were kept: a section now
+            old = "#" + old
+        path.write_text("\n".join([title, "", *text, ""]) + ("\n" + old if old else ""))
         print(f"wrote {args.out}")
+
+
+def _commit() -> str:
+    import subprocess
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return r.stdout.strip() or "?"
 
 
 # ------------------------------------------------------------------------------------------------ tp-plan arithmetic
@@ -150,9 +219,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", nargs="?", default="latency", choices=["latency", "tp-plan"])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--transports", default=None, help="comma list; default shm,gloo (cpu), cuda-ipc,nccl (2+ GPUs), cuda-ipc (1 GPU)")
+    ap.add_argument("--world", default="2", help="comma list of rank counts, e.g. 2,4")
+    ap.add_argument("--transports", default=None,
+                    help="comma list; default shm,gloo (cpu); cuda: cuda-ipc where the GPUs reach each other, "
+                         "shm-cuda, and nccl where every rank has its own GPU")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=10, help="timed rounds per row count")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--out", default=None, help="markdown file (default bench/results/comm-<device>.md)")
     args = ap.parse_args()
@@ -161,7 +234,11 @@ def main() -> None:
         return
     if not args.transports and args.device == "cuda":
         import torch
-        args.transports = "cuda-ipc,nccl" if torch.cuda.device_count() >= 2 else "cuda-ipc"
+
+        from dsv41.comm.ring import cuda_peers_reach
+        widest = max(int(w) for w in args.world.split(","))
+        kinds = (["cuda-ipc"] if cuda_peers_reach(widest) else []) + ["shm-cuda"]
+        args.transports = ",".join(kinds + (["nccl"] if torch.cuda.device_count() >= widest else []))
     args.transports = args.transports or "shm,gloo"
     args.out = args.out or str(ROOT / "bench" / "results" / f"comm-{args.device}.md")
     run(args)
