@@ -332,7 +332,7 @@ def exl3_linear_prompt(x: torch.Tensor, w: Exl3Weight, w_rot: torch.Tensor | Non
 # batch, and a grouped launch gives each group the bits of its own matrix's launch.
 
 CUDA_BLOCK_N = 128           # output columns a block: one Hadamard block
-CUDA_TARGET_BLOCKS = 264     # blocks wanted for one matrix: two per H200 SM (132)
+CUDA_TARGET_BLOCKS = 396     # blocks wanted for one matrix: three per H200 SM (132)
 CUDA_MAX_ROWS = 64           # rows a block; more rows run in further row blocks (same tiling)
 CUDA_COUNTERS = 1 << 16
 _K2_CUDA = (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16)

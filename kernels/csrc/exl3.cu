@@ -198,12 +198,6 @@ DEVI void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 DEVI void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
-DEVI u32 lds32(u32 addr) {
-    u32 r;
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(addr));
-    return r;
-}
-
 DEVI float ld_cg(const float* p) {
     float r;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
@@ -320,7 +314,9 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
 
     const u32 ring = smem_addr(smem);
     u16* xs = reinterpret_cast<u16*>(smem + RING_BYTES);
-    const u32 xs_addr = ring + RING_BYTES;
+    // plain C++ reads of the ring and of xs (the compiler schedules them freely; cp_wait and the barriers order them)
+    const u32* ring_w = reinterpret_cast<const u32*>(smem);
+    const u32* xs_w = reinterpret_cast<const u32*>(smem + RING_BYTES);
 
     // stage s = k-tiles kt0 .. kt0+3 (kt0 = 16 * h_lo / 16 + 4 s) of n-tiles nt0 .. nt0+7: 4 runs of 128 K2 bytes
     auto issue = [&](int s) {
@@ -340,9 +336,9 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     // this lane's words of any tile: byte offsets of tile words (i0 + q) mod NW, and the window alignment
     const int st = R_::start(lane);
     const int a_shift = st & 31;
-    u32 woff[R_::NWL];
+    int woff[R_::NWL];
 #pragma unroll
-    for (int q = 0; q < R_::NWL; ++q) woff[q] = (((st >> 5) + q) % R_::NW) * 4;
+    for (int q = 0; q < R_::NWL; ++q) woff[q] = ((st >> 5) + q) % R_::NW;
 
     float acc[2][MAXT][4];
 #pragma unroll
@@ -378,7 +374,7 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
         cp_wait<RG::PF - 2>();                             // this thread's copies of stage s are in
         __syncthreads();                                   // everyone's, and the rotated x; slot (s-1) % PF is free
         issue(s + RG::PF - 1);
-        const u32 st_base = ring + (s % RG::PF) * RG::STAGE;
+        const u32* st_base = ring_w + (s % RG::PF) * (RG::STAGE / 4);
 #pragma unroll
         for (int kk = 0; kk < KT_STAGE; ++kk) {
             // B fragments: rotated x rows (8i + g4), columns kx + 2t4 (+1) and kx + 2t4 + 8 (+9)
@@ -387,17 +383,17 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
 #pragma unroll
             for (int i = 0; i < MAXT; ++i) {
                 if (i < live) {
-                    const u32 xa = xs_addr + ((8 * i + g4) * XS::LD + kx + 2 * t4) * 2;
-                    b[i][0] = lds32(xa);
-                    b[i][1] = lds32(xa + 16);
+                    const u32* xa = xs_w + ((8 * i + g4) * XS::LD + kx + 2 * t4) / 2;
+                    b[i][0] = xa[0];
+                    b[i][1] = xa[4];
                 }
             }
 #pragma unroll
             for (int nn = 0; nn < 2; ++nn) {
-                const u32 tile = st_base + (kk * (BN / 16) + 2 * warp + nn) * (16 * K2);
+                const u32* tile = st_base + (kk * (BN / 16) + 2 * warp + nn) * R_::NW;
                 u32 W[R_::NWL], frag[4];
 #pragma unroll
-                for (int q = 0; q < R_::NWL; ++q) W[q] = lds32(tile + woff[q]);
+                for (int q = 0; q < R_::NWL; ++q) W[q] = tile[woff[q]];
                 lane_fragment<K2, CB>(W, a_shift, frag);
 #pragma unroll
                 for (int i = 0; i < MAXT; ++i)
