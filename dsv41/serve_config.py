@@ -267,10 +267,11 @@ FIELD_HELP: dict[str, str] = {
     "shutdown_grace_s": "on SIGTERM: stop admitting, let running replies finish for this long, then cancel them",
     "log_level": "server log level",
     "tp_shards": "the tensor-parallel shards every split product (attention heads, wo_b, the shared expert, the "
-                 "routed experts, the head) is computed in, summed in shard order: with 2 (the default) one rank and "
-                 "two give the same bytes; 1 computes whole products in the reference's order (docs/tp.md)",
-    "tp": "tensor-parallel ranks (1 or 2; docs/tp.md): rank 0 serves HTTP and schedules, every rank runs its share "
-          "of the model on the plans rank 0 sends; scripts/serve.sh --tp 2 starts both ranks on one host",
+                 "routed experts, the head) is computed in, summed in shard order: --tp N and one rank with "
+                 "--tp-shards N give the same bytes (2, the default: one rank == two); 1 computes whole products in "
+                 "the reference's order (docs/tp.md)",
+    "tp": "tensor-parallel ranks (1, 2, 4 or 8; docs/tp.md): rank 0 serves HTTP and schedules, every rank runs its "
+          "share of the model on the plans rank 0 sends; scripts/serve.sh --tp N starts them all on one host",
     "rank": "this process's rank (0 = the HTTP server; >= 1 = a follower that runs the model only)",
     "master": "rank 0's HOST:PORT as the other ranks reach it; the lane uses PORT, PORT+1 and PORT+2",
     "heartbeat_interval_s": "seconds between heartbeats between ranks",

@@ -1,7 +1,7 @@
 """The follower loop: a rank >= 1 of a tensor-parallel server runs the model only, no HTTP.
 
-`python -m dsv41 serve --tp 2 --rank 1 --master HOST:PORT [same --model]` (scripts/serve.sh --tp 2 starts it on one
-host). It connects to rank 0 (either may start first; each waits --tp-start-timeout-s), opens the ring, loads its
+`python -m dsv41 serve --tp N --rank R --master HOST:PORT [same --model]` (scripts/serve.sh --tp N starts every rank on
+one host). It connects to rank 0 (either may start first; each waits --tp-start-timeout-s), opens the ring, loads its
 share of the checkpoint, then runs every plan rank 0 sends through the same ModelRunner code rank 0 uses, and
 answers each round with the digest of its logits rows (dsv41/sched/tp.py says why logits only). It exits 0 when
 rank 0 shuts down cleanly, and 1 with a line naming the rank when rank 0 is lost, failed, or the ranks diverged.
@@ -59,8 +59,10 @@ def run_follower(cfg: ServeConfig) -> int:
                 t0 = time.monotonic()
                 model = load_model(cfg, ckpt, device=device, dtype=torch.float32, share=RankShare(rank, world),
                                    comm=ring_comm(ring, world))
+                whole = model.plan.whole()      # families the shapes do not let the world cut (weights.SplitPlan)
                 print(f"{tag}: ready: {ckpt} on {device}, ring {ring.kind}, loaded in "
-                      f"{time.monotonic() - t0:.1f} s", flush=True)
+                      f"{time.monotonic() - t0:.1f} s; products in {model.plan.parts} parts"
+                      + (f", not cut: {', '.join(whole)}" if whole else ""), flush=True)
                 dm = DigestingModel(model)
                 runner = ModelRunner(dm, follower=True)   # takes rank 0's draft decisions
                 while (plan := chan.recv()) is not None:
