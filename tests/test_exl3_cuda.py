@@ -140,9 +140,14 @@ def test_kernel_source_names_every_launched_kernel():
 # ---- GPU -------------------------------------------------------------------------------------------------------
 
 def _cuda_or_skip():
-    from kernels.exl3 import cuda_available
-    if not cuda_available():
-        pytest.skip("the CUDA C EXL3 kernel does not run here")
+    """Skip without a CUDA device of compute capability 8.0+; on one, exl3.cu must compile and load (an error
+    fails the test instead of quietly leaving the Triton path)."""
+    from kernels import cuda
+    from kernels.exl3 import cuda_available, cuda_kernel_name
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
+        pytest.skip("needs a CUDA device of compute capability 8.0+")
+    cuda.function("exl3.cu", cuda_kernel_name(5, CB_MUL1, 1))        # raises CudaKernelError with the compiler log
+    assert cuda_available()
 
 
 def _close(y, ref):
