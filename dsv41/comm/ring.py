@@ -465,10 +465,15 @@ class RegisteredShmRing(ShmRing):
         self.device = device
         self._registered = 0
         super().__init__(rank, world, session, capacity=capacity, timeout=timeout, tag="shmcuda")
-        with torch.cuda.device(device):
-            cudart = torch.cuda.cudart()
-            # cudaHostRegisterPortable (1): pinned for every CUDA context of this process, not only the current one
-            torch.cuda.check_error(cudart.cudaHostRegister(self.ctl.addr, self.ctl.mm.size(), 1))
+        size = self.ctl.mm.size()
+        try:
+            with torch.cuda.device(device):
+                cudart = torch.cuda.cudart()
+                # cudaHostRegisterPortable (1): pinned for every CUDA context of this process, not the current one
+                torch.cuda.check_error(cudart.cudaHostRegister(self.ctl.addr, size, 1))
+        except RuntimeError as e:        # torch.cuda.CudaError (e.g. a memlock limit)
+            super().close()
+            raise CommError(f"rank {rank}: cudaHostRegister of the ring segment ({size} bytes) failed: {e}") from None
         self._registered = self.ctl.addr
 
     def _round(self, src_bytes: torch.Tensor | None, a: int, b: int) -> int:
