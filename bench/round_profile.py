@@ -43,12 +43,12 @@ def _dev_time(e) -> float:
     return 0.0
 
 
-def profile_case(fn, rounds: int, cuda: bool) -> dict:
+def profile_case(fn, rounds: int, cuda: bool, shapes: bool = False) -> dict:
     fn()                                 # warm: compiles, allocator
     if cuda:
         torch.cuda.synchronize()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=shapes) as prof:
         t = time.perf_counter()
         for _ in range(rounds):
             fn()
@@ -69,9 +69,16 @@ def profile_case(fn, rounds: int, cuda: bool) -> dict:
             kernels.append((gpu, e.count, e.key))
     launches = sum(c for _, c, name in kernels if not name.startswith("Memset"))
     busy = sum(g for g, _, _ in kernels)
+    by_op = []          # --shapes: the host op that launched the GPU work, with its input shapes
+    if shapes:
+        for e in prof.key_averages(group_by_input_shape=True):
+            gpu = _dev_time(e)
+            if gpu > 0 and e.self_cpu_time_total > 0:
+                by_op.append((gpu, e.count, f"{e.key} {e.input_shapes}"))
     return {"wall_ms": wall * 1e3, "busy_ms": busy / 1e3 / rounds, "launches": launches / rounds,
             "syncs": syncs / rounds, "d2h": d2h / rounds,
-            "kernels": sorted(kernels, reverse=True)[:15], "host": sorted(host, reverse=True)[:15], "rounds": rounds}
+            "kernels": sorted(kernels, reverse=True)[:15], "host": sorted(host, reverse=True)[:15], "rounds": rounds,
+            "by_op": sorted(by_op, reverse=True)[:40]}
 
 
 def host_split(model, fn, rounds: int, cuda: bool) -> dict:
@@ -142,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench/results/round-profile.md"))
     ap.add_argument("--commit", default="")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--shapes", action="store_true", help="also the GPU time of each host op by input shapes "
+                    "(record_shapes: more host time per op, so the wall times are not comparable)")
     a = ap.parse_args(argv)
     cuda = a.device == "cuda"
     if cuda:
@@ -163,7 +172,7 @@ def main(argv=None) -> int:
         def decode(states=states, R=R):
             toks = torch.randint(3, vocab, (R,), generator=g)
             model.forward([SeqInput(st, toks[i:i + 1], logits="none") for i, st in enumerate(states)])
-        cases.append((f"decode round, {R} row{'s' if R > 1 else ''}", profile_case(decode, a.rounds, cuda)))
+        cases.append((f"decode round, {R} row{'s' if R > 1 else ''}", profile_case(decode, a.rounds, cuda, a.shapes)))
         splits.append((cases[-1][0], host_split(model, decode, max(a.rounds, 5), cuda)))
         del states
         print(f"{cases[-1][0]}: {cases[-1][1]['wall_ms']:.1f} ms", flush=True)
@@ -202,6 +211,10 @@ def main(argv=None) -> int:
         lines += ["", f"## {title}: top host ops by self CPU time (per round)", "", "| µs | count | op |",
                   "|---|---|---|"]
         lines += [f"| {t / r['rounds']:.0f} | {c / r['rounds']:.0f} | `{k[:110]}` |" for t, c, k in r["host"]]
+        if r["by_op"]:
+            lines += ["", f"## {title}: GPU time by the host op that launched it, by input shapes (per round)", "",
+                      "| µs | count | op [input shapes] |", "|---|---|---|"]
+            lines += [f"| {t / r['rounds']:.0f} | {c / r['rounds']:.0f} | `{k[:200]}` |" for t, c, k in r["by_op"]]
     for title, r in splits:
         lines += ["", f"## {title}: host time per piece, no profiler (per round)", "",
                   f"Host time to enqueue the round {r['enqueue_ms']:.2f} ms; wall time (GPU done) "

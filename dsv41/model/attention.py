@@ -7,11 +7,11 @@ entries its top-k list selects (ascending). Softmax scale D^-½; the per-head `a
 the denominator only. The output's rope slice is rotated back at the query position, then the grouped low-rank
 projection: wo_a per group of heads, wo_b to the hidden size.
 
-Exactness: every row's key set has the fixed width W (+ index_topk) with masked slots, and the products run in
-fixed row tiles (the op set's `tiled`), so a row's output does not depend on its neighbours. Tensor parallelism:
-with `shards` > 1 (weights.TP_SHARDS) the heads, their wq_b rows, wo_a groups and wo_b columns are computed shard
-by shard exactly as a rank of a wider world computes its own, and the wo_b partials are added in shard order, so
-one rank and two give the same bits.
+Exactness: every row's key set has the fixed width W (+ index_topk) with masked slots, and the op set's `attend`
+runs in fixed row tiles (the reference) or one program per row (the kernel), so a row's output does not depend on
+its neighbours. Tensor parallelism: with `shards` > 1 (weights.TP_SHARDS) the heads, their wq_b rows, wo_a groups
+and wo_b columns are computed shard by shard exactly as a rank of a wider world computes its own, and the wo_b
+partials are added in shard order, so one rank and two give the same bits.
 """
 from __future__ import annotations
 
@@ -71,16 +71,7 @@ class Attention:
                           for i in range(self.shards)], dim=1)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
-        scale = self.head_dim ** -0.5
-
-        def tile(qt, kt, vt):
-            s = torch.bmm(qt, kt.transpose(1, 2)) * scale                       # [R, heads, K]
-            s = s.masked_fill(~vt[:, None, :], float("-inf"))
-            s = torch.cat([s, sink.view(1, -1, 1).expand(s.shape[0], -1, 1)], dim=-1)
-            p = torch.softmax(s, dim=-1)[..., :-1]                             # the sink only in the denominator
-            return torch.bmm(p, kt)
-
-        return self.ops.tiled(tile, q, keys, valid)
+        return self.ops.attend(q, keys, valid, sink, self.head_dim ** -0.5)
 
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE at the query position, grouped wo_a, then wo_b: o [n, heads, D] -> [n, H] (this rank's

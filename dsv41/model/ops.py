@@ -57,6 +57,7 @@ class Ops:
     round_scores: Callable         # (q [B*n, h, d], w, keys: B x [T_b, d], tpad, counts [B] | None, scale)
     #                                -> [B*n, tpad], no visibility mask
     gather_round: Callable         # (srcs: B x [*, D], idx [B*n, K] (-1: a zero-weight row), n) -> [B*n, K, D]
+    sparse_attend: Callable        # (ops, q [n, h, D], keys [n, K, D], valid [n, K], sink [h], scale) -> [n, h, D]
     fp4_routed: Callable | None = None    # (ExpertStack, x, weights, ids, limit, shard) -> [n, H]; None: per expert
     exl3_routed: Callable | None = None   # (Exl3ExpertStack, x, weights, ids, limit, grouped) -> [n, H]; None: per
     #                                       expert
@@ -93,6 +94,12 @@ class Ops:
             return None if f is None else f(stack, x, weights, ids, limit, shard)
         f = self.exl3_routed
         return None if f is None or shard is not None else f(stack, x, weights, ids, limit, self.exl3_grouped)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Each row's heads over its own key set (K = V), the per-head sink in the softmax denominator only
+        (Attention.attend; arch.md §2.6)."""
+        return self.sparse_attend(self, q, keys, valid, sink, scale)
 
     def tiled(self, fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
         """linear.tiled in this op set's row tile."""
@@ -152,7 +159,8 @@ def reference_ops() -> Ops:
                row_sum=L.row_sum, row_mean=L.row_mean, rms_norm=L.rms_norm, sinkhorn=mhc.sinkhorn,
                hc_collapse=mhc.hc_collapse, hc_expand=mhc.hc_expand, route_weights=moe.route_weights,
                index_scores=functools.partial(_index_scores_tiled, rows=rows),
-               round_scores=functools.partial(_round_scores_padded, rows=rows), gather_round=gather_round)
+               round_scores=functools.partial(_round_scores_padded, rows=rows), gather_round=gather_round,
+               sparse_attend=attend_tiled)
 
 
 # ---- the CUDA path -------------------------------------------------------------------------------------------
@@ -192,6 +200,7 @@ def _cuda_ops(kernels: bool) -> Ops:
         index_scores=index_scores,
         round_scores=_cuda_round_scores(k.get("index_scores_table"), index_scores),
         gather_round=_kernel_gather_round(k["gather_rows"]) if "gather_rows" in k else gather_round,
+        sparse_attend=_kernel_attend(k["sparse_attn"]) if "sparse_attn" in k else attend_tiled,
         fp4_routed=_kernel_fp4_routed(k["fp4_moe"]) if "fp4_moe" in k else None,
         stacks_experts=True,
         # the fallbacks' per-expert MoE waits for the device (ids.unique): those rounds run eagerly
@@ -206,6 +215,7 @@ def _load_kernels() -> dict:
                           ("kernels.fp4_moe", ("fp4_moe",)),
                           ("kernels.indexer", ("index_scores", "index_scores_table")),
                           ("kernels.round_gather", ("gather_rows",)),
+                          ("kernels.sparse_attn", ("sparse_attn",)),
                           ("kernels.rowops", ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "route_weights"))):
         try:
             mod = __import__(module, fromlist=list(names))
@@ -369,6 +379,35 @@ def _kernel_gather_round(k: Callable) -> Callable:
             return gather_round(srcs, idx, n)
         return k(address_table(srcs, idx.device), idx, D)
     return gather
+
+
+def attend_tiled(ops: Ops, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """The reference: scores q·k × scale in float32 (masked keys at -inf), softmax over [scores, sink] with the sink
+    column dropped, then P·V with V = K; in the op set's fixed row tiles, so a row's bits never depend on the
+    others."""
+    def tile(qt, kt, vt):
+        s = torch.bmm(qt, kt.transpose(1, 2)) * scale                       # [R, heads, K]
+        s = s.masked_fill(~vt[:, None, :], float("-inf"))
+        s = torch.cat([s, sink.view(1, -1, 1).expand(s.shape[0], -1, 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :-1]                             # the sink only in the denominator
+        return torch.bmm(p, kt)
+
+    return ops.tiled(tile, q, keys, valid)
+
+
+def _kernel_attend(k: Callable) -> Callable:
+    """kernels/sparse_attn.py over the gathered key sets (one program per row and 16 heads; bf16 q, k and P with
+    float32 accumulation and softmax, as DeepSeek's kernel): the keys are its pool, each row's slots its indices.
+    Shapes the kernel does not take (heads not a multiple of 16, D not a power of two) run the reference form."""
+    def attend(ops: Ops, q, keys, valid, sink, scale):
+        n, heads, dim = q.shape
+        if n == 0 or heads % 16 or dim & (dim - 1) or dim < 16:
+            return attend_tiled(ops, q, keys, valid, sink, scale)
+        K = keys.shape[1]
+        slot = torch.arange(n * K, dtype=torch.int32, device=q.device).view(n, K)
+        return k(q, keys.reshape(n * K, dim), torch.where(valid, slot, -1), sink, scale)
+    return attend
 
 
 def _kernel_fp4_routed(k: Callable) -> Callable:
