@@ -268,7 +268,10 @@ struct Ring {
 
 template <int MAXT>
 struct Xs {
-    static constexpr int LD = BN + 8;                                   // fp16 row stride of the rotated x (halves)
+    // the rotated x of XH 128-row input blocks at a time (one row tile: up to 8 blocks, so the x loads of a chunk
+    // are issued together instead of one latency a block; eight row tiles: one block)
+    static constexpr int XH = MAXT == 1 ? 8 : 1;
+    static constexpr int LD = XH * 128 + 8;                             // fp16 row stride (halves)
     static constexpr int BYTES = 8 * MAXT * LD * 2;
     static constexpr int YLD = BN + 4;                                  // fp32 row stride of the output rows
     static constexpr int YBYTES = 8 * MAXT * YLD * 4;
@@ -351,24 +354,43 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
 #pragma unroll
     for (int s = 0; s < RG::PF - 1; ++s) issue(s);
 
+    const int nrw = (8 * live - warp + 3) >> 2;            // rows r = warp + 4j of this warp (R <= r: zeros)
     for (int s = 0; s < nst; ++s) {
-        if ((s & 1) == 0) {
-            // a new 128-row input block: rotate x's columns of it (every row of the block: warps take rows)
-            __syncthreads();                               // everyone is done with the previous one
-            const int h = h_lo + (s >> 1);
-            const uint2 sv = *reinterpret_cast<const uint2*>(su + h * 128 + lane * 4);
-            const float s0 = h2f(sv.x & 0xFFFF), s1 = h2f(sv.x >> 16), s2 = h2f(sv.y & 0xFFFF), s3 = h2f(sv.y >> 16);
-            for (int r = warp; r < 8 * live; r += 4) {
-                uint2 out;
-                out.x = out.y = 0u;
-                if (r < R) {
-                    const float4 xv = *reinterpret_cast<const float4*>(xg + (long long)r * D + h * 128 + lane * 4);
-                    float v[4] = {fmul(xv.x, s0), fmul(xv.y, s1), fmul(xv.z, s2), fmul(xv.w, s3)};
-                    wht128(v, lane);
-                    out.x = pack_f16(fmul(v[0], HAD_SCALE), fmul(v[1], HAD_SCALE));
-                    out.y = pack_f16(fmul(v[2], HAD_SCALE), fmul(v[3], HAD_SCALE));
+        if ((s & 1) == 0 && (s >> 1) % XS::XH == 0) {
+            // the next XH 128-row input blocks: rotate x's columns of them, every row of the block (warps take
+            // rows); the loads of 4 (block, row) pairs are in flight together
+            __syncthreads();                               // everyone is done with the previous ones
+            const int hg = h_lo + (s >> 1);
+            const int pairs = min(XS::XH, h_hi - hg) * nrw;
+            for (int p0 = 0; p0 < pairs; p0 += 4) {
+                float4 xv[4];
+                uint2 sv[4];
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const int p = p0 + b, hh = p / nrw, r = warp + 4 * (p % nrw);
+                    if (p < pairs) {
+                        sv[b] = *reinterpret_cast<const uint2*>(su + (hg + hh) * 128 + lane * 4);
+                        if (r < R)
+                            xv[b] = *reinterpret_cast<const float4*>(xg + (long long)r * D + (hg + hh) * 128 + lane * 4);
+                    }
                 }
-                *reinterpret_cast<uint2*>(xs + r * XS::LD + lane * 4) = out;
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const int p = p0 + b, hh = p / nrw, r = warp + 4 * (p % nrw);
+                    if (p < pairs) {
+                        uint2 out;
+                        out.x = out.y = 0u;
+                        if (r < R) {
+                            const float s0 = h2f(sv[b].x & 0xFFFF), s1 = h2f(sv[b].x >> 16);
+                            const float s2 = h2f(sv[b].y & 0xFFFF), s3 = h2f(sv[b].y >> 16);
+                            float v[4] = {fmul(xv[b].x, s0), fmul(xv[b].y, s1), fmul(xv[b].z, s2), fmul(xv[b].w, s3)};
+                            wht128(v, lane);
+                            out.x = pack_f16(fmul(v[0], HAD_SCALE), fmul(v[1], HAD_SCALE));
+                            out.y = pack_f16(fmul(v[2], HAD_SCALE), fmul(v[3], HAD_SCALE));
+                        }
+                        *reinterpret_cast<uint2*>(xs + r * XS::LD + hh * 128 + lane * 4) = out;
+                    }
+                }
             }
         }
         cp_wait<RG::PF - 2>();                             // this thread's copies of stage s are in
@@ -378,7 +400,7 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
 #pragma unroll
         for (int kk = 0; kk < KT_STAGE; ++kk) {
             // B fragments: rotated x rows (8i + g4), columns kx + 2t4 (+1) and kx + 2t4 + 8 (+9)
-            const int kx = ((s & 1) * KT_STAGE + kk) * 16;
+            const int kx = ((s >> 1) % XS::XH) * 128 + ((s & 1) * KT_STAGE + kk) * 16;
             u32 b[MAXT][2];
 #pragma unroll
             for (int i = 0; i < MAXT; ++i) {
