@@ -458,8 +458,17 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
         for (int idx = threadIdx.x; idx < R * BN; idx += 128) {
             const int m = idx / BN, n = idx % BN;
             const float* q = part + (long long)grp * mn + (long long)(m0 + m) * N + col0 + n;
+            // 0 + p_0 + p_1 + ... in order; 8 loads in flight at a time (not one L2 latency a partial)
             float sum = 0.f;
-            for (int c = 0; c < S; ++c) sum = fadd(sum, ld_cg(q + c * sstride));
+            for (int c = 0; c < S; c += 8) {
+                float a[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    if (c + j < S) a[j] = ld_cg(q + (c + j) * sstride);
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    if (c + j < S) sum = fadd(sum, a[j]);
+            }
             yrows[m * XS::YLD + n] = sum;
         }
     } else {
