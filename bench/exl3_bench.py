@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dsv41.model.exl3 import CB_3INST, CB_MUL1, MUL1_MARKER  # noqa: E402
-from kernels.exl3 import (Exl3Weight, cuda_available, exl3_grouped, exl3_grouped_cuda,  # noqa: E402
-                          exl3_linear_cuda, exl3_linear_prompt, exl3_linear_triton, exl3_reconstruct)
+from kernels.exl3 import (CUDA_TARGET_BLOCKS, Exl3Weight, cuda_available, cuda_split,  # noqa: E402
+                          exl3_grouped, exl3_grouped_cuda, exl3_linear_cuda, exl3_linear_prompt, exl3_linear_triton,
+                          exl3_reconstruct)
 
 DEVICE = "cuda"   # a smoke test on CPU (TRITON_INTERPRET=1) swaps this and the shapes
 D, Q_RANK, HEADS_X_DIM, KV, O_GROUPS, O_RANK, INTER, TOPK, N_EXPERTS = 5120, 1280, 32768, 512, 8, 1024, 2304, 6, 384
@@ -216,6 +217,21 @@ def main() -> int:
         del wt
         torch.cuda.empty_cache()
 
+    # the split (blocks per matrix, cuda_split's target) swept at 1 row: the served default is CUDA_TARGET_BLOCKS
+    rows_sweep = []
+    if HAS_CUDA:
+        targets = (132, 264, CUDA_TARGET_BLOCKS, 792, 1584)
+        for name, n_in, n_out, K, cb in LINEARS[:4]:
+            wt = Exl3Weight.from_tensors(parts(n_in, n_out, K, cb, g), DEVICE)
+            x1 = torch.randn(1, n_in, device=DEVICE)
+            ts = [time_graph(lambda tg=tg: exl3_linear_cuda(x1, wt, target=tg)) for tg in targets]
+            rows_sweep.append((name, nbytes(wt) / bw, [(tg, cuda_split(n_in, n_out, tg)[0], t) for tg, t in
+                                                       zip(targets, ts)]))
+            print(f"  split sweep {name}: " + ", ".join(f"target {tg} (S={S}) {t * 1e6:.1f} us"
+                                                       for tg, S, t in rows_sweep[-1][2]), flush=True)
+        del wt
+        torch.cuda.empty_cache()
+
     # prompt pass
     M = args.prompt_rows
     wt = Exl3Weight.from_tensors(parts(D, INTER, 2.5, CB_MUL1, g), DEVICE)
@@ -271,6 +287,13 @@ def main() -> int:
     for name, rows, nb, t_tr, t_cu, ideal, base in rows_lin:
         lines.append(f"| {name} | {rows} | {nb / 1e6:.2f} | {ideal * 1e6:.2f} | {fmt(t_tr)} | {pct(ideal, t_tr)} | "
                      f"{fmt(t_cu)} | {pct(ideal, t_cu)} | {fmt(base)} | {pct(ideal, base)} |")
+    if rows_sweep:
+        lines += ["", f"## CUDA C split sweep at 1 row (blocks per matrix; served: {CUDA_TARGET_BLOCKS})", "",
+                  "| linear | ideal (us) | " + " | ".join(f"target {tg}: S, us, %" for tg, _, _ in rows_sweep[0][2])
+                  + " |", "|---|---|" + "---|" * len(rows_sweep[0][2])]
+        for name, ideal, res in rows_sweep:
+            lines.append(f"| {name} | {ideal * 1e6:.2f} | "
+                         + " | ".join(f"{S}, {t * 1e6:.1f}, {ideal / t * 100:.1f}" for _, S, t in res) + " |")
     if rows_p:
         lines += ["", f"## Prompt pass, M = {M} rows, routed expert 5120 -> 2304 @ 2.5 bpw mul1", "",
                   "| path | time (ms) | TFLOP/s | % of fp16 GEMM |", "|---|---|---|---|"]

@@ -346,10 +346,11 @@ def cuda_kernel_name(K2: int, cb: int, rows: int) -> str:
     return f"exl3_k{K2}_cb{cb}_t{1 if rows <= 8 else 8}"
 
 
-def cuda_split(in_features: int, out_features: int) -> tuple[int, int]:
-    """(S, 128-row input blocks a chunk) of the CUDA kernel: a function of the shape only."""
+def cuda_split(in_features: int, out_features: int, target: int = CUDA_TARGET_BLOCKS) -> tuple[int, int]:
+    """(S, 128-row input blocks a chunk) of the CUDA kernel: a function of the shape only (`target` other than the
+    default: the bench's split sweep)."""
     hb = in_features // 128
-    want = max(1, -(-CUDA_TARGET_BLOCKS // (out_features // CUDA_BLOCK_N)))
+    want = max(1, -(-target // (out_features // CUDA_BLOCK_N)))
     hpc = -(-hb // min(hb, want))
     return -(-hb // hpc), hpc
 
@@ -392,9 +393,10 @@ def _aligned(t: torch.Tensor, n: int = 16) -> torch.Tensor:
 
 
 def exl3_grouped_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor | None, rows: torch.Tensor | None = None,
-                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      out_dtype: torch.dtype = torch.float32, target: int = CUDA_TARGET_BLOCKS) -> torch.Tensor:
     """exl3_grouped on the CUDA C kernel: y[g] = x[g] @ W[ids[g]] (+ bias) for x [G, M, in], one launch; rows
-    >= rows[g] of group g are ignored and their outputs unspecified. ids None: every group multiplies matrix 0."""
+    >= rows[g] of group g are ignored and their outputs unspecified. ids None: every group multiplies matrix 0.
+    `target`: the split's blocks per matrix (cuda_split); only the bench changes it."""
     from kernels import cuda
     if x.dim() != 3 or x.shape[-1] != w.in_features:
         raise Exl3FormatError(f"x must be [G, M, {w.in_features}], got {tuple(x.shape)}")
@@ -415,7 +417,7 @@ def exl3_grouped_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor | None, 
         raise Exl3FormatError("a stack of matrices needs ids")
     if rows is not None:
         rows = rows.to(device=dev, dtype=torch.int32).contiguous()
-    S, hpc = cuda_split(D, N)
+    S, hpc = cuda_split(D, N, target)
     RB = -(-M // CUDA_MAX_ROWS)
     cols = N // CUDA_BLOCK_N
     if G * RB * cols > CUDA_COUNTERS:
@@ -429,12 +431,13 @@ def exl3_grouped_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor | None, 
     return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
-def exl3_linear_cuda(x: torch.Tensor, w: Exl3Weight, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def exl3_linear_cuda(x: torch.Tensor, w: Exl3Weight, out_dtype: torch.dtype = torch.float32,
+                     target: int = CUDA_TARGET_BLOCKS) -> torch.Tensor:
     """y = x @ W (+ bias) for one EXL3 matrix on the CUDA C kernel; any row count, row-invariant."""
     if w.experts != 1:
         raise Exl3FormatError("exl3_linear_cuda takes one matrix; use exl3_grouped_cuda for a stack")
     lead = x.shape[:-1]
-    y = exl3_grouped_cuda(x.reshape(1, -1, x.shape[-1]), w, None, out_dtype=out_dtype)
+    y = exl3_grouped_cuda(x.reshape(1, -1, x.shape[-1]), w, None, out_dtype=out_dtype, target=target)
     return y.reshape(*lead, w.out_features)
 
 
