@@ -225,10 +225,13 @@ def main() -> int:
             wt = Exl3Weight.from_tensors(parts(n_in, n_out, K, cb, g), DEVICE)
             x1 = torch.randn(1, n_in, device=DEVICE)
             ts = [time_graph(lambda tg=tg: exl3_linear_cuda(x1, wt, target=tg)) for tg in targets]
+            tw = {r: time_graph(lambda r=r: exl3_linear_cuda(x1[:1].expand(r, -1).contiguous(), wt, variant="w"))
+                  for r in (1, 8)}
             rows_sweep.append((name, nbytes(wt) / bw, [(tg, cuda_split(n_in, n_out, tg)[0], t) for tg, t in
-                                                       zip(targets, ts)]))
+                                                       zip(targets, ts)], tw))
             print(f"  split sweep {name}: " + ", ".join(f"target {tg} (S={S}) {t * 1e6:.1f} us"
-                                                       for tg, S, t in rows_sweep[-1][2]), flush=True)
+                                                       for tg, S, t in rows_sweep[-1][2])
+                  + f"; warp-ring variant rows 1: {tw[1] * 1e6:.1f} us, rows 8: {tw[8] * 1e6:.1f} us", flush=True)
         del wt
         torch.cuda.empty_cache()
 
@@ -288,12 +291,16 @@ def main() -> int:
         lines.append(f"| {name} | {rows} | {nb / 1e6:.2f} | {ideal * 1e6:.2f} | {fmt(t_tr)} | {pct(ideal, t_tr)} | "
                      f"{fmt(t_cu)} | {pct(ideal, t_cu)} | {fmt(base)} | {pct(ideal, base)} |")
     if rows_sweep:
-        lines += ["", f"## CUDA C split sweep at 1 row (blocks per matrix; served: {CUDA_TARGET_BLOCKS})", "",
+        lines += ["", f"## CUDA C split sweep at 1 row (blocks per matrix; served: {CUDA_TARGET_BLOCKS}), and the "
+                  "warp-ring variant (served split) at 1 and 8 rows", "",
                   "| linear | ideal (us) | " + " | ".join(f"target {tg}: S, us, %" for tg, _, _ in rows_sweep[0][2])
-                  + " |", "|---|---|" + "---|" * len(rows_sweep[0][2])]
-        for name, ideal, res in rows_sweep:
+                  + " | warp ring 1 row: us, % | warp ring 8 rows: us, % |",
+                  "|---|---|" + "---|" * (len(rows_sweep[0][2]) + 2)]
+        for name, ideal, res, tw in rows_sweep:
             lines.append(f"| {name} | {ideal * 1e6:.2f} | "
-                         + " | ".join(f"{S}, {t * 1e6:.1f}, {ideal / t * 100:.1f}" for _, S, t in res) + " |")
+                         + " | ".join(f"{S}, {t * 1e6:.1f}, {ideal / t * 100:.1f}" for _, S, t in res)
+                         + f" | {tw[1] * 1e6:.1f}, {ideal / tw[1] * 100:.1f} | {tw[8] * 1e6:.1f}, "
+                           f"{ideal / tw[8] * 100:.1f} |")
     if rows_p:
         lines += ["", f"## Prompt pass, M = {M} rows, routed expert 5120 -> 2304 @ 2.5 bpw mul1", "",
                   "| path | time (ms) | TFLOP/s | % of fp16 GEMM |", "|---|---|---|---|"]

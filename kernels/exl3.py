@@ -340,10 +340,11 @@ _counters: dict = {}
 _cuda_ok: dict = {}
 
 
-def cuda_kernel_name(K2: int, cb: int, rows: int) -> str:
+def cuda_kernel_name(K2: int, cb: int, rows: int, variant: str = "") -> str:
     """The exl3.cu kernel for rate K2/2, codebook cb and a launch of `rows` rows a group: one row tile of 8 when
-    it holds the rows, else eight (the MMA chain of a row tile is the same instructions in both)."""
-    return f"exl3_k{K2}_cb{cb}_t{1 if rows <= 8 else 8}"
+    it holds the rows, else eight (the MMA chain of a row tile is the same instructions in both). variant "w": the
+    warp-ring form (exl3.cu; rates 2.5 mul1 and 4 3inst/mul1 only, for the bench's comparison)."""
+    return f"exl3{variant}_k{K2}_cb{cb}_t{1 if rows <= 8 else 8}"
 
 
 def cuda_split(in_features: int, out_features: int, target: int = CUDA_TARGET_BLOCKS) -> tuple[int, int]:
@@ -393,10 +394,12 @@ def _aligned(t: torch.Tensor, n: int = 16) -> torch.Tensor:
 
 
 def exl3_grouped_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor | None, rows: torch.Tensor | None = None,
-                      out_dtype: torch.dtype = torch.float32, target: int = CUDA_TARGET_BLOCKS) -> torch.Tensor:
+                      out_dtype: torch.dtype = torch.float32, target: int = CUDA_TARGET_BLOCKS,
+                      variant: str = "") -> torch.Tensor:
     """exl3_grouped on the CUDA C kernel: y[g] = x[g] @ W[ids[g]] (+ bias) for x [G, M, in], one launch; rows
     >= rows[g] of group g are ignored and their outputs unspecified. ids None: every group multiplies matrix 0.
-    `target`: the split's blocks per matrix (cuda_split); only the bench changes it."""
+    `target` (the split's blocks per matrix, cuda_split) and `variant` (cuda_kernel_name): only the bench changes
+    them."""
     from kernels import cuda
     if x.dim() != 3 or x.shape[-1] != w.in_features:
         raise Exl3FormatError(f"x must be [G, M, {w.in_features}], got {tuple(x.shape)}")
@@ -424,7 +427,7 @@ def exl3_grouped_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor | None, 
         raise Exl3FormatError(f"a launch of {G * RB * cols} column blocks exceeds the {CUDA_COUNTERS} counters")
     part = torch.empty((S, G, M, N), dtype=torch.float32, device=dev) if S > 1 else y
     words = _aligned(w.trellis).view(torch.int32)
-    fn = cuda.function("exl3.cu", cuda_kernel_name(w.K2, w.cb, M), dev.index)
+    fn = cuda.function("exl3.cu", cuda_kernel_name(w.K2, w.cb, M, variant), dev.index)
     cuda.launch(fn, (cols, S, G * RB), 128,
                 [x, words, w.trellis[0].numel() // 2, _aligned(w.suh, 8), _aligned(w.svh, 8),
                  None if w.bias is None else _aligned(w.bias, 8), ids, rows, y, part, _counter(dev), M, N, D, hpc, S])
@@ -432,12 +435,13 @@ def exl3_grouped_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor | None, 
 
 
 def exl3_linear_cuda(x: torch.Tensor, w: Exl3Weight, out_dtype: torch.dtype = torch.float32,
-                     target: int = CUDA_TARGET_BLOCKS) -> torch.Tensor:
+                     target: int = CUDA_TARGET_BLOCKS, variant: str = "") -> torch.Tensor:
     """y = x @ W (+ bias) for one EXL3 matrix on the CUDA C kernel; any row count, row-invariant."""
     if w.experts != 1:
         raise Exl3FormatError("exl3_linear_cuda takes one matrix; use exl3_grouped_cuda for a stack")
     lead = x.shape[:-1]
-    y = exl3_grouped_cuda(x.reshape(1, -1, x.shape[-1]), w, None, out_dtype=out_dtype, target=target)
+    y = exl3_grouped_cuda(x.reshape(1, -1, x.shape[-1]), w, None, out_dtype=out_dtype, target=target,
+                          variant=variant)
     return y.reshape(*lead, w.out_features)
 
 

@@ -276,3 +276,15 @@ def test_agrees_with_exllamav3_fixtures():
             assert (y - ref).abs().max() <= 4e-3 * ref.abs().max() + 1e-3, name
             forwards += 1
     assert forwards >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K,cb", [(2.5, CB_MUL1), (4, CB_3INST), (4, CB_MUL1)])
+def test_warp_ring_variant_gives_the_same_bits(K, cb):
+    """The bench's warp-ring variant (no block barrier in the decode loop) runs the same arithmetic: same bits."""
+    _cuda_or_skip()
+    from kernels.exl3 import Exl3Weight, exl3_linear_cuda
+    w = Exl3Weight.from_tensors(_parts(5120, 1280, K, cb, seed=11, bias=True), "cuda")
+    x = torch.randn(20, 5120, device="cuda")
+    for n in (1, 8, 20):
+        assert torch.equal(exl3_linear_cuda(x[:n], w, variant="w"), exl3_linear_cuda(x[:n], w)), n

@@ -282,7 +282,10 @@ struct Xs {
 // Grid (N / 128, S, G * RB), 128 threads. x [G, M, D] fp32; words: the int16 trellis of the stack as u32 words,
 // expert e at e * ew; suh [E, D], svh [E, N], bias [E, N] (or null) fp16; ids [G], rows [G] (or null: M); y [G, M, N]
 // fp32; part [S, G, M, N]; cnt [G * RB * N / 128] zeros. hpc: 128-row input blocks per split chunk.
-template <int K2, int CB, int MAXT>
+// WR (a variant the bench compares): each warp streams its own two n-tiles through its own quarter of the ring and
+// waits for its own copies (cp.async.wait_group + __syncwarp), so the decode loop has no block barrier; the
+// barriers are left to the input rotations.
+template <int K2, int CB, int MAXT, bool WR>
 DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, int ew, const u16* __restrict__ suh,
                     const u16* __restrict__ svh, const u16* __restrict__ bias, const int* __restrict__ ids,
                     const int* __restrict__ rows, float* __restrict__ y, float* __restrict__ part,
@@ -325,12 +328,24 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     auto issue = [&](int s) {
         if (s < nst) {
             const int kt0 = h_lo * 8 + s * KT_STAGE;
-            const u32 dst = ring + (s % RG::PF) * RG::STAGE;
-            for (int c = threadIdx.x; c < RG::CHUNKS; c += 128) {
-                constexpr int PER_KT = (BN / 16) * K2;      // 16-byte chunks a k-tile's run
-                const int kk = c / PER_KT, o = c % PER_KT;
-                const u8* src = reinterpret_cast<const u8*>(wexp + ((long long)(kt0 + kk) * NT + nt0) * R_::NW) + o * 16;
-                cp16(dst + c * 16, src);
+            if (WR) {
+                // this warp's runs: 4 k-tiles x its 2 n-tiles (2 K2 chunks a k-tile), into its quarter of the slot
+                const u32 dst = ring + (s % RG::PF) * RG::STAGE + warp * (RG::STAGE / 4);
+                for (int c = lane; c < 8 * K2; c += 32) {
+                    const int kk = c / (2 * K2), o = c % (2 * K2);
+                    const u8* src = reinterpret_cast<const u8*>(wexp + ((long long)(kt0 + kk) * NT + nt0 + 2 * warp)
+                                                                * R_::NW) + o * 16;
+                    cp16(dst + c * 16, src);
+                }
+            } else {
+                const u32 dst = ring + (s % RG::PF) * RG::STAGE;
+                for (int c = threadIdx.x; c < RG::CHUNKS; c += 128) {
+                    constexpr int PER_KT = (BN / 16) * K2;      // 16-byte chunks a k-tile's run
+                    const int kk = c / PER_KT, o = c % PER_KT;
+                    const u8* src = reinterpret_cast<const u8*>(wexp + ((long long)(kt0 + kk) * NT + nt0) * R_::NW)
+                                    + o * 16;
+                    cp16(dst + c * 16, src);
+                }
             }
         }
         cp_commit();
@@ -393,10 +408,16 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
                 }
             }
         }
-        cp_wait<RG::PF - 2>();                             // this thread's copies of stage s are in
-        __syncthreads();                                   // everyone's, and the rotated x; slot (s-1) % PF is free
+        if (WR) {
+            if ((s & 1) == 0 && (s >> 1) % XS::XH == 0) __syncthreads();    // the rotated x is written
+            cp_wait<RG::PF - 2>();                         // this lane's copies of stage s are in
+            __syncwarp();                                  // the warp's; its slot (s-1) % PF is free
+        } else {
+            cp_wait<RG::PF - 2>();                         // this thread's copies of stage s are in
+            __syncthreads();                               // everyone's, and the rotated x; slot (s-1) % PF is free
+        }
         issue(s + RG::PF - 1);
-        const u32* st_base = ring_w + (s % RG::PF) * (RG::STAGE / 4);
+        const u32* st_base = ring_w + (s % RG::PF) * (RG::STAGE / 4) + (WR ? warp * (RG::STAGE / 16) : 0);
 #pragma unroll
         for (int kk = 0; kk < KT_STAGE; ++kk) {
             // B fragments: rotated x rows (8i + g4), columns kx + 2t4 (+1) and kx + 2t4 + 8 (+9)
@@ -412,7 +433,7 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
             }
 #pragma unroll
             for (int nn = 0; nn < 2; ++nn) {
-                const u32* tile = st_base + (kk * (BN / 16) + 2 * warp + nn) * R_::NW;
+                const u32* tile = st_base + (WR ? kk * 2 + nn : kk * (BN / 16) + 2 * warp + nn) * R_::NW;
                 u32 W[R_::NWL], frag[4];
 #pragma unroll
                 for (int q = 0; q < R_::NWL; ++q) W[q] = tile[woff[q]];
@@ -514,12 +535,13 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     }
 }
 
-#define EXL3_KERNEL(K2, CB, T)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(128) exl3_k##K2##_cb##CB##_t##T(                                   \
+#define EXL3_KERNEL_V(P, WR, K2, CB, T)                                                                             \
+    extern "C" __global__ void __launch_bounds__(128) P##_k##K2##_cb##CB##_t##T(                                    \
         const float* x, const u32* words, int ew, const u16* suh, const u16* svh, const u16* bias, const int* ids,  \
         const int* rows, float* y, float* part, int* cnt, int M, int N, int D, int hpc, int S) {                    \
-        exl3_body<K2, CB, T>(x, words, ew, suh, svh, bias, ids, rows, y, part, cnt, M, N, D, hpc, S);               \
+        exl3_body<K2, CB, T, WR>(x, words, ew, suh, svh, bias, ids, rows, y, part, cnt, M, N, D, hpc, S);           \
     }
+#define EXL3_KERNEL(K2, CB, T) EXL3_KERNEL_V(exl3, false, K2, CB, T)
 #define EXL3_ROWS(K2, CB) EXL3_KERNEL(K2, CB, 1) EXL3_KERNEL(K2, CB, 8)
 #define EXL3_CODEBOOKS(K2) EXL3_ROWS(K2, 0) EXL3_ROWS(K2, 1) EXL3_ROWS(K2, 2)
 // integer rates 1..8 with every codebook; 1.5, 2.5, 3.5 (mul1 only)
@@ -534,5 +556,9 @@ EXL3_CODEBOOKS(16)
 EXL3_ROWS(3, 2)
 EXL3_ROWS(5, 2)
 EXL3_ROWS(7, 2)
+// the warp-ring variant at the reference pack's main rates (bench comparison)
+EXL3_KERNEL_V(exl3w, true, 5, 2, 1) EXL3_KERNEL_V(exl3w, true, 5, 2, 8)
+EXL3_KERNEL_V(exl3w, true, 8, 0, 1) EXL3_KERNEL_V(exl3w, true, 8, 0, 8)
+EXL3_KERNEL_V(exl3w, true, 8, 2, 1) EXL3_KERNEL_V(exl3w, true, 8, 2, 8)
 
 #endif  // !EXL3_HOST_TEST
