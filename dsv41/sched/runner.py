@@ -3,7 +3,10 @@ logits the plan asks for.
 
 The runner is the only caller of Model.forward. It owns the sequence table (seq id -> SeqState, SamplingParams) and
 applies the plan's state ops before the forward. It runs in a worker thread (the scheduler's executor), never on the
-event loop. A follower rank runs the same code on the plans it receives, so it samples alike.
+event loop. The grammar masks of the round are filled on the host in a second thread while the forward runs; the
+logits stay on the model's device, where every wanted row of the round is drawn at once (sampler.sample_rows, the
+masks applied there), and only the token ids and the logprobs asked for come back. A follower rank runs the same code
+on the plans it receives but draws nothing: only rank 0's draws count, and its decisions reach the followers.
 
 Speculative decoding (docs/drafts.md): a decode row may carry draft tokens, `[pending, d1..dn]` with the logits of
 every row wanted. The runner marks the state, runs the rows with the rest of the round, draws each row's token with
@@ -16,13 +19,14 @@ and drafts alike even where only rank 0 has the grammar masks.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import torch
 
 from dsv41.comm.plan import DropState, FreeSeq, NewSeq, RestoreState, Rollback, SaveState, StepPlan
 from dsv41.sched.kept import KeptStates
-from dsv41.sched.sampler import Sample, SamplingParams, sample_row
+from dsv41.sched.sampler import Sample, SamplingParams, sample_rows
 
 _params_decoder = msgspec.msgpack.Decoder(SamplingParams)
 
@@ -61,6 +65,8 @@ class ModelRunner:
         self.kept = KeptStates()                  # kept prompt states (snapshots), key -> SeqState
         layout = getattr(model, "layout", None)
         self.ratios = {r.index: r.ratio for r in layout.layers if r.owns_compressor} if layout else {}
+        self.vocab = int(getattr(getattr(model, "t", None), "vocab_size", 0) or 0)
+        self._masker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-masks")
 
     def execute(self, plan: StepPlan, matchers: dict | None = None, images: dict | None = None) -> RoundResult:
         """Apply the plan's ops, run its rows in one forward, draw a token for each row whose logits it asks for.
@@ -119,26 +125,32 @@ class ModelRunner:
         accepted: dict[int, int] = {}
         drafts: dict[int, tuple[list[int], list[float]]] = {}
         draft_s = 0.0
+        lasts: dict[int, int] = {}
         if inputs:
-            with torch.no_grad():
-                outs = _to_host(self.model.forward(inputs))
-            wanted = [(r, out) for r, out in zip(plan.rows, outs) if r.logits]
-            rows = [out for _, out in wanted]
-            ms = [matchers.get(r.seq) for r, _ in wanted] if matchers else []
+            wanted = [r for r in plan.rows if r.logits]
+            ms = [matchers.get(r.seq) for r in wanted] if matchers and not self.follower else []
+            masking = None
             if any(m is not None for m in ms):
-                t1 = time.perf_counter()
-                rows = self._mask(wanted, ms)
-                self.grammar_seconds += time.perf_counter() - t1
-            decisions = []
-            for k, ((r, _), row) in enumerate(zip(wanted, rows)):
-                m = ms[k] if ms else None
-                got = self._draw(r, row, m, errors)
-                samples += [(r.seq, s) for s in got]
-                # (accepted drafts, the token to draft after; -1: none, the grammar ended the reply)
-                decisions.append((max(len(got) - 1, 0), -1 if r.seq in errors else got[-1].token_id))
+                # the masks depend only on the matchers' states and the plan: filled while the forward runs
+                masking = self._masker.submit(self._masks, wanted, ms)
+            with torch.no_grad():
+                outs = self.model.forward(inputs)
+            bitmask = masking.result() if masking is not None else None
+            if self.follower:
+                # only rank 0's draws count (its grammar masks exist only there): its decisions arrive in _agree
+                decisions = [(0, 0)] * len(wanted)
+            else:
+                decisions = []
+                draws = self._draw_all(wanted, [o for r, o in zip(plan.rows, outs) if r.logits], bitmask)
+                for k, (r, row_draws) in enumerate(zip(wanted, draws)):
+                    got = self._accept(r, row_draws, ms[k] if ms else None, errors)
+                    samples += [(r.seq, s) for s in got]
+                    # (accepted drafts, the token to draft after; -1: none, the grammar ended the reply)
+                    decisions.append((max(len(got) - 1, 0), -1 if r.seq in errors else got[-1].token_id))
             decisions = self._agree(decisions)
+            lasts = {r.seq: last for r, (_, last) in zip(wanted, decisions) if last >= 0}
             ahead = []
-            for (r, _), (a, last) in zip(wanted, decisions):
+            for r, (a, last) in zip(wanted, decisions):
                 st = self.states[r.seq]
                 if len(r.logits) > 1:
                     accepted[r.seq] = a
@@ -158,22 +170,42 @@ class ModelRunner:
             self._kept_op(plan, op)
         read_ahead = getattr(self.model, "engram_read_ahead", None)
         if read_ahead is not None:  # each sequence's last drawn token is its next decode row: read its Engram rows now
-            for seq, s in dict(samples).items():
+            for seq, last in lasts.items():
                 st = self.states[seq]
-                read_ahead(st.engram_history[-3:], st.length, torch.tensor([s.token_id]))
+                read_ahead(st.engram_history[-3:], st.length, torch.tensor([last]))
         return RoundResult(plan.round, samples, time.perf_counter() - t0, errors, accepted, drafts, draft_s)
 
-    def _draw(self, r, rows: torch.Tensor, m, errors: dict[int, str]) -> list[Sample]:
-        """The tokens a row group yields: its last row's draw, or for a verify row [pending, d1..dn] the draws of
-        rows 0.. while each equals the next draft token, then the first that differs (the bonus) or the draw after
-        the last draft. Each draw is what serial decoding draws at that position; the matcher consumes them."""
-        params = self.params[r.seq]
+    def _draw_all(self, wanted: list, outs: list[torch.Tensor], bitmask) -> list[list[Sample]]:
+        """Every wanted row of the round drawn at once on the logits' device (sampler.sample_rows): a verify row
+        group [pending, d1..dn] gives a draw per row, each what serial decoding draws at that position."""
+        if not outs:                # prompt chunks only
+            return []
+        positions, params, replies = [], [], []
+        for r, out in zip(wanted, outs):
+            p = self.params[r.seq]
+            n = out.shape[0]
+            rep = self.replies.get(r.seq, ())
+            for j in range(n):
+                pos = r.start + len(r.ids) - n + j + 1
+                positions.append(pos)
+                params.append(p)
+                replies.append(rep[:max(0, pos - p.prompt_len)] if p.adjusts else ())
+        logits = torch.cat(outs) if len(outs) > 1 else outs[0]
+        got = sample_rows(logits, positions, params, replies, bitmask)
+        groups, at = [], 0
+        for out in outs:
+            groups.append(got[at:at + out.shape[0]])
+            at += out.shape[0]
+        return groups
+
+    @staticmethod
+    def _accept(r, draws: list[Sample], m, errors: dict[int, str]) -> list[Sample]:
+        """The tokens a row group yields: its last row's draw, or for a verify row the draws of rows 0.. while each
+        equals the next draft token, then the first that differs (the bonus) or the draw after the last draft. The
+        matcher consumes them."""
         out = []
-        n = rows.shape[0]
-        rep = self.replies.get(r.seq, ())
-        for j in range(n):
-            pos = r.start + len(r.ids) - n + j + 1
-            s = sample_row(rows[j], pos, params, rep[:max(0, pos - params.prompt_len)] if params.adjusts else ())
+        n = len(draws)
+        for j, s in enumerate(draws):
             if m is not None and not m.consume(s.token_id):
                 errors[r.seq] = f"the grammar refused token {s.token_id}: {m.error}"
                 break
@@ -218,32 +250,33 @@ class ModelRunner:
         else:
             raise PlanError(f"round {plan.round}: state op {type(op).__name__} is not served yet")
 
-    @staticmethod
-    def _mask(wanted: list, ms: list) -> list[torch.Tensor]:
-        """Logits rows with what each row's grammar forbids set to -inf (rows without a matcher untouched). A verify
-        row's rows get the masks after each draft prefix (the scheduler cut the draft to what the grammar allows)."""
-        from dsv41.grammar.matchers import allocate_bitmask, apply_mask, fill_draft_masks, fill_masks
-        logits = torch.cat([out for _, out in wanted]).float().clone()
-        bitmask = allocate_bitmask(logits.shape[0], logits.shape[1])
-        plain, drafted, at = [], [], []
+    def _masks(self, wanted: list, ms: list) -> torch.Tensor:
+        """The round's grammar bitmask (host int32, a row per wanted logits row; rows without a matcher allow every
+        token), sampler.sample_rows applies it on the device. A verify row's rows get the masks after each draft
+        prefix (the scheduler cut the draft to what the grammar allows). Runs in the mask thread during the forward."""
+        from dsv41.grammar.matchers import VOCAB, allocate_bitmask, fill_draft_masks, fill_masks
+        t0 = time.perf_counter()
+        vocab = self.vocab or VOCAB
+        sizes = [len(r.logits) for r in wanted]
+        bitmask = allocate_bitmask(sum(sizes), vocab)
+        plain, drafted = [], []
         row = 0
-        for (r, out), m in zip(wanted, ms):
-            at.append(row)
+        for r, m, n in zip(wanted, ms, sizes):
             if m is not None:
-                if out.shape[0] > 1:
-                    drafted.append((m, row, r.ids[len(r.ids) - out.shape[0] + 1:]))
+                if n > 1:
+                    drafted.append((m, row, r.ids[len(r.ids) - n + 1:]))
                 else:
                     plain.append((m, row))
-            row += out.shape[0]
+            row += n
         if plain:
-            sub = allocate_bitmask(len(plain), logits.shape[1])
+            sub = allocate_bitmask(len(plain), vocab)
             fill_masks([m for m, _ in plain], sub)
             for k, (_, row) in enumerate(plain):
                 bitmask[row] = sub[k]
         if drafted:
             fill_draft_masks(drafted, bitmask)
-        apply_mask(logits, bitmask)
-        return [logits[a:a + out.shape[0]] for a, (_, out) in zip(at, wanted)]
+        self.grammar_seconds += time.perf_counter() - t0
+        return bitmask
 
     def drop(self, seqs: list[int]) -> None:
         """Forget sequences whose state may be half-advanced (a failed forward)."""
@@ -255,9 +288,3 @@ class ModelRunner:
     def state_bytes(self) -> int:
         return sum(int(st.nbytes()) for st in self.states.values())
 
-
-def _to_host(outs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A GPU forward's logits copied to the host in one transfer: sampling and grammar masks run there."""
-    if not outs or outs[0].device.type == "cpu":
-        return outs
-    return list(torch.cat(outs).cpu().split([o.shape[0] for o in outs]))
