@@ -400,7 +400,6 @@ def exl3_grouped_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor | None, 
     >= rows[g] of group g are ignored and their outputs unspecified. ids None: every group multiplies matrix 0.
     `target` (the split's blocks per matrix, cuda_split) and `variant` (cuda_kernel_name): only the bench changes
     them."""
-    from kernels import cuda
     if x.dim() != 3 or x.shape[-1] != w.in_features:
         raise Exl3FormatError(f"x must be [G, M, {w.in_features}], got {tuple(x.shape)}")
     if w.K2 not in _K2_CUDA:
@@ -426,12 +425,44 @@ def exl3_grouped_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor | None, 
     if G * RB * cols > CUDA_COUNTERS:
         raise Exl3FormatError(f"a launch of {G * RB * cols} column blocks exceeds the {CUDA_COUNTERS} counters")
     part = torch.empty((S, G, M, N), dtype=torch.float32, device=dev) if S > 1 else y
-    words = _aligned(w.trellis).view(torch.int32)
-    fn = cuda.function("exl3.cu", cuda_kernel_name(w.K2, w.cb, M, variant), dev.index)
-    cuda.launch(fn, (cols, S, G * RB), 128,
-                [x, words, w.trellis[0].numel() // 2, _aligned(w.suh, 8), _aligned(w.svh, 8),
-                 None if w.bias is None else _aligned(w.bias, 8), ids, rows, y, part, _counter(dev), M, N, D, hpc, S])
+    _launch(x, w, ids, rows, None, y, part, M, N, D, S, hpc, G * RB, variant)
     return y if out_dtype == torch.float32 else y.to(out_dtype)
+
+
+def _launch(x, w, ids, rows, xmap, y, part, M, N, D, S, hpc, z, variant=""):
+    from kernels import cuda
+    dev = x.device
+    fn = cuda.function("exl3.cu", cuda_kernel_name(w.K2, w.cb, M, variant), dev.index)
+    cuda.launch(fn, (N // CUDA_BLOCK_N, S, z), 128,
+                [x, _aligned(w.trellis).view(torch.int32), w.trellis[0].numel() // 2, _aligned(w.suh, 8),
+                 _aligned(w.svh, 8), None if w.bias is None else _aligned(w.bias, 8), ids, rows, xmap, y, part,
+                 _counter(dev), M, N, D, hpc, S])
+
+
+def exl3_runs_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor, rows: torch.Tensor, xmap: torch.Tensor,
+                   max_rows: int) -> torch.Tensor:
+    """The CUDA C kernel in run mode, for a round's routed experts without a host sync: G positions; position g
+    starts a run of rows[g] positions (0: none) multiplied by matrix ids[g] of the stack, position q reading row
+    xmap[q] of x [*, in]; y [G, out] (fp32), rows of positions in no run unspecified. max_rows >= every rows[g] (a
+    host bound such as G: it picks the kernel and the row blocks, never the arithmetic). Each position's result
+    has the bits of the same row through exl3_grouped_cuda / exl3_linear_cuda."""
+    if x.dim() != 2 or x.shape[-1] != w.in_features:
+        raise Exl3FormatError(f"x must be [*, {w.in_features}], got {tuple(x.shape)}")
+    G, D, N = ids.shape[0], w.in_features, w.out_features
+    dev = x.device
+    y = torch.empty((G, N), dtype=torch.float32, device=dev)
+    if G == 0:
+        return y
+    M = max(1, int(max_rows))
+    S, hpc = cuda_split(D, N)
+    RB = -(-M // CUDA_MAX_ROWS)
+    if G * RB * (N // CUDA_BLOCK_N) > CUDA_COUNTERS:
+        raise Exl3FormatError(f"a launch of {G * RB * (N // CUDA_BLOCK_N)} column blocks exceeds the counters")
+    part = torch.empty((S, G, N), dtype=torch.float32, device=dev) if S > 1 else y
+    i32 = dict(device=dev, dtype=torch.int32)
+    _launch(_aligned(x.float()), w, ids.to(**i32).contiguous(), rows.to(**i32).contiguous(),
+            xmap.to(**i32).contiguous(), y, part, M, N, D, S, hpc, G * RB)
+    return y
 
 
 def exl3_linear_cuda(x: torch.Tensor, w: Exl3Weight, out_dtype: torch.dtype = torch.float32,
@@ -456,7 +487,13 @@ __all__ = [
     "exl3_grouped",
     "exl3_grouped_cuda",
     "exl3_linear_cuda",
+    "exl3_runs_cuda",
     "exl3_linear_prompt",
     "exl3_linear_triton",
     "exl3_reconstruct",
 ]
+
+
+# exl3_routed (dsv41/model/exl3_load.py) takes the op set's grouped kernel; the CUDA C one also offers run mode,
+# which lets it route a round's experts without waiting for the device
+exl3_grouped_cuda.runs = exl3_runs_cuda

@@ -137,6 +137,37 @@ def test_kernel_source_names_every_launched_kernel():
         assert t in (1, 8)
 
 
+def test_routed_runs_bookkeeping_on_cpu():
+    """The sync-free routed path's bookkeeping (pairs sorted by expert, runs, positions, other ranks' pairs zeroed,
+    slots back in slot order) with a stand-in run-mode kernel made of the Triton grouped kernel run by run
+    (interpreted on the CPU): bitwise exl3_routed's grouped path."""
+    pytest.importorskip("triton")
+    from dsv41.model.exl3_load import Exl3ExpertStack, _routed_runs, exl3_routed
+    from kernels.exl3 import Exl3Weight, exl3_grouped
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    H, I, E = 128, 128, 3
+    w13 = Exl3Weight.from_tensors([_parts(H, I, 2.5, CB_MUL1, seed=80 + j) for j in range(2 * E)], dev)
+    w2 = Exl3Weight.from_tensors([_parts(I, H, 2.5, CB_MUL1, seed=90 + j) for j in range(E)], dev)
+    stack = Exl3ExpertStack(w13, w2, torch.tensor([1, -1, 2, 0], device=dev))
+
+    def runs(x, w, ids, rows, xmap, max_rows):
+        y = torch.full((ids.shape[0], w.out_features), float("nan"), device=x.device)
+        for g in range(ids.shape[0]):
+            r = int(rows[g])
+            assert r <= max_rows
+            if r:
+                y[g:g + r] = exl3_grouped(x[xmap[g:g + r].long()].float()[None], w, ids[g:g + 1].int())[0]
+        return y
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, H, generator=g).to(dev)
+    ids = torch.tensor([[0, 1, 2], [2, 2, 3], [1, 1, 1], [3, 0, 2], [0, 0, 1]], device=dev)
+    weights = torch.rand(5, 3, generator=g).to(dev)
+    got = _routed_runs(stack, x, weights, ids, 7.0, runs)
+    assert torch.equal(got, exl3_routed(stack, x, weights, ids, 7.0))
+    assert torch.equal(_routed_runs(stack, x[2:3], weights[2:3], ids[2:3], 7.0, runs), torch.zeros_like(got[2:3]))
+
+
 # ---- GPU -------------------------------------------------------------------------------------------------------
 
 def _cuda_or_skip():
@@ -288,3 +319,44 @@ def test_warp_ring_variant_gives_the_same_bits(K, cb):
     x = torch.randn(20, 5120, device="cuda")
     for n in (1, 8, 20):
         assert torch.equal(exl3_linear_cuda(x[:n], w, variant="w"), exl3_linear_cuda(x[:n], w)), n
+
+
+@pytest.mark.gpu
+def test_routed_runs_without_a_sync_equal_the_grouped_path():
+    """exl3_routed on the CUDA op set runs the run-mode kernel (no host sync, graph-capturable): bitwise the
+    grouped path's result (the same kernel per pair, slots in slot order), a row alone == in the batch, other
+    ranks' experts contribute nothing, and a CUDA graph replays it."""
+    _cuda_or_skip()
+    from dsv41.model.exl3_load import Exl3ExpertStack, exl3_routed
+    from kernels.exl3 import Exl3Weight, exl3_grouped_cuda
+    H, I, E = 512, 256, 5
+    w13 = Exl3Weight.from_tensors([_parts(H, I, 2.5, CB_MUL1, seed=40 + j) for j in range(2 * E)], "cuda")
+    w2 = Exl3Weight.from_tensors([_parts(I, H, 2.5, CB_MUL1, seed=60 + j) for j in range(E)], "cuda")
+    local = torch.tensor([-1, 0, 1, 2, -1, 3, 4], device="cuda")          # 7 experts, 2 on another rank
+    stack = Exl3ExpertStack(w13, w2, local)
+
+    def grouped_only(*a, **k):                                            # the same kernel, no run mode
+        return exl3_grouped_cuda(*a, **k)
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(12, H, generator=g).cuda()
+    ids = torch.randint(0, 7, (12, 3), generator=g).cuda()
+    weights = torch.rand(12, 3, generator=g).cuda()
+    full = exl3_routed(stack, x, weights, ids, 7.0, exl3_grouped_cuda)
+    assert torch.isfinite(full).all()
+    assert torch.equal(full, exl3_routed(stack, x, weights, ids, 7.0, grouped_only))
+    for a, b in ((0, 1), (3, 5), (5, 12)):
+        assert torch.equal(exl3_routed(stack, x[a:b], weights[a:b], ids[a:b], 7.0, exl3_grouped_cuda), full[a:b])
+    none = torch.zeros_like(ids)                                          # expert 0 is another rank's
+    assert torch.equal(exl3_routed(stack, x, weights, none, 7.0, exl3_grouped_cuda), torch.zeros_like(full))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        exl3_routed(stack, x, weights, ids, 7.0, exl3_grouped_cuda)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = exl3_routed(stack, x, weights, ids, 7.0, exl3_grouped_cuda)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, full)

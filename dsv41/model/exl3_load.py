@@ -388,6 +388,9 @@ def exl3_routed(stack: Exl3ExpertStack, x: torch.Tensor, weights: torch.Tensor, 
     from dsv41.model.linear import silu
     if grouped is None:
         from kernels.exl3 import exl3_grouped as grouped
+    runs = getattr(grouped, "runs", None)
+    if runs is not None:
+        return _routed_runs(stack, x, weights, ids, limit, runs)
     exl3_grouped = grouped
     n, top_k = ids.shape
     H = x.shape[1]
@@ -414,6 +417,44 @@ def exl3_routed(stack: Exl3ExpertStack, x: torch.Tensor, weights: torch.Tensor, 
         y = exl3_grouped(h, stack.w2, used.to(torch.int32), rows)
         slots[pair] = y[group, pos]
     slots = slots.view(n, top_k, H)
+    out = slots[:, 0]
+    for j in range(1, top_k):
+        out = out + slots[:, j]
+    return out
+
+
+def _routed_runs(stack: Exl3ExpertStack, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float,
+                 runs) -> torch.Tensor:
+    """exl3_routed through a run-mode kernel (kernels.exl3.exl3_runs_cuda), with no host sync (a CUDA graph can
+    hold it): the (row, slot) pairs sorted by stack index on the device, each expert's pairs one run of consecutive
+    positions (w1 and w3 of all runs in one launch, then w2), other ranks' pairs in no run and zeroed. Every pair's
+    gate, up, h and output are the same operations as exl3_routed's through the same kernel (same bits), the
+    slots summed in slot order."""
+    from dsv41.model.linear import silu
+    n, top_k = ids.shape
+    P = n * top_k
+    E = stack.w2.experts
+    dev = x.device
+    local = stack.local[ids].reshape(-1)
+    key = torch.where(local >= 0, local, E)                       # another rank's pair sorts last, in no run
+    sk, order = torch.sort(key, stable=True)
+    pos = torch.arange(P, device=dev)
+    first = torch.ones(P, dtype=torch.bool, device=dev)
+    first[1:] = sk[1:] != sk[:-1]
+    starts = torch.where(first, pos, P)
+    nxt = torch.cat([starts.flip(0).cummin(0).values.flip(0)[1:], starts.new_full((1,), P)])   # next run's start
+    mine = sk < E
+    rows = torch.where(first & mine, nxt - pos, 0).to(torch.int32)
+    e = torch.where(mine, sk, 0)
+    xmap = (order // top_k).to(torch.int32)
+    gu = runs(x, stack.w13, torch.cat([2 * e, 2 * e + 1]), torch.cat([rows, rows]), torch.cat([xmap, xmap]), P)
+    gate = torch.clamp(gu[:P], max=limit)
+    up = torch.clamp(gu[P:], min=-limit, max=limit)
+    h = silu(gate) * up
+    h = h * weights.reshape(-1)[order][:, None]
+    y = runs(h, stack.w2, e, rows, pos.to(torch.int32), P)
+    y = torch.where(mine[:, None], y, 0.0)
+    slots = torch.empty_like(y).index_copy_(0, order, y).view(n, top_k, -1)
     out = slots[:, 0]
     for j in range(1, top_k):
         out = out + slots[:, j]

@@ -282,13 +282,17 @@ struct Xs {
 // Grid (N / 128, S, G * RB), 128 threads. x [G, M, D] fp32; words: the int16 trellis of the stack as u32 words,
 // expert e at e * ew; suh [E, D], svh [E, N], bias [E, N] (or null) fp16; ids [G], rows [G] (or null: M); y [G, M, N]
 // fp32; part [S, G, M, N]; cnt [G * RB * N / 128] zeros. hpc: 128-row input blocks per split chunk.
+// Run mode (xmap [G] given; the routed experts of a round without a host sync): group g is the run of rows[g]
+// consecutive positions g, g+1, ... (0 rows: nothing), position q reads x's row xmap[q] (x [*, D]) and writes y's
+// row q (y [G, N], part [S, G, N]); M bounds rows[g].
 // WR (a variant the bench compares): each warp streams its own two n-tiles through its own quarter of the ring and
 // waits for its own copies (cp.async.wait_group + __syncwarp), so the decode loop has no block barrier; the
 // barriers are left to the input rotations.
 template <int K2, int CB, int MAXT, bool WR>
 DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, int ew, const u16* __restrict__ suh,
                     const u16* __restrict__ svh, const u16* __restrict__ bias, const int* __restrict__ ids,
-                    const int* __restrict__ rows, float* __restrict__ y, float* __restrict__ part,
+                    const int* __restrict__ rows, const int* __restrict__ xmap, float* __restrict__ y,
+                    float* __restrict__ part,
                     int* __restrict__ cnt, int M, int N, int D, int hpc, int S) {
     typedef Rate<K2> R_;
     typedef Ring<K2> RG;
@@ -316,7 +320,10 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     const int HB = D >> 7;
     const int h_lo = blockIdx.y * hpc, h_hi = min(HB, h_lo + hpc);
     const int nst = (h_hi - h_lo) * (128 / 16 / KT_STAGE);
-    const float* xg = x + ((long long)grp * M + m0) * D;
+    // rows in the flat row space of x (through xmap in run mode), y and the partials: group grp's row m is
+    // grp * M + m, or in run mode (xmap given: a group is a run of consecutive rows) grp + m, x's row xmap[grp + m]
+    const long long row0 = xmap ? (long long)grp + m0 : (long long)grp * M + m0;
+    const long long TOT = xmap ? (long long)(gridDim.z / RB) : (long long)(gridDim.z / RB) * M;
 
     const u32 ring = smem_addr(smem);
     u16* xs = reinterpret_cast<u16*>(smem + RING_BYTES);
@@ -385,8 +392,10 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
                     const int p = p0 + b, hh = p / nrw, r = warp + 4 * (p % nrw);
                     if (p < pairs) {
                         sv[b] = *reinterpret_cast<const uint2*>(su + (hg + hh) * 128 + lane * 4);
-                        if (r < R)
-                            xv[b] = *reinterpret_cast<const float4*>(xg + (long long)r * D + (hg + hh) * 128 + lane * 4);
+                        if (r < R) {
+                            const long long xr = xmap ? (long long)xmap[row0 + r] : row0 + r;
+                            xv[b] = *reinterpret_cast<const float4*>(x + xr * D + (hg + hh) * 128 + lane * 4);
+                        }
                     }
                 }
 #pragma unroll
@@ -448,10 +457,9 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
 
     // C fragment of n-tile nn, row tile i: (col n = 16(2w+nn) + g4 (+8 for r >= 2), row 8i + 2t4 + (r & 1))
     float* yrows = reinterpret_cast<float*>(smem);
-    const long long mn = (long long)M * N;
     const int col0 = blockIdx.x * BN;
     if (S > 1) {
-        float* p = part + (long long)blockIdx.y * ((long long)(gridDim.z / RB) * mn) + (long long)grp * mn;
+        float* p = part + ((long long)blockIdx.y * TOT + row0) * N;
 #pragma unroll
         for (int nn = 0; nn < 2; ++nn)
 #pragma unroll
@@ -460,7 +468,7 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
                         const int m = 8 * i + 2 * t4 + (r & 1), n = col0 + 16 * (2 * warp + nn) + g4 + (r >> 1) * 8;
-                        if (m < R) p[(long long)(m0 + m) * N + n] = acc[nn][i][r];
+                        if (m < R) p[(long long)m * N + n] = acc[nn][i][r];
                     }
                 }
         __threadfence();
@@ -475,10 +483,10 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
         if (!last) return;
         __threadfence();
         // sum the partials in split order into the shared output rows
-        const long long sstride = (long long)(gridDim.z / RB) * mn;
+        const long long sstride = TOT * N;
         for (int idx = threadIdx.x; idx < R * BN; idx += 128) {
             const int m = idx / BN, n = idx % BN;
-            const float* q = part + (long long)grp * mn + (long long)(m0 + m) * N + col0 + n;
+            const float* q = part + (row0 + m) * N + col0 + n;
             // 0 + p_0 + p_1 + ... in order; 8 loads in flight at a time (not one L2 latency a partial)
             float sum = 0.f;
             for (int c = 0; c < S; c += 8) {
@@ -531,15 +539,15 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
             o.z = fadd(o.z, b2);
             o.w = fadd(o.w, b3);
         }
-        *reinterpret_cast<float4*>(y + (long long)grp * mn + (long long)(m0 + m) * N + col0 + lane * 4) = o;
+        *reinterpret_cast<float4*>(y + (row0 + m) * N + col0 + lane * 4) = o;
     }
 }
 
 #define EXL3_KERNEL_V(P, WR, K2, CB, T)                                                                             \
     extern "C" __global__ void __launch_bounds__(128) P##_k##K2##_cb##CB##_t##T(                                    \
         const float* x, const u32* words, int ew, const u16* suh, const u16* svh, const u16* bias, const int* ids,  \
-        const int* rows, float* y, float* part, int* cnt, int M, int N, int D, int hpc, int S) {                    \
-        exl3_body<K2, CB, T, WR>(x, words, ew, suh, svh, bias, ids, rows, y, part, cnt, M, N, D, hpc, S);           \
+        const int* rows, const int* xmap, float* y, float* part, int* cnt, int M, int N, int D, int hpc, int S) {   \
+        exl3_body<K2, CB, T, WR>(x, words, ew, suh, svh, bias, ids, rows, xmap, y, part, cnt, M, N, D, hpc, S);     \
     }
 #define EXL3_KERNEL(K2, CB, T) EXL3_KERNEL_V(exl3, false, K2, CB, T)
 #define EXL3_ROWS(K2, CB) EXL3_KERNEL(K2, CB, 1) EXL3_KERNEL(K2, CB, 8)
