@@ -114,3 +114,31 @@ def test_a_diverged_follower_fails_the_lane_naming_it(model):
     assert len(told) == 1 and "rank 1" in told[0]
     assert lane.rounds_verified == 0
     assert "rank 0" in str(got.get("follower"))            # the follower was told why rank 0 stops
+
+
+def test_an_idle_lane_tells_the_followers_left_which_rank_went():
+    """Three ranks, idle: the watchdog finds rank 2 lost (die without telling: the socket is the round thread's);
+    closing the lane tells rank 1, still alive, why: its recv raises naming rank 2, not only rank 0."""
+    from dsv41.comm.plan import RankLost, RemoteError
+    master = free_master()
+    got = {}
+
+    def follow(rank):
+        with Follower(master, rank, 3, heartbeat_interval=0.2, heartbeat_timeout=10, start_timeout=30,
+                      lost_after=0) as f:
+            try:
+                got[rank] = f.recv(timeout=30)
+            except CommError as e:
+                got[rank] = e
+
+    threads = [threading.Thread(target=follow, args=(r,), daemon=True) for r in (1, 2)]
+    for th in threads:
+        th.start()
+    leader = Leader(master, 3, heartbeat_interval=0.2, heartbeat_timeout=10, start_timeout=30, lost_after=0)
+    lane = TPLane(leader, _NoRing(), 3)
+    lane.die(RankLost(2, "its process 4242 exited"), tell=False)
+    lane.close()
+    for th in threads:
+        th.join(timeout=30)
+    assert isinstance(got.get(1), RemoteError) and got[1].rank == 0, got
+    assert "rank 2 lost: its process 4242 exited" in str(got[1])

@@ -68,6 +68,7 @@ class TPLane:
         self.leader, self.ring, self.world = leader, ring, world
         self.comm = ring_comm(ring, world)
         self.fatal: BaseException | None = None
+        self._told = False          # the followers were sent the failure's reason
         self.rounds_verified = 0
         self._on_fatal = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -123,6 +124,7 @@ class TPLane:
         log.error("tensor-parallel lane failed: %s", err)
         if tell:
             self.leader.fail(f"{type(err).__name__}: {err}")
+            self._told = True
         if self._loop is not None and self._on_fatal is not None:
             self._loop.call_soon_threadsafe(self._on_fatal, self.message())
 
@@ -140,8 +142,13 @@ class TPLane:
             log.debug("ring close: %s", e)
         if self.fatal is None:
             self.leader.shutdown()
-        else:
-            self.leader.close()
+            return
+        if not self._told:
+            # the watchdog's verdict (an idle lane) was not sent from the loop: the rounds have stopped now, so the
+            # socket is free; the followers still alive (3+ ranks) learn which rank went, not only that rank 0 did
+            self._told = True
+            self.leader.fail(f"{type(self.fatal).__name__}: {self.fatal}")
+        self.leader.close()
 
 
 class TPRunner:
