@@ -174,11 +174,24 @@ def _cuda_or_skip():
     """Skip without a CUDA device of compute capability 8.0+; on one, exl3.cu must compile and load (an error
     fails the test instead of quietly leaving the Triton path)."""
     from kernels import cuda
-    from kernels.exl3 import cuda_available, cuda_kernel_name
+    from kernels.exl3 import _counter, cuda_kernel_name
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
         pytest.skip("needs a CUDA device of compute capability 8.0+")
     cuda.function("exl3.cu", cuda_kernel_name(5, CB_MUL1, 1))        # raises CudaKernelError with the compiler log
+    _counter(torch.device("cuda", torch.cuda.current_device()))       # the split's counters, outside any capture
+
+
+@pytest.mark.gpu
+def test_the_served_path_takes_the_kernel():
+    """cuda_available (the op set's choice at load): exl3.cu compiles and passes its self-check against the Triton
+    path, so an EXL3 pack's op set runs the CUDA C kernel."""
+    _cuda_or_skip()
+    from dsv41.model.ops import cuda_ops
+    from kernels.exl3 import _self_check, cuda_available, exl3_grouped_cuda
+    _self_check(torch.device("cuda", torch.cuda.current_device()))   # raises with the numbers if it disagrees
     assert cuda_available()
+    ops = cuda_ops().with_exl3()
+    assert "exl3_cuda" in ops.kernels and ops.exl3_grouped is exl3_grouped_cuda
 
 
 def _close(y, ref):
