@@ -334,7 +334,7 @@ def exl3_linear_prompt(x: torch.Tensor, w: Exl3Weight, w_rot: torch.Tensor | Non
 CUDA_BLOCK_N = 128           # output columns a block: one Hadamard block
 CUDA_TARGET_BLOCKS = 396     # blocks wanted for one matrix: three per H200 SM (132)
 CUDA_MAX_ROWS = 64           # rows a block; more rows run in further row blocks (same tiling)
-CUDA_COUNTERS = 1 << 16
+CUDA_COUNTERS = 1 << 20      # arrival counters (4 MB): one per (group, row block, column block) of a launch
 _K2_CUDA = (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16)
 _counters: dict = {}
 _cuda_ok: dict = {}

@@ -166,6 +166,9 @@ def test_routed_runs_bookkeeping_on_cpu():
     got = _routed_runs(stack, x, weights, ids, 7.0, runs)
     assert torch.equal(got, exl3_routed(stack, x, weights, ids, 7.0))
     assert torch.equal(_routed_runs(stack, x[2:3], weights[2:3], ids[2:3], 7.0, runs), torch.zeros_like(got[2:3]))
+    rep = torch.tensor([[0, 0, 0], [0, 0, 2]], device=dev)       # 5 pairs of one expert in 2 rows: runs cut at 2
+    assert torch.equal(_routed_runs(stack, x[:2], weights[:2], rep, 7.0, runs),
+                       exl3_routed(stack, x[:2], weights[:2], rep, 7.0))
 
 
 # ---- GPU -------------------------------------------------------------------------------------------------------

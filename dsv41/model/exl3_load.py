@@ -439,20 +439,24 @@ def _routed_runs(stack: Exl3ExpertStack, x: torch.Tensor, weights: torch.Tensor,
     key = torch.where(local >= 0, local, E)                       # another rank's pair sorts last, in no run
     sk, order = torch.sort(key, stable=True)
     pos = torch.arange(P, device=dev)
-    first = torch.ones(P, dtype=torch.bool, device=dev)
-    first[1:] = sk[1:] != sk[:-1]
+    new_expert = torch.ones(P, dtype=torch.bool, device=dev)
+    new_expert[1:] = sk[1:] != sk[:-1]
+    # a run is at most n pairs (the kernel's row bound: an expert appears once in a row's top-k, so an expert's
+    # pairs are one run; were a row to repeat an expert, its longer run is cut every n pairs)
+    run0 = torch.where(new_expert, pos, 0).cummax(0).values
+    first = (pos - run0) % n == 0
     starts = torch.where(first, pos, P)
     nxt = torch.cat([starts.flip(0).cummin(0).values.flip(0)[1:], starts.new_full((1,), P)])   # next run's start
     mine = sk < E
     rows = torch.where(first & mine, nxt - pos, 0).to(torch.int32)
     e = torch.where(mine, sk, 0)
     xmap = (order // top_k).to(torch.int32)
-    gu = runs(x, stack.w13, torch.cat([2 * e, 2 * e + 1]), torch.cat([rows, rows]), torch.cat([xmap, xmap]), P)
+    gu = runs(x, stack.w13, torch.cat([2 * e, 2 * e + 1]), torch.cat([rows, rows]), torch.cat([xmap, xmap]), n)
     gate = torch.clamp(gu[:P], max=limit)
     up = torch.clamp(gu[P:], min=-limit, max=limit)
     h = silu(gate) * up
     h = h * weights.reshape(-1)[order][:, None]
-    y = runs(h, stack.w2, e, rows, pos.to(torch.int32), P)
+    y = runs(h, stack.w2, e, rows, pos.to(torch.int32), n)
     y = torch.where(mine[:, None], y, 0.0)
     slots = torch.empty_like(y).index_copy_(0, order, y).view(n, top_k, -1)
     out = slots[:, 0]
