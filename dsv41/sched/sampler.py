@@ -199,18 +199,37 @@ def _cumsum(a: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(a, dim=1)
 
 
-def _ordered_top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first k of each row of float32 x [M, V] sorted by (value descending, id ascending): (ids, values).
-    One int64 key per element (the float's order-preserving bits, then the id reversed) makes every key distinct,
-    so topk has one answer on any device: the stable sort's, without sorting the whole vocabulary."""
-    vocab = x.shape[1]
+def _keys(x: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int64 keys ordering (value descending, id ascending) as keys descending: the float's order-preserving bits
+    above the id reversed, so no two keys of a row are equal."""
     b = x.view(torch.int32)
     sign = b >> 31                                    # 0 or -1
     b = ((b & 0x7FFFFFFF) ^ sign) - sign              # sign-magnitude to two's complement: -0.0 and +0.0 both 0
-    rev = (vocab - 1) - torch.arange(vocab, dtype=torch.int64, device=x.device)
-    keys = (b.long() << 32) | rev
-    top = torch.topk(keys, k, dim=1, sorted=True).values
-    cand = (vocab - 1) - (top & 0xFFFFFFFF)
+    return (b.long() << 32) | ((vocab - 1) - ids)
+
+
+def _ordered_top(x: torch.Tensor, k: int, all_keys: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first k of each row of float32 x [M, V] sorted by (value descending, id ascending): (ids, values), the
+    stable sort's answer without sorting the whole vocabulary. On a GPU: topk over every element's _keys (all
+    distinct, so topk has one answer). On the host, where those keys cost more than the rest of the draw: topk of
+    the values, whose set is the answer unless equal values straddle the k-th (then the keys for those rows only),
+    put in order by the keys of the k. all_keys: the GPU's way (default: off the host)."""
+    vocab = x.shape[1]
+    if all_keys if all_keys is not None else x.device.type != "cpu":
+        ids = torch.arange(vocab, dtype=torch.int64, device=x.device)
+        top = torch.topk(_keys(x, ids, vocab), k, dim=1, sorted=True).values
+        cand = (vocab - 1) - (top & 0xFFFFFFFF)
+        return cand, torch.gather(x, 1, cand)
+    vals, cand = torch.topk(x, k, dim=1, sorted=False)
+    kth = vals.min(dim=1, keepdim=True).values
+    straddle = ((x >= kth).sum(dim=1) > k).nonzero().flatten().tolist()   # ties at the k-th reach past the cut
+    if straddle:
+        ids = torch.arange(vocab, dtype=torch.int64)
+        top = torch.topk(_keys(x[straddle], ids, vocab), k, dim=1).values
+        cand[straddle] = (vocab - 1) - (top & 0xFFFFFFFF)
+        vals[straddle] = torch.gather(x[straddle], 1, cand[straddle])
+    order = torch.sort(_keys(vals.contiguous(), cand, vocab), dim=1, descending=True).indices
+    cand = torch.gather(cand, 1, order)
     return cand, torch.gather(x, 1, cand)
 
 
