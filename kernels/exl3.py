@@ -333,18 +333,27 @@ def exl3_linear_prompt(x: torch.Tensor, w: Exl3Weight, w_rot: torch.Tensor | Non
 
 CUDA_BLOCK_N = 128           # output columns a block: one Hadamard block
 CUDA_TARGET_BLOCKS = 396     # blocks wanted for one matrix: three per H200 SM (132)
-CUDA_MAX_ROWS = 64           # rows a block; more rows run in further row blocks (same tiling)
 CUDA_COUNTERS = 1 << 20      # arrival counters (4 MB): one per (group, row block, column block) of a launch
 _K2_CUDA = (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16)
 _counters: dict = {}
 _cuda_ok: dict = {}
 
 
+# (K2, codebook) with an eight-row-tile kernel (exl3.cu): MUL1 at every rate, 4 bits with 3INST and MCG
+_T8 = {(k, 2) for k in _K2_CUDA} | {(8, 0), (8, 1)}
+
+
+def cuda_row_tiles(K2: int, cb: int, rows: int, variant: str = "") -> int:
+    """Row tiles of 8 a block of the kernel for `rows` rows a group: one when it holds the rows or no eight-tile
+    kernel exists for the rate (then every 8 rows are a block), else eight. The MMA chain of a row tile is the
+    same instructions in both, so the choice never changes a bit."""
+    return 8 if rows > 8 and not variant and (K2, cb) in _T8 else 1
+
+
 def cuda_kernel_name(K2: int, cb: int, rows: int, variant: str = "") -> str:
-    """The exl3.cu kernel for rate K2/2, codebook cb and a launch of `rows` rows a group: one row tile of 8 when
-    it holds the rows, else eight (the MMA chain of a row tile is the same instructions in both). variant "w": the
-    warp-ring form (exl3.cu; rates 2.5 mul1 and 4 3inst/mul1 only, for the bench's comparison)."""
-    return f"exl3{variant}_k{K2}_cb{cb}_t{1 if rows <= 8 else 8}"
+    """The exl3.cu kernel for rate K2/2, codebook cb and a launch of `rows` rows a group (cuda_row_tiles). variant
+    "w": the warp-ring form (rates 2.5 mul1 and 4 3inst/mul1, one row tile: the bench's comparison)."""
+    return f"exl3{variant}_k{K2}_cb{cb}_t{cuda_row_tiles(K2, cb, rows, variant)}"
 
 
 def cuda_split(in_features: int, out_features: int, target: int = CUDA_TARGET_BLOCKS) -> tuple[int, int]:
@@ -440,7 +449,7 @@ def exl3_grouped_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor | None, 
     if rows is not None:
         rows = rows.to(device=dev, dtype=torch.int32).contiguous()
     S, hpc = cuda_split(D, N, target)
-    RB = -(-M // CUDA_MAX_ROWS)
+    RB = -(-M // (8 * cuda_row_tiles(w.K2, w.cb, M, variant)))
     cols = N // CUDA_BLOCK_N
     if G * RB * cols > CUDA_COUNTERS:
         raise Exl3FormatError(f"a launch of {G * RB * cols} column blocks exceeds the {CUDA_COUNTERS} counters")
@@ -475,7 +484,7 @@ def exl3_runs_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor, rows: torc
         return y
     M = max(1, int(max_rows))
     S, hpc = cuda_split(D, N)
-    RB = -(-M // CUDA_MAX_ROWS)
+    RB = -(-M // (8 * cuda_row_tiles(w.K2, w.cb, M)))
     if G * RB * (N // CUDA_BLOCK_N) > CUDA_COUNTERS:
         raise Exl3FormatError(f"a launch of {G * RB * (N // CUDA_BLOCK_N)} column blocks exceeds the counters")
     part = torch.empty((S, G, N), dtype=torch.float32, device=dev) if S > 1 else y

@@ -122,19 +122,30 @@ def test_kernel_decode_is_bit_exact_on_host(harness, K, cb):
 
 
 def test_kernel_source_names_every_launched_kernel():
-    """kernels/cuda.py resolves every name of KERNELS['exl3.cu'] when the module loads: each must exist in the
-    source, and the launcher only picks names from that list."""
+    """kernels/cuda.py resolves every name of KERNELS['exl3.cu'] when the module loads: each is instantiated in the
+    source (its instantiation macros expanded here), and the launcher only picks names from that list, for every
+    rate and codebook and row count."""
+    import re
+
     from kernels import cuda
     from kernels.exl3 import cuda_kernel_name
     src = (CSRC / "exl3.cu").read_text()
-    names = cuda.KERNELS["exl3.cu"]
+    body = src[src.index("#define EXL3_CODEBOOKS"):]
+    made = set()
+    for k in re.findall(r"^EXL3_CODEBOOKS\((\d+)\)", body, re.M):
+        made |= {f"exl3_k{k}_cb{c}_t1" for c in (0, 1, 2)} | {f"exl3_k{k}_cb2_t8"}
+    for k, c, t in re.findall(r"\bEXL3_KERNEL\((\d+), (\d+), (\d+)\)", body):
+        made.add(f"exl3_k{k}_cb{c}_t{t}")
+    for p, k, c, t in re.findall(r"EXL3_KERNEL_V\((\w+), true, (\d+), (\d+), (\d+)\)", body):
+        made.add(f"{p}_k{k}_cb{c}_t{t}")
+    names = set(cuda.KERNELS["exl3.cu"])
+    assert names == made
     for K, cb in RATES:
-        for rows in (1, 2, 8, 9, 64):
+        for rows in (1, 2, 8, 9, 64, 65):
             assert cuda_kernel_name(round(2 * K), cb, rows) in names
-    for n in names:
-        k2, c, t = (int(p[1:] if p[0] == "k" else p[2:] if p[0] == "c" else p[1:]) for p in n.split("_")[1:])
-        assert f"EXL3_ROWS({k2}, {c})" in src or f"EXL3_CODEBOOKS({k2})" in src, n
-        assert t in (1, 8)
+    for K2, cb in ((5, CB_MUL1), (8, CB_3INST), (8, CB_MUL1)):
+        for rows in (1, 9, 64):
+            assert cuda_kernel_name(K2, cb, rows, "w") in names
 
 
 def test_routed_runs_bookkeeping_on_cpu():

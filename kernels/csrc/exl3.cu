@@ -550,9 +550,11 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
         exl3_body<K2, CB, T, WR>(x, words, ew, suh, svh, bias, ids, rows, xmap, y, part, cnt, M, N, D, hpc, S);     \
     }
 #define EXL3_KERNEL(K2, CB, T) EXL3_KERNEL_V(exl3, false, K2, CB, T)
-#define EXL3_ROWS(K2, CB) EXL3_KERNEL(K2, CB, 1) EXL3_KERNEL(K2, CB, 8)
-#define EXL3_CODEBOOKS(K2) EXL3_ROWS(K2, 0) EXL3_ROWS(K2, 1) EXL3_ROWS(K2, 2)
-// integer rates 1..8 with every codebook; 1.5, 2.5, 3.5 (mul1 only)
+// One row tile (up to 8 rows a block; more rows run in further blocks) for every rate and codebook exllamav3 writes:
+// integer K 1..8 with 3INST, MCG and MUL1, and 1.5, 2.5, 3.5 with MUL1. Eight row tiles (up to 64 rows a block: the
+// weight decoded once for them) for the rates the published V4.1 packs use (MUL1 at every rate, 4 bits with 3INST
+// and MCG); kernels/exl3.py's _T8 lists them. Fewer instantiations keep the first compile short.
+#define EXL3_CODEBOOKS(K2) EXL3_KERNEL(K2, 0, 1) EXL3_KERNEL(K2, 1, 1) EXL3_KERNEL(K2, 2, 1) EXL3_KERNEL(K2, 2, 8)
 EXL3_CODEBOOKS(2)
 EXL3_CODEBOOKS(4)
 EXL3_CODEBOOKS(6)
@@ -561,12 +563,11 @@ EXL3_CODEBOOKS(10)
 EXL3_CODEBOOKS(12)
 EXL3_CODEBOOKS(14)
 EXL3_CODEBOOKS(16)
-EXL3_ROWS(3, 2)
-EXL3_ROWS(5, 2)
-EXL3_ROWS(7, 2)
-// the warp-ring variant at the reference pack's main rates (bench comparison)
-EXL3_KERNEL_V(exl3w, true, 5, 2, 1) EXL3_KERNEL_V(exl3w, true, 5, 2, 8)
-EXL3_KERNEL_V(exl3w, true, 8, 0, 1) EXL3_KERNEL_V(exl3w, true, 8, 0, 8)
-EXL3_KERNEL_V(exl3w, true, 8, 2, 1) EXL3_KERNEL_V(exl3w, true, 8, 2, 8)
+EXL3_KERNEL(8, 0, 8) EXL3_KERNEL(8, 1, 8)
+EXL3_KERNEL(3, 2, 1) EXL3_KERNEL(3, 2, 8)
+EXL3_KERNEL(5, 2, 1) EXL3_KERNEL(5, 2, 8)
+EXL3_KERNEL(7, 2, 1) EXL3_KERNEL(7, 2, 8)
+// the warp-ring variant at the reference pack's main rates, one row tile (bench comparison)
+EXL3_KERNEL_V(exl3w, true, 5, 2, 1) EXL3_KERNEL_V(exl3w, true, 8, 0, 1) EXL3_KERNEL_V(exl3w, true, 8, 2, 1)
 
 #endif  // !EXL3_HOST_TEST
