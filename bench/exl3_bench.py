@@ -194,7 +194,69 @@ def main() -> int:
     print(f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s, read {ceil['read_TBps']:.2f} TB/s, "
           f"fp16 GEMM {ceil['fp16_TFLOPs']:.0f} TFLOP/s", flush=True)
 
-    rows_dec, rows_routed = [], []
+    def write_report() -> None:
+        """bench/results-style markdown of what has been measured so far (written after every section, so a run cut
+        short by its time limit still leaves its figures)."""
+        cmd = "python3 " + " ".join(sys.argv)
+        lines = [
+            "# EXL3 kernels on the GPU: CUDA C (kernels/csrc/exl3.cu), Triton, exllamav3", "",
+            f"- command: `{cmd}`",
+            f"- machine: {torch.cuda.get_device_name()} ({socket.gethostname()}), torch {torch.__version__}, "
+            f"triton {triton.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+            f"- ceilings measured in the same run: device copy {ceil['copy_TBps']:.2f} TB/s (read+write bytes), "
+            f"read {ceil['read_TBps']:.2f} TB/s, fp16 GEMM 8192^3 {ceil['fp16_TFLOPs']:.0f} TFLOP/s",
+            "- times: median of CUDA-graph replays (`triton.testing.do_bench_cudagraph`); random trellis codes", "",
+            "## Decode round, one backbone layer (every EXL3 linear; reference pack rates)", "",
+            "Attention (wq_a, wq_b, wkv, 8 wo_a slices grouped, wo_b) and the shared expert at 4 bpw 3INST, "
+            "top-6 routed experts at 2.5 bpw mul1 in two grouped launches (w1+w3, w2), each row its own 6 experts. "
+            "Compressor/indexer (4 resp. 8 of 40 layers) not included.", "",
+            "| rows B | distinct experts | bytes read (MB) | ideal at copy BW (us) | Triton (us) | % | CUDA C (us) | % |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for B, n_used, nb, t_tr, t_cu, ideal in rows_dec:
+            lines.append(f"| {B} | {n_used} | {nb / 1e6:.1f} | {ideal * 1e6:.1f} | {fmt(t_tr)} | {pct(ideal, t_tr)} | "
+                         f"{fmt(t_cu)} | {pct(ideal, t_cu)} |")
+        lines += ["", "## The routed experts' grouped launches alone (w1+w3, then w2), and the served exl3_routed", "",
+                  "The served column is the CUDA op set's exl3_routed: pairs sorted by expert on the device, the two "
+                  "run-mode launches, SiLU and the slot sum (no host sync, so it is graph-timed too).", "",
+                  "| rows B | distinct experts | bytes read (MB) | ideal (us) | Triton (us) | % | CUDA C (us) | % | "
+                  "served CUDA (us) | % |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for B, n_used, nb, t_tr, t_cu, ideal, t_sv in rows_routed:
+            lines.append(f"| {B} | {n_used} | {nb / 1e6:.1f} | {ideal * 1e6:.2f} | {fmt(t_tr)} | {pct(ideal, t_tr)} | "
+                         f"{fmt(t_cu)} | {pct(ideal, t_cu)} | {fmt(t_sv)} | {pct(ideal, t_sv)} |")
+        lines += ["", "## Single linears (random codes; exllamav3 on the same codes)", "",
+                  "| linear | rows | bytes (MB) | ideal (us) | Triton (us) | % | CUDA C (us) | % | exllamav3 (us) | % |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for name, rows, nb, t_tr, t_cu, ideal, base in rows_lin:
+            lines.append(f"| {name} | {rows} | {nb / 1e6:.2f} | {ideal * 1e6:.2f} | {fmt(t_tr)} | {pct(ideal, t_tr)} | "
+                         f"{fmt(t_cu)} | {pct(ideal, t_cu)} | {fmt(base)} | {pct(ideal, base)} |")
+        if rows_sweep:
+            lines += ["", f"## CUDA C split sweep at 1 row (blocks per matrix; served: {CUDA_TARGET_BLOCKS}), and the "
+                      "warp-ring variant (served split) at 1 and 8 rows", "",
+                      "| linear | ideal (us) | " + " | ".join(f"target {tg}: S, us, %" for tg, _, _ in rows_sweep[0][2])
+                      + " | warp ring 1 row: us, % | warp ring 8 rows: us, % |",
+                      "|---|---|" + "---|" * (len(rows_sweep[0][2]) + 2)]
+            for name, ideal, res, tw in rows_sweep:
+                lines.append(f"| {name} | {ideal * 1e6:.2f} | "
+                             + " | ".join(f"{S}, {t * 1e6:.1f}, {ideal / t * 100:.1f}" for _, S, t in res)
+                             + f" | {tw[1] * 1e6:.1f}, {ideal / tw[1] * 100:.1f} | {tw[8] * 1e6:.1f}, "
+                               f"{ideal / tw[8] * 100:.1f} |")
+        if rows_p:
+            lines += ["", f"## Prompt pass, M = {M} rows, routed expert 5120 -> 2304 @ 2.5 bpw mul1", "",
+                      "| path | time (ms) | TFLOP/s | % of fp16 GEMM |", "|---|---|---|---|"]
+            for name, t in rows_p:
+                lines.append(f"| {name} | {t * 1e3:.3f} | {flops / t / 1e12:.1f} | "
+                             f"{flops / t / 1e12 / ceil['fp16_TFLOPs'] * 100:.1f} |")
+            lines += ["", f"Reconstruct (trellis -> W~ fp16 in memory) alone: {t_rec * 1e6:.1f} us.", ""]
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("\n".join(lines))
+
+    rows_dec, rows_routed, rows_lin, rows_sweep, rows_p = [], [], [], [], []
+    t_rec = None
+    M = args.prompt_rows
+    flops = 2 * M * D * INTER
     for B in (1, 8):
         runs, nb, n_used, routed, nb_r = decode_layer(B, g)
         t = {k: time_graph(fn) for k, fn in runs.items()}
@@ -210,7 +272,7 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     # single linears: where the time goes
-    rows_lin = []
+    write_report()
     for name, n_in, n_out, K, cb in (LINEARS[:4] if args.quick else LINEARS):
         tp = parts(n_in, n_out, K, cb, g)
         wt = Exl3Weight.from_tensors(tp, DEVICE)
@@ -227,7 +289,7 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     # the split (blocks per matrix, cuda_split's target) swept at 1 row: the served default is CUDA_TARGET_BLOCKS
-    rows_sweep = []
+    write_report()
     if HAS_CUDA:
         targets = (132, 264, CUDA_TARGET_BLOCKS, 792, 1584)
         for name, n_in, n_out, K, cb in LINEARS[:4]:
@@ -244,14 +306,11 @@ def main() -> int:
         del wt
         torch.cuda.empty_cache()
 
+    write_report()
     # prompt pass
-    M = args.prompt_rows
-    wt = Exl3Weight.from_tensors(parts(D, INTER, 2.5, CB_MUL1, g), DEVICE)
-    xp = torch.randn(M, D, device=DEVICE)
-    flops = 2 * M * D * INTER
-    rows_p = []
-    t_rec = None
     if not args.quick:
+        wt = Exl3Weight.from_tensors(parts(D, INTER, 2.5, CB_MUL1, g), DEVICE)
+        xp = torch.randn(M, D, device=DEVICE)
         t_fused = time_graph(lambda: exl3_linear_triton(xp, wt))
         t_rec = time_graph(lambda: exl3_reconstruct(wt))
         t_prompt = time_graph(lambda: exl3_linear_prompt(xp, wt))
@@ -268,62 +327,8 @@ def main() -> int:
     if t_rec is not None:
         print(f"reconstruct alone: {t_rec * 1e6:.1f} us", flush=True)
 
-    cmd = "python3 " + " ".join(sys.argv)
-    lines = [
-        "# EXL3 kernels on the GPU: CUDA C (kernels/csrc/exl3.cu), Triton, exllamav3", "",
-        f"- command: `{cmd}`",
-        f"- machine: {torch.cuda.get_device_name()} ({socket.gethostname()}), torch {torch.__version__}, "
-        f"triton {triton.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- ceilings measured in the same run: device copy {ceil['copy_TBps']:.2f} TB/s (read+write bytes), "
-        f"read {ceil['read_TBps']:.2f} TB/s, fp16 GEMM 8192^3 {ceil['fp16_TFLOPs']:.0f} TFLOP/s",
-        "- times: median of CUDA-graph replays (`triton.testing.do_bench_cudagraph`); random trellis codes", "",
-        "## Decode round, one backbone layer (every EXL3 linear; reference pack rates)", "",
-        "Attention (wq_a, wq_b, wkv, 8 wo_a slices grouped, wo_b) and the shared expert at 4 bpw 3INST, "
-        "top-6 routed experts at 2.5 bpw mul1 in two grouped launches (w1+w3, w2), each row its own 6 experts. "
-        "Compressor/indexer (4 resp. 8 of 40 layers) not included.", "",
-        "| rows B | distinct experts | bytes read (MB) | ideal at copy BW (us) | Triton (us) | % | CUDA C (us) | % |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for B, n_used, nb, t_tr, t_cu, ideal in rows_dec:
-        lines.append(f"| {B} | {n_used} | {nb / 1e6:.1f} | {ideal * 1e6:.1f} | {fmt(t_tr)} | {pct(ideal, t_tr)} | "
-                     f"{fmt(t_cu)} | {pct(ideal, t_cu)} |")
-    lines += ["", "## The routed experts' grouped launches alone (w1+w3, then w2), and the served exl3_routed", "",
-              "The served column is the CUDA op set's exl3_routed: pairs sorted by expert on the device, the two "
-              "run-mode launches, SiLU and the slot sum (no host sync, so it is graph-timed too).", "",
-              "| rows B | distinct experts | bytes read (MB) | ideal (us) | Triton (us) | % | CUDA C (us) | % | "
-              "served CUDA (us) | % |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for B, n_used, nb, t_tr, t_cu, ideal, t_sv in rows_routed:
-        lines.append(f"| {B} | {n_used} | {nb / 1e6:.1f} | {ideal * 1e6:.2f} | {fmt(t_tr)} | {pct(ideal, t_tr)} | "
-                     f"{fmt(t_cu)} | {pct(ideal, t_cu)} | {fmt(t_sv)} | {pct(ideal, t_sv)} |")
-    lines += ["", "## Single linears (random codes; exllamav3 on the same codes)", "",
-              "| linear | rows | bytes (MB) | ideal (us) | Triton (us) | % | CUDA C (us) | % | exllamav3 (us) | % |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, rows, nb, t_tr, t_cu, ideal, base in rows_lin:
-        lines.append(f"| {name} | {rows} | {nb / 1e6:.2f} | {ideal * 1e6:.2f} | {fmt(t_tr)} | {pct(ideal, t_tr)} | "
-                     f"{fmt(t_cu)} | {pct(ideal, t_cu)} | {fmt(base)} | {pct(ideal, base)} |")
-    if rows_sweep:
-        lines += ["", f"## CUDA C split sweep at 1 row (blocks per matrix; served: {CUDA_TARGET_BLOCKS}), and the "
-                  "warp-ring variant (served split) at 1 and 8 rows", "",
-                  "| linear | ideal (us) | " + " | ".join(f"target {tg}: S, us, %" for tg, _, _ in rows_sweep[0][2])
-                  + " | warp ring 1 row: us, % | warp ring 8 rows: us, % |",
-                  "|---|---|" + "---|" * (len(rows_sweep[0][2]) + 2)]
-        for name, ideal, res, tw in rows_sweep:
-            lines.append(f"| {name} | {ideal * 1e6:.2f} | "
-                         + " | ".join(f"{S}, {t * 1e6:.1f}, {ideal / t * 100:.1f}" for _, S, t in res)
-                         + f" | {tw[1] * 1e6:.1f}, {ideal / tw[1] * 100:.1f} | {tw[8] * 1e6:.1f}, "
-                           f"{ideal / tw[8] * 100:.1f} |")
-    if rows_p:
-        lines += ["", f"## Prompt pass, M = {M} rows, routed expert 5120 -> 2304 @ 2.5 bpw mul1", "",
-                  "| path | time (ms) | TFLOP/s | % of fp16 GEMM |", "|---|---|---|---|"]
-        for name, t in rows_p:
-            lines.append(f"| {name} | {t * 1e3:.3f} | {flops / t / 1e12:.1f} | "
-                         f"{flops / t / 1e12 / ceil['fp16_TFLOPs'] * 100:.1f} |")
-        lines += ["", f"Reconstruct (trellis -> W~ fp16 in memory) alone: {t_rec * 1e6:.1f} us.", ""]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    write_report()
+    print(open(args.out).read())
     return 0
 
 
