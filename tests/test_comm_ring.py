@@ -210,3 +210,54 @@ def test_a_ring_wait_ends_when_the_lane_finds_a_rank_lost():
     assert 0.3 <= time.monotonic() - t0 < 1.0
     for r in rings.values():
         r.close()
+
+
+def test_registered_ring_data_path_on_cpu(monkeypatch):
+    """shm-cuda's slot protocol (pieces, the copies around each op, the rank-order sum on the tensor's device) with
+    three ranks in threads on CPU tensors: the CUDA calls it makes around that protocol (registration, stream syncs)
+    are no-ops here, so what runs is the ring's own logic; the GPU test runs it for real."""
+    import contextlib
+    import secrets
+    import threading
+
+    from dsv41.comm import ring as R
+
+    class _Stream:
+        def synchronize(self):
+            pass
+
+    class _Cudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart())
+    monkeypatch.setattr(torch.cuda, "check_error", lambda res: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    session, out = secrets.token_hex(4), {}
+
+    def rank(r):
+        ring = R.RegisteredShmRing(r, 3, session, torch.device("cpu"), capacity=4096, timeout=20)
+        try:
+            res = []
+            for i, (rows, dt) in enumerate([(1, torch.float32), (7, torch.bfloat16), (64, torch.float32)]):
+                parts = [partial(50 + i, j, rows, dt) for j in range(3)]     # 64 rows: 320 pieces of 4 KiB
+                s = ring.all_reduce_sum(parts[r])
+                g = ring.all_gather(parts[r])
+                b = ring.broadcast(parts[2] if r == 2 else torch.empty_like(parts[2]), src=2)
+                res.append((torch.equal(s, rank_order_sum(parts)), torch.equal(g, torch.stack(parts)),
+                            torch.equal(b, parts[2])))
+            out[r] = res
+        finally:
+            ring.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert out == {r: [(True, True, True)] * 3 for r in range(3)}
