@@ -225,11 +225,12 @@ def test_product_matches_reference(K, cb):
     ref = exl3_linear(x, t, w_rot=w_rot)
     y = exl3_linear_cuda(x.cuda(), w)
     _close(y, ref)
-    # against reconstruct (the Triton decode, bit-exact) + a float32 matmul of the same fp16 rotated activations
-    from dsv41.model.exl3 import hadamard_128_rows
-    xh = (hadamard_128_rows(x * t["suh"].float())).half().float()
-    yr = hadamard_128_rows(xh @ exl3_reconstruct(w).float().cpu()) * t["svh"].float() + t["bias"].float()
-    _close(y, yr)
+    if (K, cb) in ((2.5, CB_MUL1), (4, CB_3INST)):       # (Triton compiles per rate: two rates keep the run short)
+        # against reconstruct (the Triton decode, bit-exact) + a float32 matmul of the same fp16 rotated activations
+        from dsv41.model.exl3 import hadamard_128_rows
+        xh = (hadamard_128_rows(x * t["suh"].float())).half().float()
+        yr = hadamard_128_rows(xh @ exl3_reconstruct(w).float().cpu()) * t["svh"].float() + t["bias"].float()
+        _close(y, yr)
 
 
 @pytest.mark.gpu
