@@ -128,13 +128,14 @@ def run_world(args, world: int) -> list[str]:
             p90 = [f"{_pct(results[(k, dtype, rows)], 0.9) * 1e6:.0f}" for k in kinds]
             lines.append(row + med + p90)
     table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in lines]
-    rhead = ["rows", "bytes per rank"] + [f"{k} median ms" for k in kinds] + [f"{k} per op µs" for k in kinds]
+    rhead = (["rows", "bytes per rank"] + [f"{k} median ms" for k in kinds] + [f"{k} per op µs" for k in kinds]
+             + [f"{k} MB/s per rank" for k in kinds])
     rlines = []
     for rows in ROUND_ROWS:
-        nbytes = 2 * LAYERS * rows * HIDDEN * 4 + rows * (VOCAB // world) * 4
+        nbytes = 2 * LAYERS * rows * HIDDEN * 4 + rows * (VOCAB // world) * 4     # what each rank contributes
         med = [statistics.median(results[(k, "round", rows)]) for k in kinds]
         rlines.append([str(rows), f"{nbytes / 1e6:.1f} MB"] + [f"{m * 1e3:.1f}" for m in med]
-                      + [f"{m / (2 * LAYERS + 1) * 1e6:.0f}" for m in med])
+                      + [f"{m / (2 * LAYERS + 1) * 1e6:.0f}" for m in med] + [f"{nbytes / m / 1e6:.0f}" for m in med])
     rtable = (["| " + " | ".join(rhead) + " |", "|" + "---|" * len(rhead)]
               + ["| " + " | ".join(r) + " |" for r in rlines])
     out = [f"### {world} ranks: all_reduce_sum of [rows, {HIDDEN}]", "", *table, "",
