@@ -235,9 +235,10 @@ def test_product_matches_reference(K, cb):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("K,cb,n_in,n_out", [(2.5, CB_MUL1, 5120, 2304), (4, CB_3INST, 1280, 1024),
-                                             (4, CB_MUL1, 512, 128)])
+                                             (4, CB_MUL1, 512, 128), (3, CB_MCG, 1024, 256)])
 def test_rows_do_not_depend_on_the_batch(K, cb, n_in, n_out):
-    """Rows 1..64 (and 65..70, two row blocks): each row's output is bitwise the same alone as in any batch."""
+    """Rows 1..64 (and 65..70, two row blocks; 3-bit MCG has no eight-tile kernel: 8 rows a block): each row's
+    output is bitwise the same alone as in any batch."""
     _cuda_or_skip()
     from kernels.exl3 import Exl3Weight, exl3_linear_cuda
     w = Exl3Weight.from_tensors(_parts(n_in, n_out, K, cb, seed=5), "cuda")
