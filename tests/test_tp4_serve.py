@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import signal
 import threading
@@ -68,7 +69,9 @@ def four_ranks():
 def test_four_ranks_reply_as_one_alone_and_in_a_burst(one_rank_four_shards, four_ranks):
     ranks = four_ranks
     r0 = ranks[0]
-    assert all("ring shm" in p.text() and "not cut: heads, shared" in p.text() for p in ranks[1:])
+    assert all("ring shm" in p.text() for p in ranks[1:])
+    if not os.environ.get("DSV41_MODEL"):       # the built-in checkpoint's attention and shared expert stay whole
+        assert all("products in 4 parts, not cut: heads, shared" in p.text() for p in ranks[1:])
     want = [complete(one_rank_four_shards.url, p, s) for p, s in JOBS]
     assert len({tuple(w["ids"]) for w in want}) > 4
     alone = [complete(r0.url, p, s) for p, s in JOBS]
