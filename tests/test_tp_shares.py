@@ -107,7 +107,7 @@ def test_tiny_shapes_keep_what_cannot_be_cut_whole():
 
 def test_tp_parts_needs_nested_powers():
     assert [wt.tp_parts(w, 2) for w in (1, 2, 4, 8)] == [2, 2, 4, 8]
-    assert wt.local_shards(2, 8) == 4
+    assert wt.tp_parts(2, 8) == 8 and wt.tp_parts(8, 1) == 8
     with pytest.raises(ValueError):
         wt.tp_parts(3, 2)
 

@@ -203,11 +203,6 @@ def tp_parts(world: int, shards: int = TP_SHARDS) -> int:
     return parts
 
 
-def local_shards(world: int, shards: int = TP_SHARDS) -> int:
-    """The parts a rank of `world` computes apart when products are cut in `shards` (at least its own one)."""
-    return tp_parts(world, shards) // world
-
-
 @dataclass(frozen=True)
 class SplitPlan:
     """Which families a cut into `parts` parts splits (True) or keeps whole (False), for one config."""
