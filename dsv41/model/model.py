@@ -272,9 +272,10 @@ class Model:
         (dequantisation is exact), only where and when the weight is dequantised differs.
         cuda_graphs: on a CUDA device, replay decode rounds' row-only pieces as CUDA graphs (graphs.py); the same
         bits as running them eagerly.
-        tp_shards: the tensor-parallel shards every split product is computed in (weights.TP_SHARDS = 2: one rank
-        and two ranks give the same bits); 1 computes whole products, in the reference's order (the test vectors'
-        tie analysis), and a two-rank model then differs from it in low bits.
+        tp_shards: the tensor-parallel shards every split product is computed in, at least the world's
+        (weights.SplitPlan: families the shapes cannot cut stay whole); one rank with tp_shards N and N ranks give
+        the same bits (weights.TP_SHARDS = 2: one rank == two); 1 computes whole products, in the reference's order
+        (the test vectors' tie analysis), and a two-rank model then differs from it in low bits.
         kernels / ops: which function computes each op (dsv41/model/ops.py), chosen here once: `ops` as given (tests
         and benches: e.g. cuda_ops() on CPU tensors), else the CPU reference on "cpu" and cuda_ops(kernels) on
         CUDA, kernels=None reading DSV41_KERNELS once (0/false/no/off: the torch fallbacks; the server passes its
