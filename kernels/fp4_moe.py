@@ -526,9 +526,12 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
         dev = x.device.index
         if x.dtype != torch.float32 or x.data_ptr() % 16:
             x = x.float().clone() if x.data_ptr() % 16 else x.float()
-        # a tile holds at most min(n, 64) pairs (a row picks an expert once): the fewest row tiles of 8 for them
+        # a tile holds at most min(n, 64) pairs (a row picks an expert once). A decode round (n <= 64, an expert
+        # has one or two pairs) takes one row tile of 8 and loops over a tile's pairs in chunks of 8 (fewer
+        # registers, more blocks per SM); a prompt chunk the fewest row tiles that hold a tile, so its experts'
+        # weights stream once. The bits are the same either way (each pair's MMA chain does not change).
         from kernels.fp8_linear import row_tiles
-        rt = row_tiles(min(n, BLOCK_M))
+        rt = 1 if n <= BLOCK_M else row_tiles(BLOCK_M)
         from kernels.fp8_linear import pack_x
         xq = pack_x(x, 2)                                # bf16 fragments of the rows (the up kernel's B operand)
         hq = torch.empty((n_pairs, inter), dtype=torch.int16, device=x.device)   # bf16 h, in the same order

@@ -28,11 +28,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LIMIT = 10.0
 
 
-def _experts(n_exp, hidden, inter, seed):
+def _experts(n_exp, hidden, inter, seed, lo=None):
     """Random experts as the checkpoint stores them: packed E2M1 bytes (any byte is two valid codes) and E8M0
     codes. Gate/up scales put w·x at a few units, so the ±limit clamps bite on some elements."""
     g = torch.Generator().manual_seed(seed)
-    lo = 127 - int(math.log2(hidden) / 2)
+    lo = 127 - int(math.log2(hidden) / 2) if lo is None else lo
     raw = []
     for _ in range(n_exp):
         def packed(rows, cols, lo):
@@ -125,6 +125,20 @@ def test_matches_reference(small, n):
     y = fp4_moe(x.to(DEV), *W, ids.to(DEV), wts.to(DEV), LIMIT)
     assert y.dtype == torch.float32 and y.shape == (n, H)
     _close(y, x, exps, ids, wts)
+
+
+def test_large_and_small_scale_codes():
+    """Scale codes around 128 (the CUDA C kernel's second factor above it) and near the bottom of the range (0.5 as
+    a bf16 subnormal before scaling): the same function; x scaled so the products stay finite."""
+    for lo in (131, 5):
+        raw = _experts(4, H, I, seed=lo, lo=lo)
+        exps, W = _deq(raw), [t.to(DEV) for t in stack_experts(raw)]
+        x = _inputs(5, H, seed=lo) * 2.0 ** (122 - lo)
+        ids, wts = _routing(5, 4, 2, seed=lo)
+        y = fp4_moe(x.to(DEV), *W, ids.to(DEV), wts.to(DEV), LIMIT)
+        assert torch.isfinite(y).all()
+        y, ref = y.cpu().double(), _ref64(x, exps, ids, wts)
+        assert (y - ref).abs().max().item() <= 2e-3 * ref.abs().max().item()
 
 
 @pytest.mark.parametrize("cfg", [Config(bkb=16, post=True), Config(bn_up=64, bn_down=64, bkb=32, asm=False)])

@@ -7,8 +7,9 @@
 // weight bytes go from global memory straight into registers in the A fragment's order and are unpacked there:
 //   FP8 E4M3: sign and exponent/mantissa bits shifted into bf16 positions (value · 2^-120), times one bf16x2 factor
 //             2^(scale-7) per 32x32 block (exact: a power of two);
-//   FP4 E2M1: a byte-permute table lookup (prmt) of four codes at once into the bf16 high and low bytes of the values
-//             already times 2^(scale-127) (tables built once per 32-value group), the sign bits moved in.
+//   FP4 E2M1: each code's three magnitude bits shifted into bf16 exponent/mantissa positions and its sign bit into
+//             the sign (value · 2^-126), times one bf16x2 factor 2^(scale-1) per 32-value group (exact; two factors
+//             for scale codes above 128).
 // Because a lane's logical k positions in the A fragment ({2t, 2t+1, 2t+8, 2t+9} of an MMA, t = lane % 4) may be
 // any physical k as long as the activation fragment uses the same ones, each lane reads 16 contiguous bytes of a
 // weight row per step, and the activation fragment is gathered in the same order.
@@ -33,12 +34,6 @@ DEVI u32 pack_bf16(float lo, float hi) {
 DEVI u32 hmul2(u32 a, u32 b) {
     u32 r;
     asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-
-DEVI u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
     return r;
 }
 
@@ -165,43 +160,51 @@ DEVI void x_frag(const float* xr, int p, u32& b0, u32& b1) {
 }
 
 // One 16-byte step of a warp: rows ra (= n0 + g) and rb (= n0 + g + 8) of W, lane t's bytes, into acc[8][4]. The
-// activation fragments of a word are loaded for every live row tile before its MMAs, so the loads overlap.
+// activation fragments of two words are loaded for every live row tile before their MMAs, so the loads overlap.
 template <bool WFP8, int MAXT, bool XB>
 DEVI void linear_step(const uint4& wa, const uint4& wb, u32 f2, const float* const* xr, const u32* const* xq,
                       int live, int kbase, float (*acc)[4]) {
-    // FP8: 16 values per row per lane -> 4 MMAs (one per 4-byte word); bf16: 8 values -> 2 MMAs (two words each)
+    // FP8: 16 values per row per lane -> 4 MMAs (one per 4-byte word); bf16: 8 values -> 2 MMAs (two words each).
+    // Packed activations (XB): the fragments of two MMAs are 16 contiguous bytes of the row, loaded at once (half
+    // the load instructions, and half the L1 wavefronts: each load of a warp touches 8 rows' lines).
 #pragma unroll
-    for (int j = 0; j < (WFP8 ? 4 : 2); ++j) {
-        u32 a0, a1, a2, a3;
-        const int p = kbase + 4 * j;
-        if (WFP8) {
-            fp8_pairs(word(wa, j), f2, a0, a2);
-            fp8_pairs(word(wb, j), f2, a1, a3);
-        } else {
-            a0 = word(wa, 2 * j);
-            a2 = word(wa, 2 * j + 1);
-            a1 = word(wb, 2 * j);
-            a3 = word(wb, 2 * j + 1);
-        }
-        u32 bx[MAXT][2];
+    for (int j2 = 0; j2 < (WFP8 ? 4 : 2); j2 += 2) {
+        u32 bx[MAXT][4];
 #pragma unroll
         for (int i = 0; i < MAXT; ++i)
             if (i < live) {
-                if (XB) {                                  // packed bf16 pairs (pack_x): 8 bytes, no conversion
+                if (XB) {
                     if (xq[i] != nullptr) {
-                        uint2 v = ldq2(xq[i] + (p >> 1));
+                        uint4 v = ldq4(xq[i] + ((kbase + 4 * j2) >> 1));
                         bx[i][0] = v.x;
                         bx[i][1] = v.y;
+                        bx[i][2] = v.z;
+                        bx[i][3] = v.w;
                     } else {
-                        bx[i][0] = bx[i][1] = 0;
+                        bx[i][0] = bx[i][1] = bx[i][2] = bx[i][3] = 0;
                     }
                 } else {
-                    x_frag<WFP8>(xr[i], p, bx[i][0], bx[i][1]);
+                    x_frag<WFP8>(xr[i], kbase + 4 * j2, bx[i][0], bx[i][1]);
+                    x_frag<WFP8>(xr[i], kbase + 4 * j2 + 4, bx[i][2], bx[i][3]);
                 }
             }
 #pragma unroll
-        for (int i = 0; i < MAXT; ++i)
-            if (i < live) mma(acc[i], a0, a1, a2, a3, bx[i][0], bx[i][1]);
+        for (int jj = 0; jj < 2; ++jj) {
+            const int j = j2 + jj;
+            u32 a0, a1, a2, a3;
+            if (WFP8) {
+                fp8_pairs(word(wa, j), f2, a0, a2);
+                fp8_pairs(word(wb, j), f2, a1, a3);
+            } else {
+                a0 = word(wa, 2 * j);
+                a2 = word(wa, 2 * j + 1);
+                a1 = word(wb, 2 * j);
+                a3 = word(wb, 2 * j + 1);
+            }
+#pragma unroll
+            for (int i = 0; i < MAXT; ++i)
+                if (i < live) mma(acc[i], a0, a1, a2, a3, bx[i][2 * jj], bx[i][2 * jj + 1]);
+        }
     }
 }
 
@@ -362,31 +365,38 @@ LINEAR_KERNELS(8)
 
 // ---- FP4 routed experts ------------------------------------------------------------------------------------------
 
-// The E2M1 lookup tables of one 32-value group with E8M0 code e: values {0, .5, 1, 1.5, 2, 3, 4, 6} * 2^(e-127) as
-// bf16 (exponent field += e - 127: exact for codes 2..252), split into high bytes (th0: entries 0-3, th1: 4-7) and
-// low bytes (tl0, tl1) for prmt.
-DEVI void e2m1_tables(u32 e, u32& th0, u32& th1, u32& tl0, u32& tl1) {
-    int d = ((int)e - 127) << 7;
-    u32 dd = (u32)(d * 0x10001);
-    u32 p01 = (u32)(0x3F00 + d) << 16;                     // entry 0 stays 0
-    u32 p23 = 0x3FC03F80u + dd, p45 = 0x40404000u + dd, p67 = 0x40C04080u + dd;
-    th0 = prmt(p01, p23, 0x7531);
-    tl0 = prmt(p01, p23, 0x6420);
-    th1 = prmt(p45, p67, 0x7531);
-    tl1 = prmt(p45, p67, 0x6420);
+// bf16x2 factors of an E8M0 scale code e (0..254): f = 2^(min(e, 128) - 1), g = 2^(e - 128) (1 when e <= 128).
+DEVI u32 e2m1_factor(u32 e) {
+    const u32 hb = ((e > 128u ? 128u : e) + 126u) << 7;
+    return hb | (hb << 16);
 }
 
+DEVI u32 e2m1_extra(u32 e) {
+    const u32 hb = (e > 128u ? e - 1u : 127u) << 7;
+    return hb | (hb << 16);
+}
+
+// E2M1 code c = (sign, e1, e0, m) to bf16 without a table: the three magnitude bits moved to bf16 bits 8..6 (the
+// exponent's two low bits and the mantissa's top bit) and the sign to bit 15 give, read as bf16, 2^(e-127) (1 + m/2)
+// for e > 0 and the subnormal 2^-127 for (e, m) = (0, 1): the E2M1 value times 2^-126 in every case (0 stays 0). One
+// bf16x2 multiply by 2^(s-1) then gives value · 2^(s-127), exactly (powers of two; a subnormal result is exact too).
+// 2^(s-1) is a bf16 for s <= 128 (any trained weight: |w| <= 12); a warp with a larger code in its step multiplies
+// once more, by 2^(s-128) (exact as well).
 // 4 packed bytes (8 codes: nibble n = byte n/2, high nibble when n odd) -> four bf16 pairs
-// P0 = (n0, n4), P1 = (n2, n6), P2 = (n1, n5), P3 = (n3, n7).
-DEVI void e2m1_pairs(u32 q, u32 th0, u32 th1, u32 tl0, u32 tl1, u32& P0, u32& P1, u32& P2, u32& P3) {
-    u32 ml = q & 0x07070707u, mh = (q >> 4) & 0x07070707u;
-    u32 sl = ml | (ml >> 12), sh = mh | (mh >> 12);        // selector nibbles (n0, n4, n2, n6) / (n1, n5, n3, n7)
-    u32 hl = prmt(th0, th1, sl), ll = prmt(tl0, tl1, sl);
-    u32 hh = prmt(th0, th1, sh), lh = prmt(tl0, tl1, sh);
-    P0 = prmt(ll, hl, 0x5140) | ((q << 12) & 0x80008000u);
-    P1 = prmt(ll, hl, 0x7362) | ((q << 4) & 0x80008000u);
-    P2 = prmt(lh, hh, 0x5140) | ((q << 8) & 0x80008000u);
-    P3 = prmt(lh, hh, 0x7362) | (q & 0x80008000u);
+// P0 = (n0, n4), P1 = (n2, n6), P2 = (n1, n5), P3 = (n3, n7), each times the bf16x2 factor f2 (and, when big, the
+// second factor of e).
+DEVI void e2m1_pairs(u32 q, u32 f2, u32 e, bool big, u32& P0, u32& P1, u32& P2, u32& P3) {
+    P0 = hmul2(((q << 6) & 0x01C001C0u) | ((q << 12) & 0x80008000u), f2);
+    P1 = hmul2(((q >> 2) & 0x01C001C0u) | ((q << 4) & 0x80008000u), f2);
+    P2 = hmul2(((q << 2) & 0x01C001C0u) | ((q << 8) & 0x80008000u), f2);
+    P3 = hmul2(((q >> 6) & 0x01C001C0u) | (q & 0x80008000u), f2);
+    if (big) {
+        const u32 g2 = e2m1_extra(e);
+        P0 = hmul2(P0, g2);
+        P1 = hmul2(P1, g2);
+        P2 = hmul2(P2, g2);
+        P3 = hmul2(P3, g2);
+    }
 }
 
 // B fragments of the two MMAs of a 4-byte word at value index base: MMA 2j: b0 = (x[b], x[b+4]), b1 = (x[b+2],
@@ -421,12 +431,14 @@ DEVI Tile load_tile(const int* tile_e, const int* tile_start, const int* tile_cn
 template <int NMAT, int MAXT>
 DEVI void e2m1_step(const uint4* qa, const uint4* qb, const u32* ea, const u32* eb, const u32* const* xr, int live,
                     int vbase, float (*acc)[MAXT][4]) {
-    u32 ta[NMAT][4], tb[NMAT][4];
+    u32 fa[NMAT], fb[NMAT], emax = 0;
 #pragma unroll
     for (int mt = 0; mt < NMAT; ++mt) {
-        e2m1_tables(ea[mt], ta[mt][0], ta[mt][1], ta[mt][2], ta[mt][3]);
-        e2m1_tables(eb[mt], tb[mt][0], tb[mt][1], tb[mt][2], tb[mt][3]);
+        fa[mt] = e2m1_factor(ea[mt]);
+        fb[mt] = e2m1_factor(eb[mt]);
+        emax = max(emax, max(ea[mt], eb[mt]));
     }
+    const bool big = __any_sync(0xffffffffu, emax > 128u);     // warp-uniform: no divergence
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         u32 bx[MAXT][4];
@@ -436,8 +448,8 @@ DEVI void e2m1_step(const uint4* qa, const uint4* qb, const u32* ea, const u32* 
 #pragma unroll
         for (int mt = 0; mt < NMAT; ++mt) {
             u32 A0, A1, A2, A3, B0, B1, B2, B3;
-            e2m1_pairs(word(qa[mt], j), ta[mt][0], ta[mt][1], ta[mt][2], ta[mt][3], A0, A1, A2, A3);
-            e2m1_pairs(word(qb[mt], j), tb[mt][0], tb[mt][1], tb[mt][2], tb[mt][3], B0, B1, B2, B3);
+            e2m1_pairs(word(qa[mt], j), fa[mt], ea[mt], big, A0, A1, A2, A3);
+            e2m1_pairs(word(qb[mt], j), fb[mt], eb[mt], big, B0, B1, B2, B3);
 #pragma unroll
             for (int i = 0; i < MAXT; ++i) {
                 if (i < live) {
@@ -515,8 +527,9 @@ DEVI void e2m1_loop(const u8* const* wa, const u8* const* wb, const u8* const* s
     cp_wait<0>();
 }
 
-// Gate/up: grid (work-list tiles, I/64), 128 threads; MAXT row tiles of 8 pairs (the launch picks the smallest that
-// holds a tile's pairs: every pair's MMA chain is the same whatever MAXT).
+// Gate/up: grid (work-list tiles, I/64), 128 threads; a tile's pairs in chunks of MAXT row tiles of 8 (a decode
+// round launches MAXT 1: its tiles hold a pair or two and the registers then allow more blocks; a prompt chunk the
+// fewest that hold a tile: every pair's MMA chain is the same whatever MAXT and the chunking).
 // h[place, I] = silu(min(x.w1, limit)) * clamp(x.w3, +-limit) * rw.
 template <int MAXT>
 DEVI void moe_up_body(const u32* x, const u8* w13, const u8* s13, const int* tile_e, const int* tile_start,
@@ -527,13 +540,6 @@ DEVI void moe_up_body(const u32* x, const u8* w13, const u8* s13, const int* til
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int r0 = blockIdx.y * 64 + warp * 16;          // intermediate rows of this warp
-    const int live = min(MAXT, (tl.cnt + 7) >> 3);
-    const u32* xr[MAXT];                                  // packed bf16 rows of x (pack_x mode 2): H/2 words each
-#pragma unroll
-    for (int i = 0; i < MAXT; ++i) {
-        int q = 8 * i + g;
-        xr[i] = q < tl.cnt ? x + (long long)(order[tl.p0 + q] / topk) * (H >> 1) : nullptr;
-    }
     const int HB = H >> 1;
     const long long e = tl.e;
     const u8* w1a = w13 + ((e * 2 * I) + r0 + g) * HB;
@@ -542,6 +548,17 @@ DEVI void moe_up_body(const u32* x, const u8* w13, const u8* s13, const int* til
     const u8* wb[2] = {w1a + 8LL * HB, w1a + (long long)(I + 8) * HB};
     const u8* sa[2] = {s1a, s1a + (long long)I * (H >> 5)};
     const u8* sb[2] = {s1a + 8LL * (H >> 5), s1a + (long long)(I + 8) * (H >> 5)};
+    // the tile's pairs in chunks of 8 MAXT (a decode round's tiles hold one or two: the weights stream once)
+#pragma unroll 1
+    for (int c0 = 0; c0 < tl.cnt; c0 += 8 * MAXT) {
+    const int cnt = min(8 * MAXT, tl.cnt - c0), p0 = tl.p0 + c0;
+    const int live = (cnt + 7) >> 3;
+    const u32* xr[MAXT];                                  // packed bf16 rows of x (pack_x mode 2): H/2 words each
+#pragma unroll
+    for (int i = 0; i < MAXT; ++i) {
+        int q = 8 * i + g;
+        xr[i] = q < cnt ? x + (long long)(order[p0 + q] / topk) * (H >> 1) : nullptr;
+    }
     float acc[2][MAXT][4];                               // gate (w1), up (w3)
 #pragma unroll
     for (int i = 0; i < MAXT; ++i)
@@ -554,21 +571,22 @@ DEVI void moe_up_body(const u32* x, const u8* w13, const u8* s13, const int* til
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 int q = 8 * i + 2 * t + (r & 1);
-                if (q < tl.cnt) {
+                if (q < cnt) {
                     int row = r0 + g + (r >> 1) * 8;
                     float gt = fminf(acc[0][i][r], limit);
                     float up = fminf(fmaxf(acc[1][i][r], -limit), limit);
-                    float wgt = rw[order[tl.p0 + q]];
+                    float wgt = rw[order[p0 + q]];
                     // h rounded to bf16 (as the down product reads it), stored in pack_x mode 2's order
                     float hv = gt / (1.0f + expf(-gt)) * up * wgt;
                     unsigned short hb;
                     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(hb) : "f"(hv));
                     const int r8 = row & 7;              // its place in the group: r8's three bits reversed
                     const int pos = (row & ~7) | ((r8 & 1) << 2) | (r8 & 2) | (r8 >> 2);
-                    h[(long long)(tl.p0 + q) * I + pos] = hb;
+                    h[(long long)(p0 + q) * I + pos] = hb;
                 }
             }
         }
+    }
     }
 }
 
@@ -581,19 +599,22 @@ DEVI void moe_down_body(const u32* h, const u8* w2, const u8* s2, const int* til
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int r0 = blockIdx.y * 64 + warp * 16;
-    const int live = min(MAXT, (tl.cnt + 7) >> 3);
-    const u32* hr[MAXT];                                  // the up kernel's packed bf16 h: I/2 words a pair
-#pragma unroll
-    for (int i = 0; i < MAXT; ++i) {
-        int q = 8 * i + g;
-        hr[i] = q < tl.cnt ? h + (long long)(tl.p0 + q) * (I >> 1) : nullptr;
-    }
     const int IB = I >> 1;
     const long long e = tl.e;
     const u8* wa[1] = {w2 + (e * H + r0 + g) * IB};
     const u8* wb[1] = {wa[0] + 8LL * IB};
     const u8* sa[1] = {s2 + (e * H + r0 + g) * (I >> 5)};
     const u8* sb[1] = {sa[0] + 8LL * (I >> 5)};
+#pragma unroll 1
+    for (int c0 = 0; c0 < tl.cnt; c0 += 8 * MAXT) {     // the tile's pairs in chunks of 8 MAXT, as the up kernel
+    const int cnt = min(8 * MAXT, tl.cnt - c0), p0 = tl.p0 + c0;
+    const int live = (cnt + 7) >> 3;
+    const u32* hr[MAXT];                                  // the up kernel's packed bf16 h: I/2 words a pair
+#pragma unroll
+    for (int i = 0; i < MAXT; ++i) {
+        int q = 8 * i + g;
+        hr[i] = q < cnt ? h + (long long)(p0 + q) * (I >> 1) : nullptr;
+    }
     float acc[1][MAXT][4];
 #pragma unroll
     for (int i = 0; i < MAXT; ++i)
@@ -606,20 +627,21 @@ DEVI void moe_down_body(const u32* h, const u8* w2, const u8* s2, const int* til
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 int q = 8 * i + 2 * t + (r & 1);
-                if (q < tl.cnt) y[(long long)order[tl.p0 + q] * H + r0 + g + (r >> 1) * 8] = acc[0][i][r];
+                if (q < cnt) y[(long long)order[p0 + q] * H + r0 + g + (r >> 1) * 8] = acc[0][i][r];
             }
         }
+    }
     }
 }
 
 #define MOE_KERNELS(T)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) moe_up_t##T(                                               \
+    extern "C" __global__ void __launch_bounds__(128, T <= 2 ? 5 : 1) moe_up_t##T(                                               \
         const u32* x, const u8* w13, const u8* s13, const int* tile_e, const int* tile_start,                    \
         const int* tile_cnt, const int* order, const float* rw, unsigned short* h, int H, int I, int topk,        \
         float limit) {                                                                                          \
         moe_up_body<T>(x, w13, s13, tile_e, tile_start, tile_cnt, order, rw, h, H, I, topk, limit);             \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(128) moe_down_t##T(                                             \
+    extern "C" __global__ void __launch_bounds__(128, T <= 2 ? 5 : 1) moe_down_t##T(                                             \
         const u32* h, const u8* w2, const u8* s2, const int* tile_e, const int* tile_start,                      \
         const int* tile_cnt, const int* order, float* y, int H, int I) {                                         \
         moe_down_body<T>(h, w2, s2, tile_e, tile_start, tile_cnt, order, y, H, I);                               \
