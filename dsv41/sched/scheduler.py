@@ -12,6 +12,23 @@ One task (`run`) loops over rounds. Each round:
 
 Every round carries all decode rows, so a running reply waits at most one prompt chunk between its tokens.
 
+Overlap (issue 25; SGLang's overlap scheduler, vLLM's async scheduling): round N+1 is planned on the loop and queued
+to the round thread while round N runs, and round N is committed while N+1 runs, so the round thread goes from one
+forward to the next without waiting for the event loop (its HTTP/SSE work, commits, planning). A decode row of round N+1 cannot
+name the token round N draws: it carries PENDING, which the round thread replaces by round N's draw just before
+N+1 runs (before a tensor-parallel plan is sent). What a commit decides is known one round late, so:
+- a reply that ends at round N (a stop, EOS, a grammar error) still has a row in N+1, whose draw is thrown away;
+  its state then holds the reply's last token too (`_fed` counts rows fed at plan time): a kept state keeps the
+  whole reply instead of all but its last token (an unmarked row cannot be taken back), and FreeSeq drops it;
+- max_tokens is known: a reply whose last token round N draws gets no row in N+1;
+- a token forced by a reasoning control is known when N+1 is planned (the control decided it at N-1's commit): the
+  row names it;
+- rounds are not overlapped (N is committed before N+1 is planned) while drafts are on (a draft comes from the
+  round before) or a constrained request's reasoning control is active (a forced token rewinds its grammar matcher
+  on the loop, which the round thread reads for masks).
+The replies are the same bytes overlapped or not: every row computes what it would have (row-invariant forward,
+batch-invariant sampler); only which round a request is admitted in or a prompt is cut at may move.
+
 Speculative decoding (docs/drafts.md): a decoding sequence's row may carry the draft the DSpark head proposed last
 round, cut to what its grammar allows and to the length `drafting.DraftPolicy` picks; the runner verifies it and
 returns the accepted tokens plus the bonus token, which `commit_round` commits one by one exactly as serial decoding
@@ -36,6 +53,8 @@ from dsv41.sched.runner import RoundResult, encode_params
 
 log = logging.getLogger("dsv41.sched")
 
+PENDING = -1            # a decode row's token id in a plan made before the round that draws it has run
+
 
 class SchedulerError(Exception):
     """Base of the errors `submit` raises; the API maps each to a status code."""
@@ -57,8 +76,9 @@ class Scheduler:
     def __init__(self, runner, budget: MemoryBudget, *, max_streams: int = 32, max_waiting: int = 1024,
                  prefill_chunk: int = 2048, stall_target_s: float = 1.0, metrics=None, kept=None,
                  drafts: bool = False, round_rows: int = 64, draft_tokens: int = 0,
-                 round_costs: RoundCosts | None = None):
+                 round_costs: RoundCosts | None = None, overlap: bool = True):
         self.runner = runner
+        self.overlap = overlap                    # plan round N+1 while round N runs (module docstring)
         self.budget = budget
         self.max_streams = max_streams
         self.max_waiting = max_waiting
@@ -79,8 +99,12 @@ class Scheduler:
         self._stopped = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-round")
         self._task: asyncio.Task | None = None
-        self._prompt_rows: dict[int, int] = {}    # this round's prompt rows per sequence
+        self._prompt_rows: dict[int, int] = {}    # the last planned round's prompt rows per sequence
         self._plan_has_decode = False
+        self._planned: dict[int, list] = {}      # round -> [prompt rows, decode rows?, advanced?] till its commit
+        self._inflight: tuple | None = None       # (plan, future, submit time) of the round running, not committed
+        self._last_result_t = 0.0
+        self._drawn: dict[int, int] = {}          # seq -> its last drawn token (round thread only: resolves PENDING)
         # figures for /metrics and /health
         self.rounds_total = 0
         self.prompt_tokens_total = 0
@@ -191,16 +215,26 @@ class Scheduler:
                     return
             except Exception as e:  # noqa: BLE001 - a bug in one round must not leave every request hanging
                 log.exception("scheduler round failed; failing the running requests")
+                await self._quiesce()
                 self._fail_all(e)
                 await asyncio.sleep(0.05)      # a failure that repeats must not spin the loop
 
     async def _one_round(self) -> bool:
-        """Plan, run and commit one round (or wait for work). False once stopped."""
+        """Plan and queue one round, then commit the round queued before it (or wait for work). False once stopped.
+        Without overlap a round is committed before the next is planned."""
         loop = asyncio.get_running_loop()
+        if self._inflight is not None and not self._can_overlap():
+            await self._settle()
         plan = self.plan_round()
         if not plan.rows:
+            self._planned.pop(plan.round, None)
+            running = self._inflight is not None
+            if running:                         # the round in flight first: its commit may make work
+                await self._settle()
             if plan.ops:                        # only frees: still tell the runner
-                await loop.run_in_executor(self._executor, self.runner.execute, plan)
+                await loop.run_in_executor(self._executor, self._execute, plan, None, None)
+            if running:
+                return True
             if self._stopped:
                 return False
             self._wake.clear()
@@ -208,21 +242,77 @@ class Scheduler:
                 await self._wake.wait()
             return True
         self._read_ahead()
-        t0 = time.perf_counter()
         matchers = {r.id: r.matcher for r in self.running if r.matcher is not None}
+        images = {r.id: r.images for r in self.running if r.images and r.id in self._prompt_rows}
+        fut = loop.run_in_executor(self._executor, self._execute, plan, matchers or None, images or None)
+        self._advance(plan)
+        earlier, self._inflight = self._inflight, (plan, fut, time.perf_counter())
+        if earlier is not None:
+            await self._settle(earlier)
+        if not self._can_overlap():
+            await self._settle()
+        return True
+
+    def _execute(self, plan: StepPlan, matchers: dict | None, images: dict | None) -> RoundResult:
+        """The round thread's side of a round: PENDING ids become the tokens the round before drew, then the runner
+        runs the plan (on several ranks the resolved plan is what is sent)."""
+        for op in plan.ops:
+            if isinstance(op, FreeSeq):
+                self._drawn.pop(op.seq, None)
+        for r in plan.rows:
+            if r.ids[0] == PENDING:
+                # a reply that ended at the round before (no draw: a grammar error) has a row whose draw is void
+                r.ids[0] = self._drawn.get(r.seq, 0)
+        extra = (images,) if images else ()        # runners without image rows take (plan, matchers)
+        result = self.runner.execute(plan, matchers, *extra)
+        for seq, sample in result.samples:
+            self._drawn[seq] = sample.token_id
+        return result
+
+    async def _settle(self, entry: tuple | None = None) -> None:
+        """Wait for a queued round (default: the one in flight) and commit it; a failed forward fails its requests
+        (and, overlapped, the round queued behind it, which ran on the same states)."""
+        if entry is None:
+            entry, self._inflight = self._inflight, None
+        plan, fut, submitted = entry
         try:
-            images = {r.id: r.images for r in self.running if r.images and r.id in self._prompt_rows}
-            extra = (images,) if images else ()        # runners without image rows take (plan, matchers)
-            result = await loop.run_in_executor(self._executor, self.runner.execute, plan, matchers or None, *extra)
+            result = await fut
         except Exception as e:  # noqa: BLE001 - a failed forward fails its requests, not the server
             log.exception("round %d failed", plan.round)
-            self._fail_round(plan, e)
-            return True
-        self.last_round_s = time.perf_counter() - t0
-        self._measure(plan, self.last_round_s)
-        if self._plan_has_decode:
+            later, self._inflight = self._inflight, None
+            if later is not None:
+                try:
+                    await later[1]
+                except Exception:  # noqa: BLE001 - it fails with this one either way
+                    log.exception("round %d failed", later[0].round)
+            self._fail_round(plan, e, *([later[0]] if later is not None else []))
+            return
+        now = time.perf_counter()
+        self.last_round_s = now - max(submitted, self._last_result_t)
+        self._last_result_t = now
+        prompt_rows, has_decode, _ = self._planned.get(plan.round, ({}, False, False))
+        self._measure(plan, self.last_round_s, prompt_rows)
+        if has_decode:
             self.worst_round_s = max(self.worst_round_s, self.last_round_s)
         self.commit_round(plan, result)
+
+    async def _quiesce(self) -> None:
+        """No round left running (before the runner's tables are touched from the loop)."""
+        entry, self._inflight = self._inflight, None
+        if entry is not None:
+            try:
+                await entry[1]
+            except Exception:  # noqa: BLE001 - its requests are failed by the caller
+                log.exception("round %d failed", entry[0].round)
+
+    def _can_overlap(self) -> bool:
+        """Whether the next round may be planned before the running one is committed (module docstring)."""
+        if not self.overlap or self.policy is not None:
+            return False
+        for r in self.running:
+            ctl = getattr(r, "control", None)
+            if r.matcher is not None and ctl is not None and ctl.active:
+                return False
         return True
 
     def _read_ahead(self) -> None:
@@ -318,8 +408,9 @@ class Scheduler:
         after = []
         self._prompt_rows = {}
         decoding = [r for r in self.running if r.phase is Phase.DECODE]
-        takeback = self._takebacks(decoding)
-        self._plan_has_decode = bool(decoding)
+        # sequences whose token the round in flight draws (overlap): their rows come one position later
+        pending = {r.seq for r in self._inflight[0].rows if r.logits} if self._inflight is not None else set()
+        takeback = self._takebacks(decoding, pending)
         room = self.prompt_room(decoding=bool(decoding))
         shares = self._prompt_shares(room)
         self._propose_now = self.policy is not None and self.policy.proposing(
@@ -327,9 +418,18 @@ class Scheduler:
         lengths = self._draft_lengths(decoding, sum(n for _, n in shares))
         for r in decoding:
             d = lengths.get(r.id, [])
-            left = r.max_tokens - len(r.output_ids)          # tokens this reply may still add, this round included
-            rows.append(SeqRows(r.id, r.position - 1, [r.output_ids[-1]] + d, list(range(len(d) + 1)),
+            ahead = int(r.id in pending)
+            left = r.max_tokens - len(r.output_ids) - ahead   # tokens this reply may still add, this round included
+            if left <= 0:                                     # its last token is being drawn now
+                continue
+            if ahead:
+                ctl = getattr(r, "control", None)
+                tok = ctl.forcing[0] if ctl is not None and ctl.forcing else PENDING
+            else:
+                tok = r.output_ids[-1]
+            rows.append(SeqRows(r.id, r.position + ahead - 1, [tok] + d, list(range(len(d) + 1)),
                                 draft=self.block_size if self._proposing(r) and left - 1 - len(d) >= 2 else 0))
+            self._fed[r.id] = rows[-1].start + len(rows[-1].ids)
         for r, n in shares:
             n, saves = self._kept_cut(r, n)
             after += saves
@@ -338,18 +438,24 @@ class Scheduler:
             rows.append(SeqRows(r.id, r.filled, r.prompt_ids[r.filled:r.filled + n], [n - 1] if last else [],
                                 draft=ahead, images=covers_images(r.images, r.filled, n)))
             self._prompt_rows[r.id] = n
+            if last:
+                self._fed[r.id] = r.prompt_len
         ops = kept_ops + [FreeSeq(s) for s in close] + opened + takeback
+        self._plan_has_decode = any(r.seq not in self._prompt_rows for r in rows)
+        self._planned[self._round] = [self._prompt_rows, self._plan_has_decode, False]
         return StepPlan(self._round, ops=ops, rows=rows, after=after)
 
     # --- drafts (docs/drafts.md) -----------------------------------------------------------------------------------
-    def _takebacks(self, decoding: list[Request]) -> list:
-        """Rollback ops for states that hold rows past their reply (a commit that ended early last round)."""
+    def _takebacks(self, decoding: list[Request], pending: set[int]) -> list:
+        """Rollback ops for states that hold rows past their reply (a commit that ended early last round). `pending`:
+        sequences whose next token the round in flight draws (their state will then hold one more row)."""
         ops = []
         for r in decoding:
-            extra = self._fed.get(r.id, r.position - 1) - (r.position - 1)
+            fed = r.position - 1 + int(r.id in pending)
+            extra = self._fed.get(r.id, fed) - fed
             if extra > 0:
                 ops.append(Rollback(r.id, extra))
-            self._fed[r.id] = r.position - 1
+            self._fed[r.id] = fed
         return ops
 
     def _draft_lengths(self, decoding: list[Request], prompt_rows: int) -> dict[int, list[int]]:
@@ -392,16 +498,21 @@ class Scheduler:
 
     def _kept_finished(self) -> list:
         """Before finished sequences are freed: drops still owed, then keep each finished reply's prompt + reply
-        (all but the last drawn token, which was never fed): the next turn's prompt starts with it."""
+        (all but the last drawn token, which was never fed): the next turn's prompt starts with it. Overlapped, the
+        round queued after the last token may have fed it (an unmarked row, which cannot be taken back): then the
+        whole reply is kept."""
         ops: list = [DropState(k) for k in self._drop_keys]
         self._drop_keys = []
         keep, self._to_keep = self._to_keep, []
         if self.kept is not None:
             for r in keep:
+                ids = r.prompt_ids + r.output_ids[:-1]
                 extra = self._fed.pop(r.id, 0) - (r.position - 1)
-                if extra > 0:                    # the state ran past the reply's end (drafts): take those rows back
+                if extra == 1 and self.policy is None:   # without drafts only an overlapped row runs past a reply
+                    ids = r.prompt_ids + r.output_ids
+                elif extra > 0:                  # the state ran past the reply's end (drafts): take those rows back
                     ops.append(Rollback(r.id, extra))
-                ops += self._kept_save(r.id, r.prompt_ids + r.output_ids[:-1], r.cache_salt, _image_spans(r))
+                ops += self._kept_save(r.id, ids, r.cache_salt, _image_spans(r))
         return ops
 
     def _kept_resume(self, req: Request) -> list:
@@ -441,9 +552,10 @@ class Scheduler:
             room = min(room, max(self.MIN_PROMPT_ROWS, int(self.stall_target_s / self.row_cost_s)))
         return room
 
-    def _measure(self, plan: StepPlan, seconds: float) -> None:
-        """Fold a round's seconds per row into row_cost_s (rounds with prompt rows only: they set the stall)."""
-        if not self._prompt_rows:
+    def _measure(self, plan: StepPlan, seconds: float, prompt_rows: dict[int, int] | None = None) -> None:
+        """Fold a round's seconds per row into row_cost_s (rounds with prompt rows only: they set the stall).
+        prompt_rows: the plan's (default: the last planned round's)."""
+        if not (self._prompt_rows if prompt_rows is None else prompt_rows):
             return
         per_row = seconds / max(1, plan.n_rows)
         self.row_cost_s = per_row if self.row_cost_s == 0 else 0.7 * self.row_cost_s + 0.3 * per_row
@@ -471,10 +583,17 @@ class Scheduler:
         give(oldest, room)
         return [(r, share[r.id]) for r in filling if share[r.id] > 0]
 
-    def commit_round(self, plan: StepPlan, result: RoundResult) -> None:
+    def _advance(self, plan: StepPlan) -> None:
+        """What a round does to the bookkeeping whatever it draws: its prompt rows are in the states (a prompt whose
+        last chunk it runs decodes from the next round on). Done when the round is queued (overlap: the next plan
+        sees it) or at its commit, once."""
+        got = self._planned.get(plan.round)
+        if got is None or got[2]:
+            return
+        got[2] = True
+        prompt_rows = got[0]
         by_id = {r.id: r for r in self.running}
-        self.rounds_total += 1
-        for seq, n in self._prompt_rows.items():
+        for seq, n in prompt_rows.items():
             req = by_id.get(seq)
             if req is None:
                 continue
@@ -483,6 +602,12 @@ class Scheduler:
             if req.filled == req.prompt_len:
                 req.phase = Phase.DECODE
                 req.prompt_done_time = time.monotonic()
+
+    def commit_round(self, plan: StepPlan, result: RoundResult) -> None:
+        self._advance(plan)
+        self._planned.pop(plan.round, None)
+        by_id = {r.id: r for r in self.running}
+        self.rounds_total += 1
         if self.policy is not None:
             self.policy.observe_round(plan.n_rows, len(plan.rows), result.seconds - result.draft_seconds)
             if result.drafts:
@@ -496,7 +621,8 @@ class Scheduler:
                 continue
             drafted = len(row.ids) - 1 if len(row.logits) > 1 else 0
             accepted = result.accepted.get(row.seq, 0)
-            self._fed[row.seq] = row.start + len(row.ids) - (drafted - accepted)
+            if drafted:          # the rows past the first rejected draft were rolled back (plan time counted them)
+                self._fed[row.seq] = row.start + len(row.ids) - (drafted - accepted)
             samples = got.get(row.seq, [])
             if drafted:
                 self.draft_stats.add(drafted, accepted, len(samples))
@@ -552,19 +678,24 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.request_finished(req)
 
-    def _fail_round(self, plan: StepPlan, err: Exception) -> None:
-        """A forward raised: its sequences' states may be half-advanced, so every request in it fails."""
-        seqs = {r.seq for r in plan.rows} | {o.seq for o in plan.ops if isinstance(o, NewSeq)}
+    def _fail_round(self, plan: StepPlan, err: Exception, *also: StepPlan) -> None:
+        """A forward raised: its sequences' states may be half-advanced, so every request in it fails (and in `also`,
+        the round queued behind it, which ran on those states)."""
+        plans = (plan, *also)
+        seqs = set()
+        for p in plans:
+            self._planned.pop(p.round, None)
+            seqs |= {r.seq for r in p.rows} | {o.seq for o in p.ops if isinstance(o, NewSeq)}
         self.runner.drop(sorted(seqs))
         for req in [r for r in self.running if r.id in seqs]:
             self._finish(req, FinishEvent("error", error=f"the engine failed: {type(err).__name__}: {err}"))
         self._to_close = [s for s in self._to_close if s not in seqs]
         self._to_keep = [r for r in self._to_keep if r.id not in seqs]
-        for op in plan.ops + plan.after:      # saves of a failed round may not have happened: forget them
-            if isinstance(op, (SaveState, RestoreState)) and self.kept is not None:
-                self.kept.forget(op.key)
-                self._drop_keys.append(op.key)
-
+        for p in plans:
+            for op in p.ops + p.after:      # saves of a failed round may not have happened: forget them
+                if isinstance(op, (SaveState, RestoreState)) and self.kept is not None:
+                    self.kept.forget(op.key)
+                    self._drop_keys.append(op.key)
 
 def _cancel_reason(req: Request) -> str:
     """A cancelled request's finish reason: "shutdown" when the drain cancelled it, else "cancelled" (its client)."""
