@@ -108,11 +108,17 @@ def test_fingerprint_is_exact_integer_sum():
         channel.logits_fingerprint(torch.zeros(2, 3, dtype=torch.long))
 
 
-def test_transport_choice():
+def test_transport_choice(monkeypatch):
     assert choose_transport("cpu", same_host=True) == "shm"
     assert choose_transport("cpu", same_host=False) == "gloo"
-    assert choose_transport("cuda:1", same_host=True) == "cuda-ipc"
     assert choose_transport(torch.device("cuda", 0), same_host=False) == "nccl"
+    # one host: cuda-ipc where every pair of the ranks' GPUs (rank r on cuda:(r mod visible)) can peer or is one
+    # GPU, else the registered host ring (the GPUs seen here are stand-ins: the rule reads only these two calls)
+    peers = {(0, 1): True, (1, 0): True, (0, 2): False, (2, 0): False, (1, 2): True, (2, 1): True}
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peers[(a, b)])
+    for visible, world, want in [(2, 2, "cuda-ipc"), (1, 4, "cuda-ipc"), (3, 2, "cuda-ipc"), (3, 3, "shm-cuda")]:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda n=visible: n)
+        assert choose_transport("cuda:1", same_host=True, world=world) == want, (visible, world)
     with pytest.raises(plan.CommError, match="meta"):
         choose_transport("meta", True)
 
