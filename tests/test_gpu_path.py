@@ -9,7 +9,6 @@ from dsv41.model import quant
 from dsv41.model.linear import linear, row_mean, row_sum
 from dsv41.model.model import Model, SeqInput
 from dsv41.model.ops import reference_ops
-from dsv41.sched.runner import _to_host
 from kernels.numerics import tree_row_sum
 
 
@@ -91,12 +90,6 @@ def test_bad_device_is_a_clear_error(ckpt):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             Model.load(ckpt, device="cuda")
-
-
-def test_to_host_keeps_cpu_outputs_and_splits_by_row_count():
-    outs = [torch.randn(1, 8), torch.randn(0, 8), torch.randn(3, 8)]
-    assert _to_host(outs) is outs
-    assert _to_host([]) == []
 
 
 def test_make_real_config_is_valid_and_cycles_layer_kinds():
