@@ -71,7 +71,7 @@ class MoE:
     scaling: float
     limit: float
     stack: ExpertStack | None = None   # on the GPU: the experts in the grouped kernel's layout (device.py)
-    shards: int = 1                    # TP shards computed apart (weights.TP_SHARDS // world)
+    shards: int = 1                    # TP shards computed apart (weights.tp_parts(world, shards) // world)
     shard_ranges: list[range] | None = None     # each shard's routed experts (global ids)
     shared_shards: list[Expert | None] | None = None   # each shard's part of the shared expert (w1/w3 rows, w2
     #                                                    columns); None: a part without one (weights.SplitPlan)
