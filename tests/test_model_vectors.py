@@ -12,9 +12,10 @@ products (tp_shards=1, the reference's) and the served two shards (docs/tp.md "S
   them on the CPUs measured so far (QAT_OPEN, issue 28) are expected failures, not skips: their figures are still
   computed and printed, and a pass is reported (XPASS). Why they miss (docs/model.md "Agreement with the oracle"):
   the three fake-quants equal the oracle's functions, but a quantiser input within float32 noise (~1e-6 of its
-  block's maximum) of a rounding boundary lands on the side the float32 summation order puts it; the oracle's order
-  is its CPU's GEMM kernels and its row lengths, which no row-invariant order reproduces, and which prompt parts miss
-  changes with the CPU's kernels (AVX-512 or AVX2) and with the shard count. What is asserted for every prompt
+  block's maximum) of a rounding boundary lands on the side the float32 summation order puts it; the vectors hold
+  the rounding of the machine that made them (the oracle's own code, transcribed and run on this CPU, misses prompt
+  5's and 6's prefill rows from the same first rows as dsv41), and which prompt parts miss changes with the CPU's
+  kernels (AVX-512 or AVX2) and with the shard count. What is asserted for every prompt
   whatever the CPU: its first row within 1e-4 (every layer's window KV, FP8, and the ratio-1 compressed entry, FP4,
   of that token enter it), and, for the debug and select prompts, the per-layer streams and the selections at
   every row before the prompt's first row beyond 1e-4, measured in the same run.
