@@ -157,3 +157,40 @@ def test_kept_state_after_an_early_stop_resumes_exactly(model, tmp_path):
 def test_pending_is_not_a_token():
     assert PENDING < 0
 
+
+def test_drafts_on_overlap_while_the_policy_does_not_propose(model):
+    """Random weights: almost no draft is accepted, so the adaptive policy proposes only now and then; the rounds in
+    between overlap, a proposing or verifying round is committed first, and the replies equal serial decoding."""
+    from dsv41.sched.drafting import RoundCosts
+    prompts = _prompts(8, model.t.vocab_size, seed=7)
+
+    def make():
+        return [Request(list(p), _params(i), 30, eos_ids=frozenset([1]), ignore_eos=True)
+                for i, p in enumerate(prompts)]
+
+    serial, _ = run(model, make, overlap=False)
+
+    async def go():
+        sched = Scheduler(ModelRunner(model), MemoryBudget(1 << 40, _cost(model)), max_streams=16, drafts=True,
+                          round_costs=RoundCosts([1, 64], [1.0, 1.2]))
+        ahead = []
+        plan = sched.plan_round
+
+        def watch():
+            ahead.append(sched._inflight is not None)
+            return plan()
+        sched.plan_round = watch
+        sched.start()
+        reqs = make()
+        for r in reqs:
+            sched.submit(r)
+
+        async def drain(r):
+            async for _ in sched.stream(r):
+                pass
+        await asyncio.gather(*[drain(r) for r in reqs])
+        await sched.stop()
+        return reqs, sum(ahead), sched.draft_stats
+    drafted, ahead, stats = asyncio.run(go())
+    assert _ids(drafted) == _ids(serial)
+    assert stats.drafted > 0 and ahead > 5

@@ -23,9 +23,11 @@ N+1 runs (before a tensor-parallel plan is sent). What a commit decides is known
 - max_tokens is known: a reply whose last token round N draws gets no row in N+1;
 - a token forced by a reasoning control is known when N+1 is planned (the control decided it at N-1's commit): the
   row names it;
-- rounds are not overlapped (N is committed before N+1 is planned) while drafts are on (a draft comes from the
-  round before) or a constrained request's reasoning control is active (a forced token rewinds its grammar matcher
-  on the loop, which the round thread reads for masks).
+- a round whose rows propose drafts or verify them is committed before the next is planned (the proposals and the
+  accepted count decide the next rows), and a proposal older than the round in flight is dropped; so with drafts
+  on, rounds overlap while the draft policy does not propose;
+- rounds are not overlapped while a constrained request's reasoning control is active (a forced token rewinds its
+  grammar matcher on the loop, which the round thread reads for masks).
 The replies are the same bytes overlapped or not: every row computes what it would have (row-invariant forward,
 batch-invariant sampler); only which round a request is admitted in or a prompt is cut at may move.
 
@@ -105,6 +107,7 @@ class Scheduler:
         self._inflight: tuple | None = None       # (plan, future, submit time) of the round running, not committed
         self._last_result_t = 0.0
         self._drawn: dict[int, int] = {}          # seq -> its last drawn token (round thread only: resolves PENDING)
+        self._ahead: set[int] = set()             # sequences whose latest row was planned ahead (unmarked, PENDING)
         # figures for /metrics and /health
         self.rounds_total = 0
         self.prompt_tokens_total = 0
@@ -307,8 +310,10 @@ class Scheduler:
 
     def _can_overlap(self) -> bool:
         """Whether the next round may be planned before the running one is committed (module docstring)."""
-        if not self.overlap or self.policy is not None:
+        if not self.overlap:
             return False
+        if self._inflight is not None and any(r.draft or len(r.logits) > 1 for r in self._inflight[0].rows):
+            return False        # its proposals or its accepted drafts decide the next rows
         for r in self.running:
             ctl = getattr(r, "control", None)
             if r.matcher is not None and ctl is not None and ctl.active:
@@ -415,7 +420,10 @@ class Scheduler:
         shares = self._prompt_shares(room)
         self._propose_now = self.policy is not None and self.policy.proposing(
             self._round, max(1, len(decoding)), len(decoding) + sum(n for _, n in shares), self.block_size)
-        lengths = self._draft_lengths(decoding, sum(n for _, n in shares))
+        for r in decoding:
+            if r.id in pending:                 # a proposal older than the round in flight: past its positions
+                self._drafts.pop(r.id, None)
+        lengths = self._draft_lengths([r for r in decoding if r.id not in pending], sum(n for _, n in shares))
         for r in decoding:
             d = lengths.get(r.id, [])
             ahead = int(r.id in pending)
@@ -430,6 +438,10 @@ class Scheduler:
             rows.append(SeqRows(r.id, r.position + ahead - 1, [tok] + d, list(range(len(d) + 1)),
                                 draft=self.block_size if self._proposing(r) and left - 1 - len(d) >= 2 else 0))
             self._fed[r.id] = rows[-1].start + len(rows[-1].ids)
+            if ahead:
+                self._ahead.add(r.id)
+            else:
+                self._ahead.discard(r.id)
         for r, n in shares:
             n, saves = self._kept_cut(r, n)
             after += saves
@@ -508,11 +520,12 @@ class Scheduler:
             for r in keep:
                 ids = r.prompt_ids + r.output_ids[:-1]
                 extra = self._fed.pop(r.id, 0) - (r.position - 1)
-                if extra == 1 and self.policy is None:   # without drafts only an overlapped row runs past a reply
+                if extra == 1 and r.id in self._ahead:   # the overlapped row after its last token
                     ids = r.prompt_ids + r.output_ids
                 elif extra > 0:                  # the state ran past the reply's end (drafts): take those rows back
                     ops.append(Rollback(r.id, extra))
                 ops += self._kept_save(r.id, ids, r.cache_salt, _image_spans(r))
+                self._ahead.discard(r.id)
         return ops
 
     def _kept_resume(self, req: Request) -> list:
@@ -665,6 +678,8 @@ class Scheduler:
                  ev.reason, ttft, req.finish_time - req.arrival)
         self._marks.pop(req.id, None)
         self._drafts.pop(req.id, None)
+        if not (admitted and self.kept is not None and ev.reason in ("stop", "length")):
+            self._ahead.discard(req.id)
         self._expect.pop(req.id, None)
         if admitted and self.kept is not None and ev.reason in ("stop", "length"):
             self._to_keep.append(req)
