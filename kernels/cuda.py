@@ -166,6 +166,7 @@ KERNELS = {"decode.cu": [f"{k}_linear_{m}_t{t}" for k in ("fp8", "bf16") for m i
            "exl3.cu": [f"exl3_k{k}_cb{c}_t1" for k in (2, 4, 6, 8, 10, 12, 14, 16) for c in (0, 1, 2)]
            + [f"exl3_k{k}_cb2_t{t}" for k in (3, 5, 7) for t in (1, 8)]
            + [f"exl3_k{k}_cb2_t8" for k in (2, 4, 6, 8, 10, 12, 14, 16)] + ["exl3_k8_cb0_t8", "exl3_k8_cb1_t8"]
+           + ["exl3_k5_cb2_t4", "exl3_k8_cb0_t4", "exl3_k8_cb2_t4"]
            + [f"exl3w_k{k}_cb{c}_t1" for k, c in ((5, 2), (8, 0), (8, 2))]}
 
 

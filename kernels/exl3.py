@@ -341,13 +341,19 @@ _cuda_ok: dict = {}
 
 # (K2, codebook) with an eight-row-tile kernel (exl3.cu): MUL1 at every rate, 4 bits with 3INST and MCG
 _T8 = {(k, 2) for k in _K2_CUDA} | {(8, 0), (8, 1)}
+# ... and with four (up to 32 rows, fewer registers): the reference pack's main rates
+_T4 = {(5, 2), (8, 0), (8, 2)}
 
 
 def cuda_row_tiles(K2: int, cb: int, rows: int, variant: str = "") -> int:
-    """Row tiles of 8 a block of the kernel for `rows` rows a group: one when it holds the rows or no eight-tile
-    kernel exists for the rate (then every 8 rows are a block), else eight. The MMA chain of a row tile is the
-    same instructions in both, so the choice never changes a bit."""
-    return 8 if rows > 8 and not variant and (K2, cb) in _T8 else 1
+    """Row tiles of 8 a block of the kernel for `rows` rows a group: one when it holds the rows or no larger
+    kernel exists for the rate (then every 8 rows are a block), four up to 32 rows where that kernel exists, else
+    eight. The MMA chain of a row tile is the same instructions in each, so the choice never changes a bit."""
+    if rows <= 8 or variant:
+        return 1
+    if rows <= 32 and (K2, cb) in _T4:
+        return 4
+    return 8 if (K2, cb) in _T8 else 1
 
 
 def cuda_kernel_name(K2: int, cb: int, rows: int, variant: str = "") -> str:

@@ -141,8 +141,9 @@ def test_kernel_source_names_every_launched_kernel():
     names = set(cuda.KERNELS["exl3.cu"])
     assert names == made
     for K, cb in RATES:
-        for rows in (1, 2, 8, 9, 64, 65):
+        for rows in (1, 2, 8, 9, 32, 33, 64, 65):
             assert cuda_kernel_name(round(2 * K), cb, rows) in names
+    assert cuda_kernel_name(5, CB_MUL1, 20).endswith("_t4") and cuda_kernel_name(5, CB_MUL1, 33).endswith("_t8")
     for K2, cb in ((5, CB_MUL1), (8, CB_3INST), (8, CB_MUL1)):
         for rows in (1, 9, 64):
             assert cuda_kernel_name(K2, cb, rows, "w") in names

@@ -553,7 +553,8 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
 // One row tile (up to 8 rows a block; more rows run in further blocks) for every rate and codebook exllamav3 writes:
 // integer K 1..8 with 3INST, MCG and MUL1, and 1.5, 2.5, 3.5 with MUL1. Eight row tiles (up to 64 rows a block: the
 // weight decoded once for them) for the rates the published V4.1 packs use (MUL1 at every rate, 4 bits with 3INST
-// and MCG); kernels/exl3.py's _T8 lists them. Fewer instantiations keep the first compile short.
+// and MCG); kernels/exl3.py's _T8 lists them (and _T4 the four-tile ones). Fewer instantiations keep the first
+// compile short.
 #define EXL3_CODEBOOKS(K2) EXL3_KERNEL(K2, 0, 1) EXL3_KERNEL(K2, 1, 1) EXL3_KERNEL(K2, 2, 1) EXL3_KERNEL(K2, 2, 8)
 EXL3_CODEBOOKS(2)
 EXL3_CODEBOOKS(4)
@@ -564,6 +565,8 @@ EXL3_CODEBOOKS(12)
 EXL3_CODEBOOKS(14)
 EXL3_CODEBOOKS(16)
 EXL3_KERNEL(8, 0, 8) EXL3_KERNEL(8, 1, 8)
+// four row tiles (up to 32 rows: fewer registers than eight) at the reference pack's main rates
+EXL3_KERNEL(5, 2, 4) EXL3_KERNEL(8, 0, 4) EXL3_KERNEL(8, 2, 4)
 EXL3_KERNEL(3, 2, 1) EXL3_KERNEL(3, 2, 8)
 EXL3_KERNEL(5, 2, 1) EXL3_KERNEL(5, 2, 8)
 EXL3_KERNEL(7, 2, 1) EXL3_KERNEL(7, 2, 8)
