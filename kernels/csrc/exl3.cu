@@ -331,29 +331,29 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     const u32* ring_w = reinterpret_cast<const u32*>(smem);
     const u32* xs_w = reinterpret_cast<const u32*>(smem + RING_BYTES);
 
-    // stage s = k-tiles kt0 .. kt0+3 (kt0 = 16 * h_lo / 16 + 4 s) of n-tiles nt0 .. nt0+7: 4 runs of 128 K2 bytes
+    // stage s = k-tiles kt0 .. kt0+3 (kt0 = 8 h_lo + 4 s) of n-tiles nt0 .. nt0+7: 4 runs of 128 K2 bytes (WR: this
+    // warp's 2 n-tiles, 4 runs of 32 K2 bytes). A thread's 16-byte chunks sit at the same offsets in every stage:
+    // their source offsets (from the stage's first tile) are computed once.
+    constexpr int CPT = WR ? 8 * K2 : RG::CHUNKS;          // chunks a stage, of this warp (WR) or of the block
+    constexpr int PER_KT = WR ? 2 * K2 : (BN / 16) * K2;   // chunks a k-tile's run
+    constexpr int NTH = WR ? 32 : 128;
+    constexpr int NCH = (CPT + NTH - 1) / NTH;             // chunks a thread
+    const int cid = WR ? lane : threadIdx.x;
+    long long soff[NCH];
+#pragma unroll
+    for (int j = 0; j < NCH; ++j) {
+        const int c = cid + NTH * j;
+        soff[j] = (long long)(c / PER_KT) * NT * (R_::NW * 4) + (c % PER_KT) * 16;
+    }
+    const u8* wbase = reinterpret_cast<const u8*>(wexp + (long long)(nt0 + (WR ? 2 * warp : 0)) * R_::NW);
+    const u32 dbase = ring + (WR ? warp * (RG::STAGE / 4) : 0) + cid * 16;
     auto issue = [&](int s) {
         if (s < nst) {
-            const int kt0 = h_lo * 8 + s * KT_STAGE;
-            if (WR) {
-                // this warp's runs: 4 k-tiles x its 2 n-tiles (2 K2 chunks a k-tile), into its quarter of the slot
-                const u32 dst = ring + (s % RG::PF) * RG::STAGE + warp * (RG::STAGE / 4);
-                for (int c = lane; c < 8 * K2; c += 32) {
-                    const int kk = c / (2 * K2), o = c % (2 * K2);
-                    const u8* src = reinterpret_cast<const u8*>(wexp + ((long long)(kt0 + kk) * NT + nt0 + 2 * warp)
-                                                                * R_::NW) + o * 16;
-                    cp16(dst + c * 16, src);
-                }
-            } else {
-                const u32 dst = ring + (s % RG::PF) * RG::STAGE;
-                for (int c = threadIdx.x; c < RG::CHUNKS; c += 128) {
-                    constexpr int PER_KT = (BN / 16) * K2;      // 16-byte chunks a k-tile's run
-                    const int kk = c / PER_KT, o = c % PER_KT;
-                    const u8* src = reinterpret_cast<const u8*>(wexp + ((long long)(kt0 + kk) * NT + nt0) * R_::NW)
-                                    + o * 16;
-                    cp16(dst + c * 16, src);
-                }
-            }
+            const u8* src = wbase + (long long)(h_lo * 8 + s * KT_STAGE) * NT * (R_::NW * 4);
+            const u32 dst = dbase + (s % RG::PF) * RG::STAGE;
+#pragma unroll
+            for (int j = 0; j < NCH; ++j)
+                if (CPT % NTH == 0 || cid + NTH * j < CPT) cp16(dst + NTH * j * 16, src + soff[j]);
         }
         cp_commit();
     };
@@ -361,9 +361,12 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     // this lane's words of any tile: byte offsets of tile words (i0 + q) mod NW, and the window alignment
     const int st = R_::start(lane);
     const int a_shift = st & 31;
+    // (word offsets in a stage of this warp's first tile's words: every other tile of the stage is a compile-time
+    // offset from them, and the rotated x's B fragments likewise from one lane base)
     int woff[R_::NWL];
 #pragma unroll
-    for (int q = 0; q < R_::NWL; ++q) woff[q] = ((st >> 5) + q) % R_::NW;
+    for (int q = 0; q < R_::NWL; ++q) woff[q] = ((st >> 5) + q) % R_::NW + (WR ? 0 : 2 * warp * R_::NW);
+    const u32* xlane = xs_w + (g4 * XS::LD + 2 * t4) / 2;
 
     float acc[2][MAXT][4];
 #pragma unroll
@@ -427,29 +430,32 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
         }
         issue(s + RG::PF - 1);
         const u32* st_base = ring_w + (s % RG::PF) * (RG::STAGE / 4) + (WR ? warp * (RG::STAGE / 16) : 0);
+        const u32* wl[R_::NWL];
+#pragma unroll
+        for (int q = 0; q < R_::NWL; ++q) wl[q] = st_base + woff[q];
+        // B fragments: rotated x rows (8i + g4), columns kx + 2t4 (+1) and kx + 2t4 + 8 (+9), kx = this stage's
+        // 64 columns + 16 kk
+        const u32* xst = xlane + ((s >> 1) % XS::XH) * 64 + (s & 1) * (KT_STAGE * 8);
 #pragma unroll
         for (int kk = 0; kk < KT_STAGE; ++kk) {
-            // B fragments: rotated x rows (8i + g4), columns kx + 2t4 (+1) and kx + 2t4 + 8 (+9)
-            const int kx = ((s >> 1) % XS::XH) * 128 + ((s & 1) * KT_STAGE + kk) * 16;
             u32 b[MAXT][2];
 #pragma unroll
             for (int i = 0; i < MAXT; ++i) {
-                if (i < live) {
-                    const u32* xa = xs_w + ((8 * i + g4) * XS::LD + kx + 2 * t4) / 2;
-                    b[i][0] = xa[0];
-                    b[i][1] = xa[4];
+                if (i == 0 || i < live) {                  // a block has at least one row tile
+                    b[i][0] = xst[i * 4 * XS::LD + kk * 8];
+                    b[i][1] = xst[i * 4 * XS::LD + kk * 8 + 4];
                 }
             }
 #pragma unroll
             for (int nn = 0; nn < 2; ++nn) {
-                const u32* tile = st_base + (WR ? kk * 2 + nn : kk * (BN / 16) + 2 * warp + nn) * R_::NW;
+                const int t_off = (WR ? kk * 2 + nn : kk * (BN / 16) + nn) * R_::NW;   // compile-time
                 u32 W[R_::NWL], frag[4];
 #pragma unroll
-                for (int q = 0; q < R_::NWL; ++q) W[q] = tile[woff[q]];
+                for (int q = 0; q < R_::NWL; ++q) W[q] = wl[q][t_off];
                 lane_fragment<K2, CB>(W, a_shift, frag);
 #pragma unroll
                 for (int i = 0; i < MAXT; ++i)
-                    if (i < live) mma(acc[nn][i], frag, b[i][0], b[i][1]);
+                    if (i == 0 || i < live) mma(acc[nn][i], frag, b[i][0], b[i][1]);
             }
         }
     }
