@@ -149,8 +149,9 @@ DEVI u32 codebook_pair(u32 w0, u32 w1) {
         // 3INST / MCG: x = w * a (+ b), (x & 0x8fff8fff) ^ 0x3b603b60 is two fp16 values, their sum (one rounding)
         u32 x0 = CB == CB_MCG ? w0 * 0xCBAC1FEDu : w0 * 89226354u + 64248484u;
         u32 x1 = CB == CB_MCG ? w1 * 0xCBAC1FEDu : w1 * 89226354u + 64248484u;
-        x0 = (x0 & 0x8FFF8FFFu) ^ 0x3B603B60u;
-        x1 = (x1 & 0x8FFF8FFFu) ^ 0x3B603B60u;
+        // (x & 0x8fff8fff) ^ 0x3b603b60 as one lop3 (the compiler split it in two)
+        asm("lop3.b32 %0, %0, 0x8FFF8FFF, 0x3B603B60, 0x6A;" : "+r"(x0));
+        asm("lop3.b32 %0, %0, 0x8FFF8FFF, 0x3B603B60, 0x6A;" : "+r"(x1));
         asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(prmt(x0, x1, 0x5410)), "r"(prmt(x0, x1, 0x7632)));
     }
     return r;
