@@ -312,22 +312,28 @@ def test_the_model_on_two_op_sets(ckpt, ops):
 
 @pytest.mark.parametrize("n", [1, 5])
 def test_attention_on_the_op_sets(n):
-    """`Ops.attend` (each row's heads over its own key set, the sink in the denominator only): the CUDA path's
-    kernel (bf16 q, k and P) against the reference within their rounding (max|o - ref| <= 1e-2 · max|keys|), masked
-    slots ignored, and a row alone == the same row among others, bit for bit."""
-    heads, D, K = 16, 32, 40
+    """`Ops.attend` (each row's heads over its own key set, read from a pool through indices, the sink in the
+    denominator only): the CUDA path's kernel (bf16 q, k and P) against the reference within their rounding (max|o -
+    ref| <= 1e-2 · max|pool|), the reference bitwise its own form on the gathered keys (masked slots read anything),
+    and a row alone == the same row among others, bit for bit."""
+    heads, D, K, P = 16, 32, 40, 57
     g = _g(80 + n)
     q = (torch.randn(n, heads, D, generator=g) * 2).to(DEVICE)
-    keys = torch.randn(n, K, D, generator=g).to(DEVICE)
-    valid = (torch.rand(n, K, generator=g) > 0.3).to(DEVICE)
-    valid[:, 0] = True
+    pool = torch.randn(P, D, generator=g).to(DEVICE)
+    idx = torch.randint(0, P, (n, K), generator=g)
+    idx = torch.where(torch.rand(n, K, generator=g) > 0.3, idx, -1)
+    idx[:, 0] = 3
+    idx = idx.to(DEVICE)
     sink = torch.randn(heads, generator=g).to(DEVICE)
-    want = REF.attend(q, keys, valid, sink, D ** -0.5)
-    junk = torch.where(valid[..., None], keys, keys * 1e3)        # masked slots' values must not matter
+    want = REF.attend(q, pool, idx, sink, D ** -0.5)
+    keys = torch.where((idx >= 0)[..., None], pool[idx.clamp(min=0)], 1e3)          # gathered, junk where masked
+    slots = torch.arange(n * K, device=DEVICE).view(n, K)
+    assert torch.equal(REF.attend(q, keys.reshape(n * K, D), torch.where(idx >= 0, slots, -1), sink, D ** -0.5),
+                       want)
     for ops in (FALLBACKS, CUDA):
-        got = ops.attend(q, junk, valid, sink, D ** -0.5)
-        assert (got - want).abs().max() <= 1e-2 * keys.abs().max()
-        assert torch.equal(ops.attend(q[-1:], junk[-1:], valid[-1:], sink, D ** -0.5), got[-1:])
+        got = ops.attend(q, pool, idx, sink, D ** -0.5)
+        assert (got - want).abs().max() <= 1e-2 * pool.abs().max()
+        assert torch.equal(ops.attend(q[-1:], pool, idx[-1:], sink, D ** -0.5), got[-1:])
 
 
 # ---- nothing inside the math reads the environment or a mutable global -----------------------------------------

@@ -37,7 +37,7 @@ class Attention:
     head_dim: int
     o_lora: int
     eps: float
-    shards: int = 1                         # TP shards computed apart (weights.TP_SHARDS // world)
+    shards: int = 1                         # TP shards computed apart (weights.tp_parts(world, shards) // world)
     wq_b_shards: list | None = None         # wq_b's rows per shard (views)
     wo_b_shards: list | None = None         # wo_b's columns per shard (contiguous copies)
     ops: Ops = field(default_factory=reference_ops)   # the model's op set (given at load; dsv41/model/ops.py)
@@ -60,18 +60,23 @@ class Attention:
             kv = quant.fp8_fake_quant(kv, 32)
         return q_res, q, kv
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """q [n, heads, D], keys [n, K, D] (K = V), valid [n, K] -> o [n, heads, D]; the heads of each shard in
-        their own products (a product's bits depend on its head count)."""
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        """q [n, heads, D] over each row's key set (K = V) -> o [n, heads, D]; the heads of each shard in their own
+        products (a product's bits depend on its head count). Two forms of the key sets, the same function:
+        gathered, keys [n, K, D] with sel the bool validity [n, K] (a decode round's fixed shapes, its CUDA
+        graphs); or a pool, keys [P, D] with sel the int64 indices [n, K] into it, -1 masked (a prompt pass: no
+        [n, K, D] copy of the keys)."""
+        if sel.dtype == torch.bool:
+            n, K, D = keys.shape
+            slots = torch.arange(n * K, device=keys.device).view(n, K)
+            keys, sel = keys.reshape(n * K, D), torch.where(sel, slots, -1)
         sink = self.attn_sink.float()
+        scale = self.head_dim ** -0.5
         if self.shards == 1:
-            return self._attend(q, keys, valid, sink)
+            return self.ops.attend(q, keys, sel, sink, scale)
         h = self.n_heads // self.shards
-        return torch.cat([self._attend(q[:, i * h:(i + 1) * h], keys, valid, sink[i * h:(i + 1) * h])
+        return torch.cat([self.ops.attend(q[:, i * h:(i + 1) * h], keys, sel, sink[i * h:(i + 1) * h], scale)
                           for i in range(self.shards)], dim=1)
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
-        return self.ops.attend(q, keys, valid, sink, self.head_dim ** -0.5)
 
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE at the query position, grouped wo_a, then wo_b: o [n, heads, D] -> [n, H] (this rank's

@@ -424,12 +424,12 @@ class Model:
             cos, sin = cs[r.rope]
             pre_a, post_a, comb_a, q, kv, ckv, cgate, iq, iw = piece(
                 "attn_in", functools.partial(self._attn_in, blk), streams, pre, cos, sin, *cs["compress"])
-            keys, valid = self._history(blk, kv, ckv, cgate, iq, iw, pos, segs, shared, trace, rd)
+            keys, sel = self._history(blk, kv, ckv, cgate, iq, iw, pos, segs, shared, trace, rd)
             if self.comm.world == 1:
                 streams, pre = piece("attn_out_ffn", functools.partial(self._attn_out_ffn, blk, image=image),
-                                     q, keys, valid, cos, sin, streams, pre_a, post_a, comb_a)
+                                     q, keys, sel, cos, sin, streams, pre_a, post_a, comb_a)
             else:   # the partial sums cross ranks between the pieces
-                y, = piece("attn_out", functools.partial(self._attn_out, blk), q, keys, valid, cos, sin)
+                y, = piece("attn_out", functools.partial(self._attn_out, blk), q, keys, sel, cos, sin)
                 streams, pre, post_f, comb_f, y = piece("ffn", functools.partial(self._ffn, blk, image=image),
                                                         self.reduce_attn(y), streams, pre_a, post_a, comb_a)
                 streams, = piece("ffn_out", functools.partial(_expand, blk.ops), self.comm.all_reduce(y), streams,
@@ -511,8 +511,8 @@ class Model:
             iq, iw = blk.indexer.queries(q_res, x, ccos, csin, self.qat)
         return pre_a, post_a, comb_a, q, kv, ckv, cgate, iq, iw
 
-    def _attn_out(self, blk: Block, q, keys, valid, cos, sin) -> tuple:
-        return blk.attn.output(blk.attn.attend(q, keys, valid), cos, sin),
+    def _attn_out(self, blk: Block, q, keys, sel, cos, sin) -> tuple:
+        return blk.attn.output(blk.attn.attend(q, keys, sel), cos, sin),
 
     def _ffn(self, blk: Block, y, streams, pre_a, post_a, comb_a, image=None) -> tuple:
         """Expand the attention output into the streams, mHC mixes of the FFN site, collapse with the attention
@@ -523,28 +523,33 @@ class Model:
         x = ops.rms_norm(ops.hc_collapse(streams, pre_a), blk.ffn_norm, t.rms_norm_eps)
         return streams, pre_f, post_f, comb_f, blk.moe(x, image)
 
-    def _attn_out_ffn(self, blk: Block, q, keys, valid, cos, sin, streams, pre_a, post_a, comb_a,
+    def _attn_out_ffn(self, blk: Block, q, keys, sel, cos, sin, streams, pre_a, post_a, comb_a,
                       image=None) -> tuple:
         """_attn_out, _ffn and the last expand as one piece (one rank: nothing crosses between them)."""
-        y, = self._attn_out(blk, q, keys, valid, cos, sin)
+        y, = self._attn_out(blk, q, keys, sel, cos, sin)
         streams, pre_f, post_f, comb_f, y = self._ffn(blk, y, streams, pre_a, post_a, comb_a, image)
         return blk.ops.hc_expand(y, streams, post_f, comb_f), pre_f
 
     def _history(self, blk: Block, kv, ckv, cgate, iq, iw, pos, segs, shared, trace,
                  rd: _Round | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new rows' KV into each sequence's window ring and compressor, score the indexer, and return
-        every row's key set: keys [N, K, D] (window, then the top-k compressed entries) and valid [N, K]."""
+        every row's key set (window, then the top-k compressed entries) in one of Attention.attend's two forms: a
+        decode round's gathered keys [N, K, D] with their validity [N, K] (fixed shapes for its CUDA graphs), or a
+        prompt pass's pool of latents [P, D] with each row's indices into it [N, K], -1 masked (no [N, K, D] copy:
+        1.3 MB a row at the release's sizes)."""
         t, r = self.t, blk.role
         W = t.sliding_window
         if rd is not None:
             return self._keys_round(blk, rd, kv, ckv, cgate, iq, iw, trace)
-        keys, valid = [], []
+        pools, idxs, off = [], [], 0
         for (a, n, start, st), sh in zip(segs, shared):
-            wkeys, wvalid = st.window_keys(r.index, kv[a:a + n], start, W)
+            wpool, widx = st.window_pool(r.index, kv[a:a + n], start, W)
             st.write_window(r.index, kv[a:a + n], start, W)
+            pools.append(wpool)
+            sel = torch.where(widx >= 0, widx + off, -1)
+            off += wpool.shape[0]
             if r.ratio == 0:
-                keys.append(wkeys)
-                valid.append(wvalid)
+                idxs.append(sel)
                 continue
             p = pos[a:a + n]
             if blk.compressor is not None:
@@ -553,11 +558,10 @@ class Model:
                 sh["topk"] = self._index(blk, st, sh, iq[a:a + n], iw[a:a + n], p, trace)
             topk = sh["topk"]
             ckv_src = sh["kv"]
-            ok = topk >= 0
-            ckeys = ckv_src[topk.clamp_min(0)] if ckv_src.shape[0] else kv.new_zeros(topk.shape + (kv.shape[1],))
-            keys.append(torch.cat([wkeys, ckeys], dim=1))
-            valid.append(torch.cat([wvalid, ok], dim=1))
-        return torch.cat(keys), torch.cat(valid)
+            pools.append(ckv_src)
+            idxs.append(torch.cat([sel, torch.where(topk >= 0, topk + off, -1)], dim=1))
+            off += ckv_src.shape[0]
+        return torch.cat(pools), torch.cat(idxs)
 
     def _compress(self, blk: Block, st: SeqState, sh: dict, kv, gate) -> None:
         """Close this call's groups of a KV source; append compressed KV (and index keys) and publish them."""

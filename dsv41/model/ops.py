@@ -57,7 +57,8 @@ class Ops:
     round_scores: Callable         # (q [B*n, h, d], w, keys: B x [T_b, d], tpad, counts [B] | None, scale)
     #                                -> [B*n, tpad], no visibility mask
     gather_round: Callable         # (srcs: B x [*, D], idx [B*n, K] (-1: a zero-weight row), n) -> [B*n, K, D]
-    sparse_attend: Callable        # (ops, q [n, h, D], keys [n, K, D], valid [n, K], sink [h], scale) -> [n, h, D]
+    sparse_attend: Callable        # (ops, q [n, h, D], pool [P, D], idx [n, K] (-1 masked), sink [h], scale)
+    #                                -> [n, h, D]
     fp4_routed: Callable | None = None    # (ExpertStack, x, weights, ids, limit, shard) -> [n, H]; None: per expert
     exl3_routed: Callable | None = None   # (Exl3ExpertStack, x, weights, ids, limit, grouped) -> [n, H]; None: per
     #                                       expert
@@ -95,11 +96,11 @@ class Ops:
         f = self.exl3_routed
         return None if f is None or shard is not None else f(stack, x, weights, ids, limit, self.exl3_grouped)
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+    def attend(self, q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                scale: float) -> torch.Tensor:
         """Each row's heads over its own key set (K = V), the per-head sink in the softmax denominator only
-        (Attention.attend; arch.md §2.6)."""
-        return self.sparse_attend(self, q, keys, valid, sink, scale)
+        (Attention.attend; arch.md §2.6): row r's keys are pool[idx[r, j]] in j's order, -1 a masked slot."""
+        return self.sparse_attend(self, q, pool, idx, sink, scale)
 
     def tiled(self, fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
         """linear.tiled in this op set's row tile."""
@@ -381,32 +382,32 @@ def _kernel_gather_round(k: Callable) -> Callable:
     return gather
 
 
-def attend_tiled(ops: Ops, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+def attend_tiled(ops: Ops, q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                  scale: float) -> torch.Tensor:
-    """The reference: scores q·k × scale in float32 (masked keys at -inf), softmax over [scores, sink] with the sink
+    """The reference: each tile of rows gathers its keys pool[idx] (a masked slot reads row 0: its score is -inf,
+    its weight 0), scores q·k × scale in float32 (masked keys at -inf), softmax over [scores, sink] with the sink
     column dropped, then P·V with V = K; in the op set's fixed row tiles, so a row's bits never depend on the
-    others."""
-    def tile(qt, kt, vt):
+    others, and a prompt pass holds one tile's keys at a time, not the chunk's."""
+    def tile(qt, it):
+        kt = pool[it.clamp(min=0)]                                          # [R, K, D]
         s = torch.bmm(qt, kt.transpose(1, 2)) * scale                       # [R, heads, K]
-        s = s.masked_fill(~vt[:, None, :], float("-inf"))
+        s = s.masked_fill((it < 0)[:, None, :], float("-inf"))
         s = torch.cat([s, sink.view(1, -1, 1).expand(s.shape[0], -1, 1)], dim=-1)
         p = torch.softmax(s, dim=-1)[..., :-1]                             # the sink only in the denominator
         return torch.bmm(p, kt)
 
-    return ops.tiled(tile, q, keys, valid)
+    return ops.tiled(tile, q, idx)
 
 
 def _kernel_attend(k: Callable) -> Callable:
-    """kernels/sparse_attn.py over the gathered key sets (one program per row and 16 heads; bf16 q, k and P with
-    float32 accumulation and softmax, as DeepSeek's kernel): the keys are its pool, each row's slots its indices.
-    Shapes the kernel does not take (heads not a multiple of 16, D not a power of two) run the reference form."""
-    def attend(ops: Ops, q, keys, valid, sink, scale):
+    """kernels/sparse_attn.py: reads each row's keys from the pool through its indices (no gathered copy; bf16 q, k
+    and P with float32 accumulation and softmax, as DeepSeek's kernel; one program per row and 16 heads). Shapes the
+    kernel does not take (heads not a multiple of 16, D not a power of two) run the reference form."""
+    def attend(ops: Ops, q, pool, idx, sink, scale):
         n, heads, dim = q.shape
         if n == 0 or heads % 16 or dim & (dim - 1) or dim < 16:
-            return attend_tiled(ops, q, keys, valid, sink, scale)
-        K = keys.shape[1]
-        slot = torch.arange(n * K, dtype=torch.int32, device=q.device).view(n, K)
-        return k(q, keys.reshape(n * K, dim), torch.where(valid, slot, -1), sink, scale)
+            return attend_tiled(ops, q, pool, idx, sink, scale)
+        return k(q, pool, idx, sink, scale)
     return attend
 
 

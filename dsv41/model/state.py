@@ -1,7 +1,7 @@
 """SeqState: everything a sequence carries between forwards (arch.md §3).
 
 - windows[layer]: the window-KV ring of every backbone layer and DSpark stage, [sliding_window, D]; position p
-  lives in slot p % sliding_window.
+  lives in slot p % sliding_window (`window_pool` reads a prompt's windows from it, `write_window` writes).
 - compressed[src] / index_keys[src]: per KV source, the compressed KV entries (RoPE'd, fake-quantised) and the
   indexer keys derived from the same latents; append-only.
 - partial_kv[src] / partial_gate[src]: the tokens of a ratio-2 source's group that has not closed yet.
@@ -73,13 +73,14 @@ class SeqState:
 
     # ---- window ring ------------------------------------------------------------------------------------------
 
-    def window_keys(self, layer: int, new_kv: torch.Tensor, start: int, window: int) -> tuple[torch.Tensor,
+    def window_pool(self, layer: int, new_kv: torch.Tensor, start: int, window: int) -> tuple[torch.Tensor,
                                                                                              torch.Tensor]:
-        """Keys of each new row's window in ascending position order: [n, window, D] and a validity mask
-        [n, window]. Row i (position start+i) sees positions start+i-window+1 .. start+i."""
+        """Each new row's window as indices into a small pool of latents: (pool [window - 1 + n, D], idx [n, window]
+        int64, -1 where the position is before the sequence). Row i (position start+i) sees positions
+        start+i-window+1 .. start+i, ascending; the pool holds the window-1 positions before `start` (from the ring,
+        copied: the ring is written next) and the new rows."""
         n, d = new_kv.shape
         ring = self.windows.get(layer)
-        # The window-1 positions before `start` (from the ring), then the new rows.
         lead = min(start, window - 1)
         if lead:
             slots = torch.arange(start - lead, start, device=new_kv.device) % window
@@ -89,8 +90,7 @@ class SeqState:
         seq = torch.cat([new_kv.new_zeros((window - 1 - lead, d)), prev, new_kv], dim=0)  # positions start-window+1..
         dv = new_kv.device
         idx = torch.arange(n, device=dv)[:, None] + torch.arange(window, device=dv)[None, :]     # [n, window]
-        pos = start - window + 1 + idx
-        return seq[idx], pos >= 0
+        return seq, torch.where(start - window + 1 + idx >= 0, idx, -1)
 
     def write_window(self, layer: int, new_kv: torch.Tensor, start: int, window: int) -> None:
         ring = self.windows.get(layer)
