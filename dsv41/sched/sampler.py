@@ -304,13 +304,16 @@ def sample_rows(logits: torch.Tensor, positions: list[int], params: list[Samplin
         row = raw.clone()
         sel = torch.tensor(adj, dtype=torch.long, device=dev)
         row[sel] = _adjust(raw[sel], [params[i] for i in adj], [tuple(replies[i]) for i in adj])
-    token = torch.empty(n, dtype=torch.long, device=dev)
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    if greedy:
-        g = torch.tensor(greedy, dtype=torch.long, device=dev)
-        token[g] = torch.argmax(row[g], dim=1)     # the first maximal index: ties to the lower id
     drawn = [i for i, p in enumerate(params) if not p.greedy]
-    if drawn:
+    if not drawn:                                  # the first maximal index: ties to the lower id
+        token = torch.argmax(row, dim=1)
+    elif not greedy:
+        token = _draw(row, positions, params)
+    else:
+        token = torch.empty(n, dtype=torch.long, device=dev)
+        g = torch.tensor(greedy, dtype=torch.long, device=dev)
+        token[g] = torch.argmax(row[g], dim=1)
         d = torch.tensor(drawn, dtype=torch.long, device=dev)
         token[d] = _draw(row[d], [positions[i] for i in drawn], [params[i] for i in drawn])
     return _fetch(raw, token, params)
