@@ -59,6 +59,15 @@ struct Rate {
     }
     static constexpr int NWL = (max_align() + SPAN + 31) / 32;         // words a lane loads per tile
     static constexpr int NR = (SPAN + 31) / 32;                        // registers after aligning to window 0
+    CX bool same_align() {
+        for (int l = 1; l < 32; ++l)
+            if ((start(l) & 31) != (start(0) & 31)) return false;
+        return true;
+    }
+    // every lane's first window at the same bit of its first word (K = 4, 8): the windows are compile-time
+    // offsets in the loaded words themselves, no aligning shift
+    static constexpr bool FIXED = same_align();
+    static constexpr int A0 = start(0) & 31;
 };
 
 HD u32 shl_funnel(u32 hi, u32 lo, int a) {                            // the top 32 bits of (hi:lo) << a, a in 0..31
@@ -165,13 +174,21 @@ DEVI u32 codebook_pair(u32 w0, u32 w1) {
 template <int K2, int CB>
 HD void lane_fragment(const u32* W, int a, u32* frag) {
     typedef Rate<K2> R_;
-    u32 R[R_::NR];
+    if constexpr (R_::FIXED) {
+        constexpr int A = R_::A0;
+        frag[0] = codebook_pair<CB>(window<A + R_::off(0)>(W), window<A + R_::off(1)>(W));
+        frag[1] = codebook_pair<CB>(window<A + R_::off(4)>(W), window<A + R_::off(5)>(W));
+        frag[2] = codebook_pair<CB>(window<A + R_::off(2)>(W), window<A + R_::off(3)>(W));
+        frag[3] = codebook_pair<CB>(window<A + R_::off(6)>(W), window<A + R_::off(7)>(W));
+    } else {
+        u32 R[R_::NR];
 #pragma unroll
-    for (int r = 0; r < R_::NR; ++r) R[r] = shl_funnel(W[r], r + 1 < R_::NWL ? W[r + 1] : 0u, a);
-    frag[0] = codebook_pair<CB>(window<R_::off(0)>(R), window<R_::off(1)>(R));
-    frag[1] = codebook_pair<CB>(window<R_::off(4)>(R), window<R_::off(5)>(R));
-    frag[2] = codebook_pair<CB>(window<R_::off(2)>(R), window<R_::off(3)>(R));
-    frag[3] = codebook_pair<CB>(window<R_::off(6)>(R), window<R_::off(7)>(R));
+        for (int r = 0; r < R_::NR; ++r) R[r] = shl_funnel(W[r], r + 1 < R_::NWL ? W[r + 1] : 0u, a);
+        frag[0] = codebook_pair<CB>(window<R_::off(0)>(R), window<R_::off(1)>(R));
+        frag[1] = codebook_pair<CB>(window<R_::off(4)>(R), window<R_::off(5)>(R));
+        frag[2] = codebook_pair<CB>(window<R_::off(2)>(R), window<R_::off(3)>(R));
+        frag[3] = codebook_pair<CB>(window<R_::off(6)>(R), window<R_::off(7)>(R));
+    }
 }
 
 #if !defined(EXL3_HOST_TEST)
