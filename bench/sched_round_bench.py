@@ -29,10 +29,10 @@ import datetime
 import os
 import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -57,13 +57,14 @@ CASES = {
 
 
 class Clock:
-    """Per-round phase times, filled by wrappers around the scheduler's, runner's and model's methods."""
+    """Per-round phase times, filled by wrappers around the scheduler's, runner's and model's methods; keyed by the
+    round (overlapped, round N+1 is planned while N runs)."""
 
     def __init__(self):
         self.rounds: list[dict] = []
-        self.cur: dict = {}
+        self.by_round: dict[int, dict] = {}
+        self.running: dict | None = None       # the record of the round the round thread runs
         self.exec_end: float | None = None
-        self.lock = threading.Lock()
 
 
 def instrument(sched: Scheduler, runner: ModelRunner, model, clock: Clock) -> None:
@@ -72,33 +73,35 @@ def instrument(sched: Scheduler, runner: ModelRunner, model, clock: Clock) -> No
     def plan_round():
         t = time.perf_counter()
         p = plan()
-        clock.cur = {"plan": time.perf_counter() - t, "rows": len(p.rows),
-                     "decode": sum(1 for r in p.rows if r.logits and len(r.ids) == 1)}
+        clock.by_round[p.round] = {"plan": time.perf_counter() - t, "rows": len(p.rows),
+                                   "decode": sum(1 for r in p.rows if r.logits and len(r.ids) == 1)}
         return p
 
     def timed_execute(p, *a):
         t = time.perf_counter()
+        rec = clock.running = clock.by_round.setdefault(p.round, {})
         if clock.exec_end is not None and p.rows:
-            clock.cur["gap"] = t - clock.exec_end
+            rec["gap"] = t - clock.exec_end
         g0 = runner.grammar_seconds
-        clock.cur["forward"] = 0.0
+        rec["forward"] = 0.0
         out = execute(p, *a)
         clock.exec_end = time.perf_counter()
-        clock.cur["execute"] = clock.exec_end - t
-        clock.cur["masks"] = runner.grammar_seconds - g0
+        rec["execute"] = clock.exec_end - t
+        rec["masks"] = runner.grammar_seconds - g0
         return out
 
     def timed_forward(inputs):
         t = time.perf_counter()
         out = forward(inputs)
-        clock.cur["forward"] = clock.cur.get("forward", 0.0) + time.perf_counter() - t
+        clock.running["forward"] += time.perf_counter() - t
         return out
 
     def commit_round(p, result):
         t = time.perf_counter()
         commit(p, result)
-        clock.cur["commit"] = time.perf_counter() - t
-        clock.rounds.append(clock.cur)
+        rec = clock.by_round.pop(p.round, {})
+        rec["commit"] = time.perf_counter() - t
+        clock.rounds.append(rec)
 
     sched.plan_round, sched.commit_round, runner.execute, model.forward = (plan_round, commit_round, timed_execute,
                                                                              timed_forward)
@@ -180,8 +183,8 @@ def main() -> None:
             print(lines[-1], flush=True)
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    cmd = " ".join(["python"] + sys.argv)
+                            text=True).stdout.strip() or "? (not a git tree)"
+    cmd = shlex.join(["python"] + sys.argv)
     head = (f"## {args.tag}\n\n`{cmd}` (code at {ROOT}, commit {commit}), {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} "
             f"UTC, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load "
             f"{os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}, checkpoint {ckpt.name}, "
