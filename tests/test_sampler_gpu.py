@@ -1,9 +1,9 @@
 """The batched sampler on CUDA logits against the same rows sampled on the host (issue 25). Skips without a GPU.
 
-On the GPU the draw runs torch's CUDA exp/log (within an ulp of numpy's, which the host uses) and CUDA's cumsum (not
-the host's sequential order), so a pick could differ from the host's only where two perturbed logits or a top-p
-prefix sum and p are within ~1e-13 of each other: on these seeded rows the tokens must be equal. What must hold
-exactly on the device itself: a row alone == the row in a batch of 32, and a run == the next run.
+On the GPU the draw runs torch's CUDA exp/log (within an ulp of numpy's, which the host uses), so a pick could differ
+from the host's only where two perturbed logits or a top-p prefix sum and p are within an ulp or so of each other:
+on these seeded rows (many exact ties among them) the tokens must be equal. What must hold exactly on the device
+itself: a row alone == the row in a batch of 32, and a run == the next run.
 """
 import numpy as np
 import pytest

@@ -136,7 +136,7 @@ def test_adjust_row_is_vllms_order_and_arithmetic():
 
 # --- the batched sampler (sample_rows) against the host sampler it replaced (tests/sampler_reference.py) ---------
 
-from dsv41.sched.sampler import (_gumbel_t, _ordered_top, _pairwise_sum,  # noqa: E402
+from dsv41.sched.sampler import (_cumsum, _gumbel_t, _ordered_top, _pairwise_sum,  # noqa: E402
                                  _row_keys, sample_rows)
 from tests.sampler_reference import reference_adjust_row, reference_sample_row  # noqa: E402
 
@@ -258,6 +258,10 @@ def test_pieces_equal_numpy():
         a = np.exp(-np.abs(rng.standard_normal((3, n))) * 3)
         got = _pairwise_sum(torch.from_numpy(a)).numpy()
         assert [float(x) for x in got] == [float(r.sum()) for r in a], n
+    for n in (1, 2, 20, 1024):                  # the device's column-by-column prefix sums == numpy's cumsum
+        a = np.exp(-np.abs(rng.standard_normal((3, n))) * 3)
+        a[0] = 0.05                             # tied candidates: a tree would give 0.5 at the tenth sum
+        assert np.array_equal(_cumsum(torch.from_numpy(a), by_columns=True).numpy(), np.cumsum(a, axis=1))
     ids = torch.from_numpy(rng.integers(0, 129280, (4, 1024)))
     params = [SamplingParams(seed=s) for s in (0, 1, 2**63 - 1, 12345)]
     positions = [0, 7, 2**40, 3]

@@ -191,12 +191,18 @@ def _pairwise_sum(a: torch.Tensor) -> torch.Tensor:
     return _pairwise_sum(a[:, :n2]) + _pairwise_sum(a[:, n2:])
 
 
-def _cumsum(a: torch.Tensor) -> torch.Tensor:
-    # Sequential on the host (numpy's and torch's CPU cumsum agree). On CUDA torch scans a single row with CUB and
-    # several rows with its own kernel, so a lone row gets a scratch row beside it: one scan for any row count.
-    if a.device.type != "cpu" and a.shape[0] == 1:
-        return torch.cumsum(torch.cat([a, torch.zeros_like(a)]), dim=1)[:1]
-    return torch.cumsum(a, dim=1)
+def _cumsum(a: torch.Tensor, by_columns: bool | None = None) -> torch.Tensor:
+    """Prefix sums of each row of float64 a [M, k] in sequential order (numpy's cumsum, torch's on the host). Off the
+    host one add per column (k launches; the default top-k is 20): torch's CUDA scan adds in a tree, which can put
+    a prefix sum of tied candidates (0.05 ten times: 0.49999999999999994 in order, 0.5 in a tree) on the other
+    side of top_p, and scans one row with CUB and several with its own kernel. by_columns: default off the host."""
+    if not (by_columns if by_columns is not None else a.device.type != "cpu"):
+        return torch.cumsum(a, dim=1)
+    out = torch.empty_like(a)
+    out[:, 0] = a[:, 0]
+    for j in range(1, a.shape[1]):
+        torch.add(out[:, j - 1], a[:, j], out=out[:, j])
+    return out
 
 
 def _keys(x: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
