@@ -400,20 +400,22 @@ def cuda_available(device: torch.device | int | None = None) -> bool:
 
 def _self_check(dev: torch.device) -> None:
     """Once per device before the kernel is used: a small product at the two rates the packs use most (2.5 mul1,
-    4 3inst; a 4-way split) agrees with the Triton path (reconstruct + fp16 GEMM) within the kernels' tolerance, and a
-    row alone has the bits it has in a batch. AssertionError otherwise (the Triton kernels are used then)."""
+    4 3inst; a 4-way split, 40 rows) agrees with the Triton path (reconstruct + fp16 GEMM) within the kernels'
+    tolerance, and rows through the one- and four-row-tile kernels have the bits they have through the eight-row-tile
+    one. AssertionError otherwise (the Triton kernels are used then)."""
     g = torch.Generator().manual_seed(30)
     for K2, cb in ((5, 2), (8, 0)):
         w = Exl3Weight(trellis=torch.randint(-32768, 32768, (1, 32, 8, 8 * K2), generator=g, dtype=torch.int16).to(dev),
                        suh=(0.02 * torch.randn(1, 512, generator=g)).half().to(dev),
                        svh=(0.02 * torch.randn(1, 128, generator=g)).half().to(dev),
                        bias=None, K2=K2, cb=cb, in_features=512, out_features=128)
-        x = torch.randn(3, 512, generator=g).to(dev)
-        y = exl3_linear_cuda(x, w)
+        x = torch.randn(40, 512, generator=g).to(dev)
+        y = exl3_linear_cuda(x, w)                      # eight row tiles
         ref = exl3_linear_prompt(x, w)
         err, top = (y - ref).abs().max().item(), ref.abs().max().item()
         assert err <= 4e-3 * top, f"self-check at K={K2 / 2}: max error {err:.3g} of {top:.3g}"
-        assert torch.equal(exl3_linear_cuda(x[1:2], w), y[1:2]), f"self-check at K={K2 / 2}: row invariance"
+        for a, b in ((1, 2), (0, 3), (19, 39)):         # one and four row tiles against eight
+            assert torch.equal(exl3_linear_cuda(x[a:b], w), y[a:b]), f"self-check at K={K2 / 2}: row invariance"
 
 
 def _counter(device: torch.device) -> torch.Tensor:
