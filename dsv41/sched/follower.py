@@ -66,7 +66,7 @@ def run_follower(cfg: ServeConfig) -> int:
                 dm = DigestingModel(model)
                 runner = ModelRunner(dm, follower=True)   # takes rank 0's draft decisions
                 while (plan := chan.recv()) is not None:
-                    runner.execute(plan)            # draws unmasked tokens too; only rank 0's draws count
+                    runner.execute(plan)            # draws nothing: only rank 0 samples
                     chan.reply(plan.round, dm.take_digest())
                     rounds += 1
             finally:

@@ -6,8 +6,9 @@ forward (heads, experts and vocabulary split by RankShare, partials summed in ra
 all-gathered), and after it rank 0 compares every follower's digest of the round with its own.
 
 Only rank 0 samples for the replies: grammar masks exist only there. So the digest covers the logits rows alone
-(`round_digest((), rows)`), which every rank computes bit for bit the same; a follower's runner draws unmasked
-tokens too (it runs the same ModelRunner code on the same plans) and throws them away.
+(`round_digest((), rows)`), which every rank computes bit for bit the same; a follower's runner draws nothing (it
+runs the same ModelRunner code on the same plans, with follower=True) and takes rank 0's decisions where a
+decision changes its state (drafts: `_agree`).
 
 Any failure of the lane (a rank lost or silent past the heartbeat timeout, a rank's error, diverged digests, or any
 error once a plan was sent, after which the ranks may be out of step) is fatal: the round's requests get an error
