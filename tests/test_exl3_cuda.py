@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv41.model.exl3 import CB_3INST, CB_MCG, CB_MUL1, MCG_MARKER, MUL1_MARKER, decode_trellis, exl3_linear
+from dsv41.model.exl3 import CB_3INST, CB_MCG, CB_MUL1, decode_trellis, exl3_linear
+from test_exl3_triton import _parts
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "kernels" / "csrc"
@@ -71,20 +72,6 @@ int main() {
     return 0;
 }
 """
-
-
-def _parts(n_in, n_out, K, cb, seed, bias=False):
-    g = torch.Generator().manual_seed(seed)
-    t = {"trellis": torch.randint(-32768, 32768, (n_in // 16, n_out // 16, int(16 * K)), generator=g,
-                                  dtype=torch.int16),
-         "suh": (0.02 * torch.randn(n_in, generator=g)).half(), "svh": (0.02 * torch.randn(n_out, generator=g)).half()}
-    if cb == CB_MCG:
-        t["mcg"] = torch.tensor(MCG_MARKER, dtype=torch.int32)
-    if cb == CB_MUL1:
-        t["mul1"] = torch.tensor(MUL1_MARKER, dtype=torch.int32)
-    if bias:
-        t["bias"] = (0.1 * torch.randn(n_out, generator=g)).half()
-    return t
 
 
 # ---- CPU: the kernel's decode helpers, compiled for the host -------------------------------------------------------
