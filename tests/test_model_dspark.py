@@ -93,3 +93,51 @@ def test_draft_input_errors(model):
         model.dspark.draft([(model.new_state(), 1)])
     with pytest.raises(ValueError):
         model.dspark.draft([(_state(model, 4, 7), model.t.vocab_size)])
+
+
+def test_block_keys_are_each_sequences_last_window_then_the_block(model):
+    """The stage keys of a draft (one gather over every sequence's ring and the block rows): for each block row, the
+    sequence's last min(L, W) context positions in ascending order, then the S block rows, valid exactly there;
+    contexts shorter than, equal to and longer than the window in one batch."""
+    W, S = model.t.sliding_window, model.t.dspark_block_size
+    states = [_state(model, n, 40 + n) for n in (3, W, W + 5, 2 * W + 1)]
+    items = [(st, 7) for st in states]
+    idx, ok = model.dspark._ring_index(items, torch.device("cpu"))
+    L = model.dspark.stages[0].role.index
+    rings = [st.windows[L] for st in states]
+    kv = torch.randn(len(states) * S, rings[0].shape[1])
+    keys = torch.cat(rings + [kv])[idx]
+    for b, st in enumerate(states):
+        lead = min(st.length, W)
+        for i in range(S):
+            row = b * S + i
+            assert ok[row].tolist() == [False] * (W - lead) + [True] * (lead + S)
+            for j in range(W - lead, W):
+                assert torch.equal(keys[row, j], rings[b][(st.length - W + j) % W])
+            assert torch.equal(keys[row, W:], kv[b * S:(b + 1) * S])
+
+
+def test_draft_through_emulated_graphs_gives_the_eager_bits(model):
+    """The stages' pieces through the model's graphs (emulated on the CPU: static buffers, rows padded to a bucket)
+    give the eager draft's bits, for 1 and 3 sequences (3 x 5 rows pad to 16), one world and the TP split pieces."""
+    from dsv41.model.graphs import PieceGraphs
+    from dsv41.model.model import Comm
+    states = [_state(model, n, s) for n, s in ((30, 5), (9, 6), (4, 7))]
+    toks = [11, 42, 9]
+    for batch in ([0], [0, 1, 2]):
+        items = [(states[i], toks[i]) for i in batch]
+        eager = model.dspark.draft(items)
+        for comm in (None, Comm(world=2)):
+            before = model.comm
+            model.graphs = G = PieceGraphs("emulate")
+            if comm is not None:
+                model.comm = comm
+            try:
+                got = model.dspark.draft(items)
+                again = model.dspark.draft(items)
+            finally:
+                model.graphs, model.comm = None, before
+            assert G.stats["replays"] > 0 and G.stats["eager"] == 0 and not G.failed
+            for a, b, c in zip(eager, got, again):
+                assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logits, b.logits)
+                assert torch.equal(a.confidence, b.confidence) and torch.equal(b.logits, c.logits)

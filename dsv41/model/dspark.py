@@ -16,12 +16,13 @@ its use open, so it is returned as is. Drafting reads the state and never writes
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from dsv41.model import quant
-from dsv41.model.mhc import hc_mixes
+from dsv41.model.model import _expand
 from dsv41.model.rope import apply_rope
 from dsv41.model.state import SeqState
 
@@ -70,6 +71,29 @@ class DSpark:
             for a, n, start, st in segs:
                 st.write_window(blk.role.index, kv[a:a + n], start, W)
 
+    def _ring_index(self, items: list[tuple[SeqState, int]], dv: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every block row's key set as indices into cat(the B stage rings [W, D] each, the block's kv [B * S, D]):
+        the sequence's last min(L, W) context positions in ascending order (slots before them point at its ring's
+        row 0, masked), then its S block rows (bidirectional inside the block). -> (idx [B * S, W + S], valid), sent
+        in one copy; the same for every stage."""
+        t = self.model.t
+        B, S, W = len(items), self.block_size, t.sliding_window
+        lengths = torch.tensor([st.length for st, _ in items], dtype=torch.long)[:, None]       # [B, 1]
+        b = torch.arange(B)[:, None]
+        j = torch.arange(W)[None, :]
+        lead = torch.clamp(lengths, max=W)
+        ctx_ok = j >= W - lead                                                               # [B, W]
+        ctx = b * W + torch.where(ctx_ok, (lengths - W + j) % W, 0)
+        block = B * W + b * S + torch.arange(S)[None, :]
+        idx = torch.cat([ctx, block], dim=1)                                                 # [B, W + S]
+        ok = torch.cat([ctx_ok, torch.ones(B, S, dtype=torch.bool)], dim=1)
+        both = torch.cat([idx, ok.long()], dim=1)
+        if dv.type != "cpu":
+            both = both.pin_memory().to(dv, non_blocking=True)
+        idx, ok = both[:, :W + S], both[:, W + S:].bool()
+        return (idx[:, None].expand(B, S, W + S).reshape(B * S, W + S),
+                ok[:, None].expand(B, S, W + S).reshape(B * S, W + S))
+
     @torch.no_grad()
     def draft(self, items: list[tuple[SeqState, int]]) -> list[Draft]:
         """Draft block_size tokens after each (state, next_token); next_token is the token at position
@@ -77,8 +101,8 @@ class DSpark:
         return self._draft(items)
 
     def _draft(self, items: list[tuple[SeqState, int]]) -> list[Draft]:
-        m, t, ops = self.model, self.model.t, self.ops
-        B, S, W = len(items), self.block_size, t.sliding_window
+        m, t = self.model, self.model.t
+        B, S = len(items), self.block_size
         if B == 0:
             return []
         for st, tok in items:
@@ -93,35 +117,50 @@ class DSpark:
         pre = torch.zeros(B * S, t.hc_mult, device=dv)
         pre[:, 0] = 1.0
         cos, sin = m.rope.cos_sin("main", pos)
+        # the stages' row-only pieces through the model's CUDA graphs (as a decode round's layers: graphs.py), the
+        # keys of every block gathered on the host's index in one op per stage between them
+        G = m.graphs if m.ops.graphs else None
+        if G is not None:
+            cos, sin = G.rows("cos.main", cos), G.rows("sin.main", sin)
+        ring_idx, valid = self._ring_index(items, dv)
         for blk in self.stages:
-            pre_a, post_a, comb_a = hc_mixes(streams, blk.hc_attn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
-            x = ops.rms_norm(ops.hc_collapse(streams, pre), blk.attn_norm, t.rms_norm_eps)
-            _, q, kv = blk.attn.project(x, cos, sin, m.qat)
-            keys, valid = [], []
-            for b, (st, _) in enumerate(items):
-                L = st.length
-                lead = min(L, W)
-                ring = st.windows[blk.role.index]
-                ctx = ring[torch.arange(L - lead, L, device=dv) % W]            # ascending positions
-                ctx = torch.cat([ctx.new_zeros((W - lead, ctx.shape[1])), ctx])
-                block = kv[b * S:(b + 1) * S]
-                k = torch.cat([ctx, block])                                      # [W + S, D]
-                ok = torch.cat([torch.arange(W, device=dv) >= W - lead, torch.ones(S, dtype=torch.bool, device=dv)])
-                keys.append(k[None].expand(S, -1, -1))
-                valid.append(ok[None].expand(S, -1))
-            o = blk.attn.attend(q, torch.cat(keys), torch.cat(valid))
-            y = m.reduce_attn(blk.attn.output(o, cos, sin))
-            streams = ops.hc_expand(y, streams, post_a, comb_a)
-            pre_f, post_f, comb_f = hc_mixes(streams, blk.hc_ffn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
-            x = ops.rms_norm(ops.hc_collapse(streams, pre_a), blk.ffn_norm, t.rms_norm_eps)
-            y = m.comm.all_reduce(blk.moe(x))
-            streams = ops.hc_expand(y, streams, post_f, comb_f)
-            pre = pre_f
-        x = ops.hc_collapse(streams, pre)
+            L = blk.role.index
+
+            def piece(name, fn, *args):
+                return fn(*args) if G is None else G.run((name, L), fn, args)
+
+            pre_a, post_a, comb_a, q, kv, *_ = piece("attn_in", functools.partial(m._attn_in, blk), streams, pre,
+                                                     cos, sin, cos, sin)
+            rings = [st.windows[L] for st, _ in items]
+            keys = torch.cat(rings + [kv])[ring_idx]                             # [B * S, W + S, D]
+            if m.comm.world == 1:
+                streams, pre = piece("attn_out_ffn", functools.partial(m._attn_out_ffn, blk), q, keys, valid, cos,
+                                     sin, streams, pre_a, post_a, comb_a)
+            else:   # the partial sums cross ranks between the pieces
+                y, = piece("attn_out", functools.partial(m._attn_out, blk), q, keys, valid, cos, sin)
+                streams, pre, post_f, comb_f, y = piece("ffn", functools.partial(m._ffn, blk), m.reduce_attn(y),
+                                                        streams, pre_a, post_a, comb_a)
+                streams, = piece("ffn_out", functools.partial(_expand, blk.ops), m.comm.all_reduce(y), streams,
+                                 post_f, comb_f)
+        prev = torch.tensor([int(tok) for _, tok in items], device=dv)           # d_0 = next_token
+        streams, pre = streams.view(B, S, *streams.shape[1:]), pre.view(B, S, -1)
+        if m.comm.world == 1 and G is not None:     # rows = sequences here (a block's S rows stay together)
+            toks, rows, logits, conf = G.run(("dspark_head", 0), self._head_markov, (streams, pre, prev))
+        else:
+            toks, rows, logits, conf = self._head_markov(streams, pre, prev)
+        return [Draft(tokens=toks[b].clone(), logits=rows[b].clone(), head_logits=logits[b].clone(), confidence=conf[b].clone())
+                for b in range(B)]
+
+    def _head_markov(self, streams: torch.Tensor, pre: torch.Tensor, prev: torch.Tensor) -> tuple:
+        """The blocks' streams [B, S, hc, H] and last pre [B, S, hc] -> (tokens [B, S], Markov rows [B, S, vocab],
+        head logits [B, S, vocab], confidence [B, S]); prev [B] = d_0 (next_token). A piece with the sequences as
+        rows (a CUDA graph on one rank; across ranks the head's columns are gathered, so it runs eagerly)."""
+        m, t, ops = self.model, self.model.t, self.ops
+        B, S = streams.shape[:2]
+        x = ops.hc_collapse(streams.reshape(B * S, *streams.shape[2:]), pre.reshape(B * S, -1))
         logits = m.gather_logits(m.head_logits(ops.rms_norm(x, self.norm, t.rms_norm_eps))).view(B, S, -1)
         x = x.view(B, S, -1)
         # The Markov steps, all sequences at once (linear's fixed row tiles keep each row independent of the others)
-        prev = torch.tensor([int(tok) for _, tok in items], device=dv)           # d_0 = next_token
         toks, rows, conf = [], [], []
         for i in range(S):
             e = self.markov_embed[prev]                                          # [B, rank]
@@ -130,6 +169,4 @@ class DSpark:
             prev = torch.argmax(row, dim=1)                                      # first maximum: ties to the lower id
             toks.append(prev)
             rows.append(row)
-        toks, rows, conf = torch.stack(toks, 1), torch.stack(rows, 1), torch.stack(conf, 1)
-        return [Draft(tokens=toks[b], logits=rows[b], head_logits=logits[b].clone(), confidence=conf[b])
-                for b in range(B)]
+        return torch.stack(toks, 1), torch.stack(rows, 1), logits, torch.stack(conf, 1)
