@@ -38,7 +38,7 @@ def test_prefill_writes_stage_rings_from_the_taps(model):
     W = t.sliding_window
     for stage in ds.stages:
         ring = st.windows[stage.role.index]
-        kv = ds._stage_kv(stage, x, pos)
+        kv = ds._stage_kv(stage, x, *model.rope.cos_sin("main", pos))
         for p in range(21 - W, 21):
             assert torch.equal(ring[p % W], kv[p])
 
@@ -141,3 +141,25 @@ def test_draft_through_emulated_graphs_gives_the_eager_bits(model):
             for a, b, c in zip(eager, got, again):
                 assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logits, b.logits)
                 assert torch.equal(a.confidence, b.confidence) and torch.equal(b.logits, c.logits)
+
+
+def test_decode_rounds_through_emulated_graphs_fill_the_stage_rings_alike(model):
+    """A decode round through the graphs writes the stages' rings from its piece (dspark_fill) and one copy list:
+    the same ring bits as the eager rounds, sequences longer and shorter than the window, wrapping slots."""
+    from dsv41.model.graphs import PieceGraphs
+    W = model.t.sliding_window
+    rings = []
+    for G in (None, PieceGraphs("emulate")):
+        states = [_state(model, n, 60 + n) for n in (5, W - 1, 2 * W + 3)]
+        model.graphs = G
+        try:
+            for k in range(3):
+                model.forward([SeqInput(st, _ids(2, 70 + k + i)) for i, st in enumerate(states)])
+        finally:
+            model.graphs = None
+        if G is not None:
+            assert G.stats["eager"] == 0 and ("dspark_fill", 0) in {k for k, _ in G.entries}
+        rings.append([{L: st.windows[L].clone() for L in (s.role.index for s in model.dspark.stages)}
+                      for st in states])
+    for a, b in zip(*rings):
+        assert all(torch.equal(a[L], b[L]) for L in a)

@@ -55,21 +55,42 @@ class DSpark:
         t = self.model.t
         return self.ops.rms_norm(self.ops.linear(main_hidden, self.main_proj), self.main_norm, t.rms_norm_eps)
 
-    def _stage_kv(self, blk, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        cos, sin = m.rope.cos_sin("main", pos)
-        ops = self.ops
+    def _stage_kv(self, blk, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """A stage's window KV of main_x rows at the main RoPE rows cos, sin."""
+        m, ops = self.model, self.ops
         kv = apply_rope(ops.rms_norm(ops.linear(x, blk.attn.wkv), blk.attn.kv_norm, m.t.rms_norm_eps), cos, sin)
         return quant.fp8_fake_quant(kv, 32) if m.qat else kv
 
-    def fill_rings(self, main_hidden: torch.Tensor, pos: torch.Tensor, segs) -> None:
-        """Write every stage's window KV of the rows' main_x into the sequences' stage rings."""
-        x = self.main_x(main_hidden)
+    def fill_rings(self, main_hidden: torch.Tensor, pos: torch.Tensor, segs, graphs=None, cos_sin=None) -> None:
+        """Write every stage's window KV of the rows' main_x into the sequences' stage rings. graphs: the forward's
+        PieceGraphs when its round runs through them (then cos_sin are its static RoPE rows): the stages' KV as one
+        piece; the ring writes, all stages' and sequences' slot ranges, in one copy list either way."""
         W = self.model.t.sliding_window
-        for blk in self.stages:
-            kv = self._stage_kv(blk, x, pos)
+        if graphs is not None:
+            kvs = graphs.run(("dspark_fill", 0), self._stage_kvs, (main_hidden, *cos_sin))
+        else:
+            kvs = self._stage_kvs(main_hidden, *self.model.rope.cos_sin("main", pos))
+        dst, src = [], []
+        for blk, kv in zip(self.stages, kvs):
+            L = blk.role.index
             for a, n, start, st in segs:
-                st.write_window(blk.role.index, kv[a:a + n], start, W)
+                ring = st.windows.get(L)
+                if ring is None:
+                    ring = st.windows[L] = kv.new_zeros((W, kv.shape[1]))
+                keep = min(n, W)
+                first = start + n - keep                   # the last `keep` rows go to slots first % W ...
+                slot, m = first % W, min(keep, W - first % W)
+                dst.append(ring[slot:slot + m])
+                src.append(kv[a + n - keep:a + n - keep + m])
+                if m < keep:                               # ... wrapping to slot 0
+                    dst.append(ring[:keep - m])
+                    src.append(kv[a + n - keep + m:a + n])
+        torch._foreach_copy_(dst, src)
+
+    def _stage_kvs(self, main_hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """Each stage's window KV [n, D] of the rows' taps (a row-only piece)."""
+        x = self.main_x(main_hidden)
+        return tuple(self._stage_kv(blk, x, cos, sin) for blk in self.stages)
 
     def _ring_index(self, items: list[tuple[SeqState, int]], dv: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Every block row's key set as indices into cat(the B stage rings [W, D] each, the block's kv [B * S, D]):

@@ -441,7 +441,7 @@ class Model:
             main_hidden = torch.cat(taps, dim=1)
             if trace is not None:
                 trace["dspark_taps"] = main_hidden.clone()
-            self.dspark.fill_rings(main_hidden, pos, segs)
+            self.dspark.fill_rings(main_hidden, pos, segs, G, cs["main"] if G is not None else None)
 
         want = []
         for (a, n, _, _), s in zip(segs, batch):
