@@ -62,6 +62,7 @@ def _cases():
     yield ("fp4_moe slot sum", fp4_moe._slot_sum_kernel,
            {"y_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*fp32", "N": "i32", "H": "i32", "TOPK": "i32",
             "BR": "constexpr", "BH": "constexpr"}, {"BR": fp4_moe.SUM_ROWS, "BH": fp4_moe.SUM_COLS}, {}, {})
+    yield from _prompt_cases(work, div)
     for t, precise in (("fp32", True), ("fp32", False), ("bf16", False)):
         yield (f"sparse_attn {t}{' precise' if precise else ''}", sparse_attn._sparse_attn_kernel,
                {"q_ptr": f"*{t}", "pool_ptr": f"*{t}", "idx_ptr": "*i32", "sink_ptr": "*fp32", "o_ptr": "*fp32",
@@ -71,6 +72,35 @@ def _cases():
                 "INTERP": False},
                {(i,): div for i in range(6)},
                {"num_warps": sparse_attn.NUM_WARPS, "num_stages": sparse_attn.NUM_STAGES})
+
+
+def _prompt_cases(work, div):
+    """kernels/prompt_gemm.py: the x packs, the FP8 linear and the experts' gate/up and down."""
+    from kernels import fp4_moe
+    from kernels import prompt_gemm as P
+    for step in (P.FP8_BK, P.MOE_BK):
+        for t in ("fp32", "bf16"):
+            yield (f"prompt pack {t} step {step}", P._pack_kernel,
+                   {"x_ptr": f"*{t}", "ldx": "i32", "out_ptr": "*bf16", "M": "i32", "K": "i32", "BR": "constexpr",
+                    "BC": "constexpr", "STEP": "constexpr", "INTERP": "constexpr"},
+                   {"BR": P.PACK_ROWS, "BC": P.PACK_COLS, "STEP": step, "INTERP": False}, {(i,): div for i in (0, 2)},
+                   {})
+    yield ("prompt fp8_linear", P._fp8_kernel,
+           {"xp_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32", "M": "i32", "N": "i32",
+            "K": "i32", "LDX": "i32", "kchunk": "i32", "S": "i32", "XG": "i32", "BM": "constexpr", "BN": "constexpr",
+            "BK": "constexpr", "GROUP_M": "constexpr", "INTERP": "constexpr"},
+           {"BM": P.FP8_BM, "BN": P.FP8_BN, "BK": P.FP8_BK, "GROUP_M": P.FP8_GROUP_M, "INTERP": False},
+           {(i,): div for i in range(10)}, {"num_warps": P.FP8_WARPS, "num_stages": P.FP8_STAGES})
+    moe = {"BP": fp4_moe.BLOCK_M, "BN": P.MOE_BN, "BK": P.MOE_BK, "INTERP": False}
+    opt = {"num_warps": P.MOE_WARPS, "num_stages": P.MOE_STAGES}
+    yield ("prompt experts gate/up", P._moe_up_kernel,
+           {"xp_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*u8", **work, "rw_ptr": "*fp32", "h_ptr": "*bf16",
+            "H": "i32", "I": "i32", "TOPK": "i32", "limit": "fp32", "BP": "constexpr", "BN": "constexpr",
+            "BK": "constexpr", "INTERP": "constexpr"}, moe, {(i,): div for i in range(11)}, opt)
+    yield ("prompt experts down", P._moe_down_kernel,
+           {"h_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*u8", **work, "y_ptr": "*fp32", "H": "i32", "I": "i32",
+            "BP": "constexpr", "BN": "constexpr", "BK": "constexpr", "INTERP": "constexpr"},
+           moe, {(i,): div for i in range(10)}, opt)
 
 
 def cuda_c(arch: int) -> tuple[bool, str]:

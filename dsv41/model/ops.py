@@ -187,6 +187,8 @@ def _cuda_ops(kernels: bool) -> Ops:
     if "fp8_linear" in k:
         fp8 = _kernel_fp8_linear(k["fp8_linear"])
         grouped = _kernel_grouped_linear(k["fp8_linear_grouped"], fp8)
+        if "prompt_fp8_linear" in k:
+            fp8, grouped = _prompt_fp8_linear(k["prompt_fp8_linear"], fp8, grouped)
     kdense = _kernel_dense_linear(k["bf16_linear"], dense) if "bf16_linear" in k else dense
     return Ops(
         name="cuda" if kernels else "cuda-fallbacks", row_tile=rows, dense_linear=kdense, fp8_linear=fp8,
@@ -202,7 +204,8 @@ def _cuda_ops(kernels: bool) -> Ops:
         round_scores=_cuda_round_scores(k.get("index_scores_table"), index_scores),
         gather_round=_kernel_gather_round(k["gather_rows"]) if "gather_rows" in k else gather_round,
         sparse_attend=_kernel_attend(k["sparse_attn"]) if "sparse_attn" in k else attend_tiled,
-        fp4_routed=_kernel_fp4_routed(k["fp4_moe"]) if "fp4_moe" in k else None,
+        fp4_routed=_prompt_fp4_routed(k.get("prompt_fp4_moe"), _kernel_fp4_routed(k["fp4_moe"]))
+        if "fp4_moe" in k else None,
         stacks_experts=True,
         # the fallbacks' per-expert MoE waits for the device (ids.unique): those rounds run eagerly
         graphs="fp4_moe" in k,
@@ -214,6 +217,7 @@ def _load_kernels() -> dict:
     found = {}
     for module, names in (("kernels.fp8_linear", ("fp8_linear", "bf16_linear", "fp8_linear_grouped")),
                           ("kernels.fp4_moe", ("fp4_moe",)),
+                          ("kernels.prompt_gemm", ("prompt_fp8_linear", "prompt_fp4_moe")),
                           ("kernels.indexer", ("index_scores", "index_scores_table")),
                           ("kernels.round_gather", ("gather_rows",)),
                           ("kernels.sparse_attn", ("sparse_attn",)),
@@ -420,3 +424,43 @@ def _kernel_fp4_routed(k: Callable) -> Callable:
             local = torch.where((ids >= shard.start) & (ids < shard.stop), local, -1)
         return k(x.contiguous(), stack.w13, stack.s13, stack.w2, stack.s2, local, weights, limit)
     return routed
+
+
+def _prompt_fp8_linear(k: Callable, fp8: Callable, grouped: Callable) -> tuple[Callable, Callable]:
+    """FP8 products of more than PROMPT_ROWS rows through kernels/prompt_gemm.py's tensor-core tiles, where the decode
+    kernel they replace is the CUDA C one (the prompt kernel runs its k order and K chunks: the same bits, so the row
+    count picking one or the other changes no row); else, and for decode rounds, `fp8` / `grouped`."""
+    from kernels.fp8_linear import CUDA, config_for
+    from kernels.prompt_gemm import FP8_BN, PROMPT_ROWS
+
+    def takes(x: torch.Tensor, w, rows: int) -> bool:
+        return (x.shape[0] > PROMPT_ROWS and isinstance(w, Fp8Weight) and x.device.type == "cuda"
+                and rows % FP8_BN == 0 and config_for(rows, w.shape[1], x.device) is CUDA)
+
+    def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+        if takes(x, w, w.shape[0]):
+            return k(x.contiguous(), w.q, w.scale)
+        return fp8(x, w)
+
+    def grouped_linear(ops: Ops, x: torch.Tensor, w, groups: int) -> torch.Tensor:
+        if takes(x, w, w.shape[0] // groups):
+            return k(x.contiguous(), w.q, w.scale, groups)
+        return grouped(ops, x, w, groups)
+    return fp8_linear, grouped_linear
+
+
+def _prompt_fp4_routed(k: Callable | None, routed: Callable) -> Callable:
+    """The routed experts of more than PROMPT_ROWS rows through kernels/prompt_gemm.py's grouped tensor-core GEMM,
+    where the decode kernels are the CUDA C ones (the same k order: the same bits); else `routed`."""
+    if k is None:
+        return routed
+    from kernels import fp4_moe
+    from kernels.prompt_gemm import PROMPT_ROWS
+    prompt = _kernel_fp4_routed(k)
+
+    def fp4_routed(stack: ExpertStack, x, weights, ids, limit, shard):
+        if (x.shape[0] > PROMPT_ROWS and x.device.type == "cuda"
+                and fp4_moe.config_for(x.device, x.shape[1], stack.w13.shape[1] // 2) is fp4_moe.CUDA):
+            return prompt(stack, x, weights, ids, limit, shard)
+        return routed(stack, x, weights, ids, limit, shard)
+    return fp4_routed
