@@ -11,7 +11,7 @@ the same run (torch's 8192^3 bf16 matmul).
 "bits": whether the prompt kernel's result has the decode kernel's bits (the op set switches between them by row
 count, so a row's bits must not depend on which one ran).
 
-  python3 bench/prompt_gemm_bench.py [--rows 2048,8192] [--out bench/results/prompt-gemm.md]
+  python3 bench/prompt_gemm_bench.py [--rows 2048,8192] [--sweep] [--only wo_b,wq_b] [--out FILE]
 """
 from __future__ import annotations
 
@@ -89,6 +89,18 @@ class Report:
         self.path.write_text("\n".join(self.head + self.rows) + "\n")
 
 
+_sweep = [False]
+
+
+def sweep(cands, default):
+    """The configurations to time: the default, and with --sweep every candidate (each must give the same bits)."""
+    return [default] + [c for c in cands if c != default] if _sweep[0] else [default]
+
+
+def short(cfg) -> str:
+    return repr(cfg).replace("Config", "").replace(" ", "").replace("group_m=8,", "")
+
+
 def attempt(fn):
     try:
         return bench(fn)
@@ -120,9 +132,15 @@ def fp8_case(rep: Report, name, out_f, in_f, rows):
             def dec(x=x):
                 return F.fp8_linear(x, w, s, cfg=F.CUDA)
         note = same_bits(y[:512], dec()[:512])
-        label = f"fp8 {name} [{out_f}x{in_f}]"
-        rep.add(label, n, "prompt_gemm (Triton tl.dot)",
-                bench(lambda x=x: P.prompt_fp8_linear(x, w, s, groups=groups)), flops, note)
+        label = f"fp8 {name} [{out_f}x{in_f}] S={F.split_for(out_f // groups, in_f, F.CUDA)}"
+        for cfg in sweep(P.FP8_SWEEP, P.fp8_config(out_f // groups, in_f)):
+            try:
+                same = torch.equal(P.prompt_fp8_linear(x, w, s, groups=groups, cfg=cfg), y)
+                t = bench(lambda x=x, cfg=cfg: P.prompt_fp8_linear(x, w, s, groups=groups, cfg=cfg))
+            except Exception as exc:  # noqa: BLE001 -- report what fails, keep the rest
+                same, t = False, f"{type(exc).__name__}: {str(exc)[:80]}"
+            rep.add(label, n, f"prompt_gemm {short(cfg)}", t, flops,
+                    note if cfg == P.fp8_config(out_f // groups, in_f) else "" if same else "BITS DIFFER from default")
         rep.add(label, n, "decode kernel (CUDA C mma.sync)", bench(dec), flops)
         if groups == 1:
             xq = x.to(torch.float8_e4m3fn)
@@ -151,11 +169,24 @@ def moe_case(rep: Report, rows, bw):
         y = P.prompt_fp4_moe(x, w13, s13, w2, s2, ids, wts, LIMIT)
         dec = M.fp4_moe(x[:512], w13, s13, w2, s2, ids[:512], wts[:512], LIMIT, cfg=M.CUDA)
         label = f"fp4 experts top-{TOPK} of {N_EXPERTS} ({touched} touched, byte floor {floor * 1e6:.0f} us)"
-        rep.add(label, n, "prompt_gemm (Triton tl.dot)",
-                bench(lambda: P.prompt_fp4_moe(x, w13, s13, w2, s2, ids, wts, LIMIT)), flops,
-                same_bits(y[:512], dec))
+        note = same_bits(y[:512], dec)
+        for cfg in sweep(P.MOE_SWEEP, P.MOE_DEFAULT):
+            try:
+                same = torch.equal(P.prompt_fp4_moe(x, w13, s13, w2, s2, ids, wts, LIMIT, cfg=cfg), y)
+                t = bench(lambda cfg=cfg: P.prompt_fp4_moe(x, w13, s13, w2, s2, ids, wts, LIMIT, cfg=cfg))
+            except Exception as exc:  # noqa: BLE001
+                same, t = False, f"{type(exc).__name__}: {str(exc)[:80]}"
+            rep.add(label, n, f"prompt_gemm {short(cfg)}", t, flops,
+                    note if cfg == P.MOE_DEFAULT else "" if same else "BITS DIFFER from default")
         rep.add(label, n, "decode kernels (CUDA C mma.sync)",
                 bench(lambda: M.fp4_moe(x, w13, s13, w2, s2, ids, wts, LIMIT, cfg=M.CUDA)), flops)
+
+
+def guarded(rep: Report, what, fn, *args):
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 -- report what fails, keep the rest
+        rep.add(what, "-", "-", f"FAILED {type(exc).__name__}: {str(exc)[:160]}", 0)
 
 
 def main() -> int:
@@ -163,7 +194,9 @@ def main() -> int:
     ap.add_argument("--rows", default="2048,8192")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "prompt-gemm.md"))
     ap.add_argument("--only", default="", help="comma-separated names of the FP8 cases to run (default all)")
+    ap.add_argument("--sweep", action="store_true", help="time every prompt-kernel configuration candidate")
     args = ap.parse_args()
+    _sweep[0] = args.sweep
     rows = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -173,9 +206,9 @@ def main() -> int:
     only = {s for s in args.only.split(",") if s}
     for name, out_f, in_f in FP8:
         if not only or name in only:
-            fp8_case(rep, name, out_f, in_f, rows)
+            guarded(rep, f"fp8 {name}", fp8_case, rep, name, out_f, in_f, rows)
             torch.cuda.empty_cache()
-    moe_case(rep, rows, bw)
+    guarded(rep, "fp4 experts", moe_case, rep, rows, bw)
     print(f"wrote {args.out}")
     return 0
 

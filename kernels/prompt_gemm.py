@@ -27,6 +27,8 @@ element is its own row's chain; row tiles past the rows are masked, never reshap
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -36,13 +38,41 @@ from kernels.fp8_linear import INTERPRET, bf16_operand, mma
 
 PROMPT_ROWS = 64   # rows above which the op set runs these kernels (at or below: the decode kernels)
 
-# FP8 linear: output tile BM x BN, K steps of BK (= the decode kernel's 64-wide step, whose k order is matched)
-FP8_BM, FP8_BN, FP8_BK, FP8_GROUP_M = 128, 128, 64, 8
-FP8_WARPS, FP8_STAGES = 8, 4
-# experts: a work-list tile (fp4_moe.BLOCK_M = 64 pairs) x BN weight rows, K steps of 128 values (64 packed bytes)
-MOE_BN, MOE_BK = 128, 128
-MOE_WARPS, MOE_STAGES = 8, 3
+FP8_BK = 64        # the FP8 linear's K step: the decode kernel's 64-wide step, whose k order is matched
+MOE_BK = 128       # the experts' K step: 128 values (64 packed bytes), the decode kernels' step
 PACK_ROWS, PACK_COLS = 16, 256
+
+
+@dataclass(frozen=True)
+class Config:
+    """A launch configuration: the output tile (bm rows x bn weight rows; the experts' bm is the work list's tile,
+    fp4_moe.BLOCK_M), warps, pipeline stages, group_m (row tiles that sweep the columns together, for the L2) and
+    tot_mem (the FP8 linear's running sum of its K chunks kept in y, not in registers: frees a tile of registers
+    for a wider bn). Any configuration gives the same bits: every output element is its own MMA chain."""
+    bm: int = 128
+    bn: int = 128
+    warps: int = 8
+    stages: int = 4
+    group_m: int = 8
+    tot_mem: bool = False
+
+
+FP8_DEFAULT = Config()
+MOE_DEFAULT = Config(bm=64, bn=128, warps=8, stages=3)
+# Per FP8 weight shape (out, in) -> Config, measured on the H200 (bench/prompt_gemm_bench.py --sweep); others take
+# FP8_DEFAULT.
+FP8_CONFIGS: dict[tuple[int, int], Config] = {}
+
+
+# the candidates bench/prompt_gemm_bench.py --sweep times (the 16-warp ones spill 56-188 bytes for sm_90)
+FP8_SWEEP = [FP8_DEFAULT, Config(tot_mem=True), Config(bn=256, warps=16, stages=3, tot_mem=True),
+             Config(bm=256, bn=128, warps=16, stages=3, tot_mem=True)]
+MOE_SWEEP = [MOE_DEFAULT, Config(bm=64, bn=64, warps=4, stages=4), Config(bm=64, bn=256, warps=16, stages=3)]
+
+
+def fp8_config(out_f: int, in_f: int) -> Config:
+    """The configuration an FP8 weight [out_f, in_f] (a group's rows, for a grouped projection) runs with."""
+    return FP8_CONFIGS.get((out_f, in_f), FP8_DEFAULT)
 
 
 # ---- the k order of the decode kernels' MMAs ---------------------------------------------------------------------
@@ -128,8 +158,10 @@ def pack_rows(x: torch.Tensor, step: int) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_kernel(xp_ptr, w_ptr, s_ptr, y_ptr, M, N, K, LDX, kchunk, S, XG,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, INTERP: tl.constexpr):
-    """y[BM x BN tile] = xp · Wᵀ: the S chunks of K in order, each from zero; xp packed by pack_rows(step 64).
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TOT_MEM: tl.constexpr,
+                INTERP: tl.constexpr):
+    """y[BM x BN tile] = xp · Wᵀ: the S chunks of K in order, each from zero, added ((0 + p_0) + p_1) + ... (in
+    registers, or TOT_MEM: in y itself, p_0 stored, then y + p_c); xp packed by pack_rows(step 64).
     XG > 0: weight rows [g XG, (g+1) XG) multiply xp's columns [g K, (g+1) K) (a grouped projection)."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
@@ -151,7 +183,11 @@ def _fp8_kernel(xp_ptr, w_ptr, s_ptr, y_ptr, M, N, K, LDX, kchunk, S, XG,
     w_off = offs_n[:, None] * K + i[None, :]                    # int32 offsets: fewer registers than pointers
     s_row = s_ptr + (offs_n // 32) * (K // 32)                  # [BN]: a step's two scale groups, k0/32 and + 1
     second = (i >= 32)[None, :]
+    y_at = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    y_ok = m_ok[:, None] & n_ok[None, :]
     tot = tl.zeros((BM, BN), tl.float32)
+    if TOT_MEM:
+        tot = tl.zeros((16, 16), tl.float32)      # unused: the sum lives in y
     for c in range(S):
         acc = tl.zeros((BM, BN), tl.float32)
         for k0 in range(c * kchunk, (c + 1) * kchunk, BK):
@@ -162,25 +198,35 @@ def _fp8_kernel(xp_ptr, w_ptr, s_ptr, y_ptr, M, N, K, LDX, kchunk, S, XG,
             f = (tl.where(second, c1[:, None], c0[:, None]) << 23).to(tl.float32, bitcast=True)
             wb = _fp8_order(bf16_operand(wq.to(tl.float32) * f, INTERP), BN)
             acc = mma(a, tl.trans(wb), acc, INTERP)
-        tot = tot + acc
-    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], tot, mask=m_ok[:, None] & n_ok[None, :])
+        if TOT_MEM:
+            if c == 0:
+                tl.store(y_at, acc, mask=y_ok)                       # 0 + p_0 is p_0
+            else:
+                tl.store(y_at, tl.load(y_at, mask=y_ok, other=0.0) + acc, mask=y_ok)
+            tl.debug_barrier()                    # the next chunk's read sees every thread's write
+        else:
+            tot = tot + acc
+    if not TOT_MEM:
+        tl.store(y_at, tot, mask=y_ok)
 
 
-def prompt_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
-                      groups: int = 1) -> torch.Tensor:
+def prompt_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, groups: int = 1,
+                      cfg: Config | None = None) -> torch.Tensor:
     """fp8_linear.fp8_linear's function (y = bf16(x) · Wᵀ, float32 [n, out]) for prompt chunks, in the decode
     kernel's k order and K chunks (the same bits where the hardware sums alike). w float8_e4m3fn [out, in] with
-    E8M0 scale [ceil(out/32), in/32] (bf16 weights keep the decode kernel: its k order is another); groups > 1: the block-diagonal product of a grouped
-    projection (x [n, groups * in], w [groups * rows, in]), as fp8_linear_grouped."""
+    E8M0 scale [ceil(out/32), in/32] (bf16 weights keep the decode kernel: its k order is another); groups > 1:
+    the block-diagonal product of a grouped projection (x [n, groups * in], w [groups * rows, in]), as fp8_linear_grouped. cfg: another configuration
+    than the shape's (the bench's sweep; the same bits)."""
     from kernels import fp8_linear as F
     if w.dtype != torch.float8_e4m3fn:
         raise TypeError(f"prompt fp8_linear: an FP8 weight (float8_e4m3fn), got {w.dtype}")
     out_f, in_f = w.shape
+    cfg = cfg or fp8_config(out_f // groups, in_f)
     if groups > 1:
         rows = out_f // groups
-        if x.dim() != 2 or x.shape[1] != groups * in_f or out_f % groups or rows % FP8_BN:
+        if x.dim() != 2 or x.shape[1] != groups * in_f or out_f % groups or rows % cfg.bn:
             raise ValueError(f"prompt fp8_linear: x {list(x.shape)} and w {list(w.shape)} for {groups} groups "
-                             f"(group rows a multiple of {FP8_BN})")
+                             f"(group rows a multiple of {cfg.bn})")
         scale = F._check(x[:, :in_f], w[:rows], scale[:rows // 32] if scale is not None else None)
     else:
         scale = F._check(x, w, scale)
@@ -192,11 +238,10 @@ def prompt_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | No
         return y
     S = F.split_for(out_f // groups, in_f, F.CUDA)     # the decode kernel's chunks (a function of the shape)
     xp = pack_rows(x, FP8_BK)
-    grid = (triton.cdiv(n, FP8_BM) * triton.cdiv(out_f, FP8_BN),)
-    _fp8_kernel[grid](xp, w, scale if scale is not None else w, y, n, out_f, in_f, xp.shape[1], in_f // S, S,
-                      out_f // groups if groups > 1 else 0, BM=FP8_BM, BN=FP8_BN, BK=FP8_BK, GROUP_M=FP8_GROUP_M,
-                      INTERP=INTERPRET, num_warps=FP8_WARPS,
-                      num_stages=FP8_STAGES)
+    grid = (triton.cdiv(n, cfg.bm) * triton.cdiv(out_f, cfg.bn),)
+    _fp8_kernel[grid](xp, w, scale, y, n, out_f, in_f, xp.shape[1], in_f // S, S, out_f // groups if groups > 1 else 0,
+                      BM=cfg.bm, BN=cfg.bn, BK=FP8_BK, GROUP_M=cfg.group_m, TOT_MEM=cfg.tot_mem and S > 1,
+                      INTERP=INTERPRET, num_warps=cfg.warps, num_stages=cfg.stages)
     return y
 
 
@@ -301,13 +346,16 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_p
 
 
 def prompt_fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-                   expert_ids: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor:
+                   expert_ids: torch.Tensor, weights: torch.Tensor, limit: float, cfg: Config | None = None
+                   ) -> torch.Tensor:
     """fp4_moe.fp4_moe's function (the routed experts, slots summed in slot order; float32 [n, H]) for prompt
     chunks: the same device-built work list, the gate/up and down products as tensor-core tiles of a work-list
-    tile's pairs x MOE_BN weight rows, the decode kernels' k order (the same bits where the hardware sums alike)."""
+    tile's pairs x cfg.bn weight rows, the decode kernels' k order (the same bits where the hardware sums alike).
+    cfg: another configuration than MOE_DEFAULT (the bench's sweep; the same bits)."""
     from kernels import fp4_moe as FM
-    cfg = FM.Config(bn_up=MOE_BN, bn_down=MOE_BN, bkb=MOE_BK // 2)
-    s13, s2 = FM._check(x, w13, s13, w2, s2, expert_ids, weights, cfg)
+    cfg = cfg or MOE_DEFAULT
+    s13, s2 = FM._check(x, w13, s13, w2, s2, expert_ids, weights, FM.Config(bn_up=cfg.bn, bn_down=cfg.bn,
+                                                                             bkb=MOE_BK // 2))
     n, hidden = x.shape
     n_exp, two_i, _ = w13.shape
     inter = two_i // 2
@@ -323,11 +371,11 @@ def prompt_fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: to
     h = torch.empty((n_pairs, inter), dtype=_operand_dtype(), device=x.device)
     y = torch.empty((n_pairs, hidden), dtype=torch.float32, device=x.device)
     tiles = tile_cnt.numel()
-    common = {"BP": FM.BLOCK_M, "BN": MOE_BN, "BK": MOE_BK, "INTERP": INTERPRET, "num_warps": MOE_WARPS,
-              "num_stages": MOE_STAGES}
-    _moe_up_kernel[(tiles, inter // MOE_BN)](xp, w13, s13, tile_e, tile_start, tile_cnt, order, rw, h, hidden, inter,
+    common = {"BP": FM.BLOCK_M, "BN": cfg.bn, "BK": MOE_BK, "INTERP": INTERPRET, "num_warps": cfg.warps,
+              "num_stages": cfg.stages}
+    _moe_up_kernel[(tiles, inter // cfg.bn)](xp, w13, s13, tile_e, tile_start, tile_cnt, order, rw, h, hidden, inter,
                                              top_k, float(limit), **common)
-    _moe_down_kernel[(tiles, hidden // MOE_BN)](h, w2, s2, tile_e, tile_start, tile_cnt, order, y, hidden, inter,
+    _moe_down_kernel[(tiles, hidden // cfg.bn)](h, w2, s2, tile_e, tile_start, tile_cnt, order, y, hidden, inter,
                                                 **common)
     FM._slot_sum_kernel[(triton.cdiv(n, FM.SUM_ROWS), triton.cdiv(hidden, FM.SUM_COLS))](
         y, ids, out, n, hidden, top_k, BR=FM.SUM_ROWS, BH=FM.SUM_COLS)

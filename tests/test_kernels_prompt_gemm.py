@@ -50,6 +50,15 @@ def test_fp8_row_bits_do_not_depend_on_the_chunk():
     _check_close(big[::97], x[::97].cpu(), _deq8(w.cpu(), s.cpu()))
 
 
+def test_fp8_configurations_give_the_same_bits():
+    """Tiles, warps and where the K chunks' running sum lives change no bit (each element is its own chain)."""
+    w, s = (t.to(DEV) for t in _weight(256, 256, seed=13))
+    x = _x(150, 256, seed=14).to(DEV)
+    want = P.prompt_fp8_linear(x, w, s)
+    for cfg in (P.Config(tot_mem=True), P.Config(bm=64, bn=64, warps=4, tot_mem=True), P.Config(bm=64, bn=256)):
+        assert torch.equal(P.prompt_fp8_linear(x, w, s, cfg=cfg), want), cfg
+
+
 def test_fp8_grouped_equals_the_groups_one_by_one():
     w, s = (t.to(DEV) for t in _weight(2 * 128, 128, seed=9))
     x = _x(70, 2 * 128, seed=10).to(DEV)

@@ -431,11 +431,11 @@ def _prompt_fp8_linear(k: Callable, fp8: Callable, grouped: Callable) -> tuple[C
     kernel they replace is the CUDA C one (the prompt kernel runs its k order and K chunks: the same bits, so the row
     count picking one or the other changes no row); else, and for decode rounds, `fp8` / `grouped`."""
     from kernels.fp8_linear import CUDA, config_for
-    from kernels.prompt_gemm import FP8_BN, PROMPT_ROWS
+    from kernels.prompt_gemm import PROMPT_ROWS, fp8_config
 
     def takes(x: torch.Tensor, w, rows: int) -> bool:
         return (x.shape[0] > PROMPT_ROWS and isinstance(w, Fp8Weight) and x.device.type == "cuda"
-                and rows % FP8_BN == 0 and config_for(rows, w.shape[1], x.device) is CUDA)
+                and config_for(rows, w.shape[1], x.device) is CUDA)
 
     def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
         if takes(x, w, w.shape[0]):
@@ -443,7 +443,8 @@ def _prompt_fp8_linear(k: Callable, fp8: Callable, grouped: Callable) -> tuple[C
         return fp8(x, w)
 
     def grouped_linear(ops: Ops, x: torch.Tensor, w, groups: int) -> torch.Tensor:
-        if takes(x, w, w.shape[0] // groups):
+        rows = w.shape[0] // groups
+        if takes(x, w, rows) and rows % fp8_config(rows, w.shape[1]).bn == 0:
             return k(x.contiguous(), w.q, w.scale, groups)
         return grouped(ops, x, w, groups)
     return fp8_linear, grouped_linear
