@@ -364,7 +364,9 @@ def prompt_fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: to
     if n == 0 or top_k == 0:
         return out.zero_()
     ids = expert_ids.to(torch.int32).contiguous()
-    tile_e, tile_start, tile_cnt, order = FM.work_list_launch(ids, n_exp)
+    # the torch form of the work list (a stable sort and a few scans, no host sync): the same four tensors as the
+    # one-program kernel, which takes milliseconds at a prompt chunk's 10^4 pairs (bench/results/round-profile.md)
+    tile_e, tile_start, tile_cnt, order = FM.work_list(ids, n_exp)
     rw = weights.to(torch.float32).contiguous()
     n_pairs = n * top_k
     xp = pack_rows(x.contiguous(), MOE_BK)
