@@ -94,21 +94,24 @@ def _prompt_fp8_case(P, c8, div):
     yield (f"prompt fp8_linear {c8}", P._fp8_kernel,
            {"xp_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32", "M": "i32", "N": "i32",
             "K": "i32", "LDX": "i32", "kchunk": "i32", "S": "i32", "XG": "i32", "BM": "constexpr", "BN": "constexpr",
-            "BK": "constexpr", "GROUP_M": "constexpr", "TOT_MEM": "constexpr", "INTERP": "constexpr"},
-           {"BM": c8.bm, "BN": c8.bn, "BK": P.FP8_BK, "GROUP_M": c8.group_m, "TOT_MEM": c8.tot_mem, "INTERP": False},
+            "BK": "constexpr", "GROUP_M": "constexpr", "TOT_MEM": "constexpr", "SWAP": "constexpr",
+            "INTERP": "constexpr"},
+           {"BM": c8.bm, "BN": c8.bn, "BK": P.FP8_BK, "GROUP_M": c8.group_m, "TOT_MEM": c8.tot_mem,
+            "SWAP": c8.swap, "INTERP": False},
            {(i,): div for i in range(10)}, {"num_warps": c8.warps, "num_stages": c8.stages})
 
 
 def _prompt_moe_cases(P, fp4_moe, work, div):
-    moe = {"BP": fp4_moe.BLOCK_M, "BN": P.MOE_DEFAULT.bn, "BK": P.MOE_BK, "INTERP": False}
+    moe = {"BP": fp4_moe.BLOCK_M, "BN": P.MOE_DEFAULT.bn, "BK": P.MOE_BK, "SWAP": P.MOE_DEFAULT.swap,
+           "INTERP": False}
     opt = {"num_warps": P.MOE_DEFAULT.warps, "num_stages": P.MOE_DEFAULT.stages}
     yield ("prompt experts gate/up", P._moe_up_kernel,
            {"xp_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*u8", **work, "rw_ptr": "*fp32", "h_ptr": "*bf16",
             "H": "i32", "I": "i32", "TOPK": "i32", "limit": "fp32", "BP": "constexpr", "BN": "constexpr",
-            "BK": "constexpr", "INTERP": "constexpr"}, moe, {(i,): div for i in range(11)}, opt)
+            "BK": "constexpr", "SWAP": "constexpr", "INTERP": "constexpr"}, moe, {(i,): div for i in range(11)}, opt)
     yield ("prompt experts down", P._moe_down_kernel,
            {"h_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*u8", **work, "y_ptr": "*fp32", "H": "i32", "I": "i32",
-            "BP": "constexpr", "BN": "constexpr", "BK": "constexpr", "INTERP": "constexpr"},
+            "BP": "constexpr", "BN": "constexpr", "BK": "constexpr", "SWAP": "constexpr", "INTERP": "constexpr"},
            moe, {(i,): div for i in range(10)}, opt)
 
 

@@ -55,19 +55,22 @@ class Config:
     stages: int = 4
     group_m: int = 8
     tot_mem: bool = False
+    swap: bool = False     # the weight as the MMA's A operand (from registers), the rows / pairs as N (yᵀ tiles)
 
 
-FP8_DEFAULT = Config()
-MOE_DEFAULT = Config(bm=64, bn=128, warps=8, stages=3)
+FP8_DEFAULT = Config(swap=True)
+MOE_DEFAULT = Config(bm=64, bn=128, warps=8, stages=3, swap=True)
 # Per FP8 weight shape (out, in) -> Config, measured on the H200 (bench/prompt_gemm_bench.py --sweep); others take
 # FP8_DEFAULT.
 FP8_CONFIGS: dict[tuple[int, int], Config] = {}
 
 
 # the candidates bench/prompt_gemm_bench.py --sweep times (the 16-warp ones spill 56-188 bytes for sm_90)
-FP8_SWEEP = [FP8_DEFAULT, Config(tot_mem=True), Config(bn=256, warps=16, stages=3, tot_mem=True),
-             Config(bm=256, bn=128, warps=16, stages=3, tot_mem=True)]
-MOE_SWEEP = [MOE_DEFAULT, Config(bm=64, bn=64, warps=4, stages=4), Config(bm=64, bn=256, warps=16, stages=3)]
+FP8_SWEEP = [FP8_DEFAULT, Config(), Config(tot_mem=True), Config(bn=256, warps=16, stages=3, tot_mem=True),
+             Config(bm=256, bn=128, warps=16, stages=3, tot_mem=True),
+             Config(swap=True, tot_mem=True), Config(bm=256, bn=128, swap=True, tot_mem=True)]
+MOE_SWEEP = [MOE_DEFAULT, Config(bm=64, bn=128, warps=8, stages=3), Config(bm=64, bn=64, warps=4, stages=4),
+             Config(bm=64, bn=64, warps=4, stages=4, swap=True), Config(bm=64, bn=256, warps=16, stages=3)]
 
 
 def fp8_config(out_f: int, in_f: int) -> Config:
@@ -159,7 +162,7 @@ def pack_rows(x: torch.Tensor, step: int) -> torch.Tensor:
 @triton.jit(do_not_specialize=["M"])
 def _fp8_kernel(xp_ptr, w_ptr, s_ptr, y_ptr, M, N, K, LDX, kchunk, S, XG,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TOT_MEM: tl.constexpr,
-                INTERP: tl.constexpr):
+                SWAP: tl.constexpr, INTERP: tl.constexpr):
     """y[BM x BN tile] = xp · Wᵀ: the S chunks of K in order, each from zero, added ((0 + p_0) + p_1) + ... (in
     registers, or TOT_MEM: in y itself, p_0 stored, then y + p_c); xp packed by pack_rows(step 64).
     XG > 0: weight rows [g XG, (g+1) XG) multiply xp's columns [g K, (g+1) K) (a grouped projection)."""
@@ -183,13 +186,21 @@ def _fp8_kernel(xp_ptr, w_ptr, s_ptr, y_ptr, M, N, K, LDX, kchunk, S, XG,
     w_off = offs_n[:, None] * K + i[None, :]                    # int32 offsets: fewer registers than pointers
     s_row = s_ptr + (offs_n // 32) * (K // 32)                  # [BN]: a step's two scale groups, k0/32 and + 1
     second = (i >= 32)[None, :]
-    y_at = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    y_ok = m_ok[:, None] & n_ok[None, :]
-    tot = tl.zeros((BM, BN), tl.float32)
+    if SWAP:      # the weight is the MMA's A operand (it may stay in registers), the rows its N side: acc is yᵀ
+        y_at = y_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        y_ok = m_ok[None, :] & n_ok[:, None]
+        SH0: tl.constexpr = BN
+        SH1: tl.constexpr = BM
+    else:
+        y_at = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        y_ok = m_ok[:, None] & n_ok[None, :]
+        SH0: tl.constexpr = BM
+        SH1: tl.constexpr = BN
+    tot = tl.zeros((SH0, SH1), tl.float32)
     if TOT_MEM:
         tot = tl.zeros((16, 16), tl.float32)      # unused: the sum lives in y
     for c in range(S):
-        acc = tl.zeros((BM, BN), tl.float32)
+        acc = tl.zeros((SH0, SH1), tl.float32)
         for k0 in range(c * kchunk, (c + 1) * kchunk, BK):
             a = tl.load(x_row + k0, mask=m_ok[:, None], other=0.0)
             wq = tl.load(w_ptr + w_off + k0, mask=n_ok[:, None], other=0.0)
@@ -197,7 +208,10 @@ def _fp8_kernel(xp_ptr, w_ptr, s_ptr, y_ptr, M, N, K, LDX, kchunk, S, XG,
             c1 = tl.load(s_row + k0 // 32 + 1, mask=n_ok, other=127).to(tl.int32)
             f = (tl.where(second, c1[:, None], c0[:, None]) << 23).to(tl.float32, bitcast=True)
             wb = _fp8_order(bf16_operand(wq.to(tl.float32) * f, INTERP), BN)
-            acc = mma(a, tl.trans(wb), acc, INTERP)
+            if SWAP:
+                acc = mma(wb, tl.trans(a), acc, INTERP)
+            else:
+                acc = mma(a, tl.trans(wb), acc, INTERP)
         if TOT_MEM:
             if c == 0:
                 tl.store(y_at, acc, mask=y_ok)                       # 0 + p_0 is p_0
@@ -240,7 +254,7 @@ def prompt_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | No
     xp = pack_rows(x, FP8_BK)
     grid = (triton.cdiv(n, cfg.bm) * triton.cdiv(out_f, cfg.bn),)
     _fp8_kernel[grid](xp, w, scale, y, n, out_f, in_f, xp.shape[1], in_f // S, S, out_f // groups if groups > 1 else 0,
-                      BM=cfg.bm, BN=cfg.bn, BK=FP8_BK, GROUP_M=cfg.group_m, TOT_MEM=cfg.tot_mem and S > 1,
+                      BM=cfg.bm, BN=cfg.bn, BK=FP8_BK, GROUP_M=cfg.group_m, TOT_MEM=cfg.tot_mem and S > 1, SWAP=cfg.swap,
                       INTERP=INTERPRET, num_warps=cfg.warps, num_stages=cfg.stages)
     return y
 
@@ -287,10 +301,12 @@ def _tile_pairs(tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, BP: tl.cons
 
 @triton.jit
 def _moe_up_kernel(xp_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, rw_ptr, h_ptr,
-                   H, I, TOPK, limit, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr):
+                   H, I, TOPK, limit, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
+                   INTERP: tl.constexpr):
     """A work-list tile (up to BP pairs of one expert) x BN intermediate rows: gate and up over K = H in one chain
     each, then h = silu(min(gate, limit)) · clamp(up, ±limit) · routing weight, rounded to bf16 and stored at its
-    dot position of the down product's k order."""
+    dot position of the down product's k order. SWAP: the weight is the MMA's A operand, the pairs its N side
+    (the tiles are transposed: [BN, BP])."""
     cnt, e, place, pair, ok = _tile_pairs(tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, BP)
     if cnt == 0:
         return
@@ -303,14 +319,20 @@ def _moe_up_kernel(xp_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_pt
     s1 = offs_n[:, None] * (H // 32)
     s3 = s1 + I * (H // 32)
     x_row = xp_ptr + (pair // TOPK).to(tl.int64)[:, None] * H + tl.arange(0, BK)[None, :]
-    acc_g = tl.zeros((BP, BN), tl.float32)
-    acc_u = tl.zeros((BP, BN), tl.float32)
+    if SWAP:
+        SH0: tl.constexpr = BN
+        SH1: tl.constexpr = BP
+    else:
+        SH0: tl.constexpr = BP
+        SH1: tl.constexpr = BN
+    acc_g = tl.zeros((SH0, SH1), tl.float32)
+    acc_u = tl.zeros((SH0, SH1), tl.float32)
     for b0 in range(0, HB, BK // 2):
         a = tl.load(x_row + 2 * b0, mask=ok[:, None], other=0.0)
         w1t = _e2m1_tile(w_base, s_base, w1, s1, b0, BN, BK, INTERP)
-        acc_g = mma(a, tl.trans(w1t), acc_g, INTERP)
+        acc_g = _pair_dot(a, w1t, acc_g, SWAP, INTERP)
         w3t = _e2m1_tile(w_base, s_base, w3, s3, b0, BN, BK, INTERP)
-        acc_u = mma(a, tl.trans(w3t), acc_u, INTERP)
+        acc_u = _pair_dot(a, w3t, acc_u, SWAP, INTERP)
     rw = tl.load(rw_ptr + pair, mask=ok, other=0.0)
     gate = tl.minimum(acc_g, limit)
     up = tl.minimum(tl.maximum(acc_u, -limit), limit)
@@ -318,14 +340,28 @@ def _moe_up_kernel(xp_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_pt
         ex = tl.exp(-gate)
     else:
         ex = libdevice.exp(-gate)         # expf, as the CUDA C kernel
-    h = tl.math.div_rn(gate, 1.0 + ex) * up * rw[:, None]
     col = (offs_n // BK) * BK + _fp4_slot(offs_n % BK)
-    tl.store(h_ptr + place[:, None].to(tl.int64) * I + col[None, :], bf16_operand(h, INTERP), mask=ok[:, None])
+    if SWAP:
+        h = tl.math.div_rn(gate, 1.0 + ex) * up * rw[None, :]
+        tl.store(h_ptr + place[None, :].to(tl.int64) * I + col[:, None], bf16_operand(h, INTERP), mask=ok[None, :])
+    else:
+        h = tl.math.div_rn(gate, 1.0 + ex) * up * rw[:, None]
+        tl.store(h_ptr + place[:, None].to(tl.int64) * I + col[None, :], bf16_operand(h, INTERP), mask=ok[:, None])
+
+
+@triton.jit
+def _pair_dot(a, w, acc, SWAP: tl.constexpr, INTERP: tl.constexpr):
+    """acc + a · wᵀ (pairs x weight rows), or SWAP: acc + w · aᵀ (weight rows x pairs): the same sums."""
+    if SWAP:
+        return mma(w, tl.trans(a), acc, INTERP)
+    else:
+        return mma(a, tl.trans(w), acc, INTERP)
 
 
 @triton.jit
 def _moe_down_kernel(h_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, y_ptr, H, I,
-                     BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr):
+                     BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
+                     INTERP: tl.constexpr):
     """y[pair, BN columns] = h[place] · w2ᵀ over K = I in one chain (h already in the dot's k order)."""
     cnt, e, place, pair, ok = _tile_pairs(tile_e_ptr, tile_start_ptr, tile_cnt_ptr, order_ptr, BP)
     if cnt == 0:
@@ -337,12 +373,18 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_p
     w_off = offs_n[:, None] * IB
     s_off = offs_n[:, None] * (I // 32)
     h_row = h_ptr + place[:, None].to(tl.int64) * I + tl.arange(0, BK)[None, :]
-    acc = tl.zeros((BP, BN), tl.float32)
+    if SWAP:
+        acc = tl.zeros((BN, BP), tl.float32)
+    else:
+        acc = tl.zeros((BP, BN), tl.float32)
     for b0 in range(0, IB, BK // 2):
         a = tl.load(h_row + 2 * b0, mask=ok[:, None], other=0.0)
         wt = _e2m1_tile(w_base, s_base, w_off, s_off, b0, BN, BK, INTERP)
-        acc = mma(a, tl.trans(wt), acc, INTERP)
-    tl.store(y_ptr + pair[:, None].to(tl.int64) * H + offs_n[None, :], acc, mask=ok[:, None])
+        acc = _pair_dot(a, wt, acc, SWAP, INTERP)
+    if SWAP:
+        tl.store(y_ptr + pair[None, :].to(tl.int64) * H + offs_n[:, None], acc, mask=ok[None, :])
+    else:
+        tl.store(y_ptr + pair[:, None].to(tl.int64) * H + offs_n[None, :], acc, mask=ok[:, None])
 
 
 def prompt_fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
@@ -373,7 +415,7 @@ def prompt_fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: to
     h = torch.empty((n_pairs, inter), dtype=_operand_dtype(), device=x.device)
     y = torch.empty((n_pairs, hidden), dtype=torch.float32, device=x.device)
     tiles = tile_cnt.numel()
-    common = {"BP": FM.BLOCK_M, "BN": cfg.bn, "BK": MOE_BK, "INTERP": INTERPRET, "num_warps": cfg.warps,
+    common = {"BP": FM.BLOCK_M, "BN": cfg.bn, "BK": MOE_BK, "SWAP": cfg.swap, "INTERP": INTERPRET, "num_warps": cfg.warps,
               "num_stages": cfg.stages}
     _moe_up_kernel[(tiles, inter // cfg.bn)](xp, w13, s13, tile_e, tile_start, tile_cnt, order, rw, h, hidden, inter,
                                              top_k, float(limit), **common)

@@ -55,7 +55,8 @@ def test_fp8_configurations_give_the_same_bits():
     w, s = (t.to(DEV) for t in _weight(256, 256, seed=13))
     x = _x(150, 256, seed=14).to(DEV)
     want = P.prompt_fp8_linear(x, w, s)
-    for cfg in (P.Config(tot_mem=True), P.Config(bm=64, bn=64, warps=4, tot_mem=True), P.Config(bm=64, bn=256)):
+    for cfg in (P.Config(tot_mem=True), P.Config(bm=64, bn=64, warps=4, tot_mem=True), P.Config(bm=64, bn=256),
+                P.Config(swap=not P.FP8_DEFAULT.swap), P.Config(swap=True, tot_mem=True)):
         assert torch.equal(P.prompt_fp8_linear(x, w, s, cfg=cfg), want), cfg
 
 
@@ -105,6 +106,16 @@ def test_moe_matches_reference(small, n):
     y = P.prompt_fp4_moe(x.to(DEV), *W, ids.to(DEV), wts.to(DEV), LIMIT)
     assert y.dtype == torch.float32 and y.shape == (n, H)
     _close(y, x, exps, ids, wts)
+
+
+def test_moe_configurations_give_the_same_bits(small):
+    exps, W = small
+    x = _inputs(70, H, seed=17)
+    ids, wts = _routing(70, E, K, seed=17, skew=True)
+    xd, idd, wd = x.to(DEV), ids.to(DEV), wts.to(DEV)
+    want = P.prompt_fp4_moe(xd, *W, idd, wd, LIMIT)
+    for cfg in (P.Config(bm=64, bn=64, warps=4), P.Config(bm=64, bn=128, swap=not P.MOE_DEFAULT.swap)):
+        assert torch.equal(P.prompt_fp4_moe(xd, *W, idd, wd, LIMIT, cfg=cfg), want), cfg
 
 
 def test_moe_row_bits_do_not_depend_on_the_chunk(small):
