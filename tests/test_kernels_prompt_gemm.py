@@ -75,7 +75,7 @@ def test_fp8_grouped_equals_the_groups_one_by_one():
 
 def test_pack_rows_is_bf16_in_the_dot_order():
     """pack_rows permutes each K step as the decode kernels' MMA fragments read it: a permutation of x's bf16
-    values (every value once), the step's first dot slots from physical k 0, 2, 16, 18 (FP8)."""
+    values (every value once), each MMA's fragment slots from the physical k decode.cu gives them."""
     x = _x(3, 256, seed=1)
     for step in (64, 128):
         xp = P.pack_rows(x.to(DEV), step).float().cpu()
@@ -83,8 +83,12 @@ def test_pack_rows_is_bf16_in_the_dot_order():
         for blk in range(256 // step):
             a, b = xp[:, blk * step:(blk + 1) * step], xb[:, blk * step:(blk + 1) * step]
             assert torch.equal(a.sort(dim=1).values, b.sort(dim=1).values)
+    xb = x.bfloat16().float()
     xp = P.pack_rows(x.to(DEV), 64).float().cpu()
-    assert torch.equal(xp[:, :4], x.bfloat16().float()[:, [0, 2, 16, 18]])
+    assert torch.equal(xp[:, [0, 1, 2, 3, 8, 16]], xb[:, [0, 2, 16, 18, 1, 4]])
+    # experts (decode.cu's e2m1 MMA pairs): slots 0-3 from values 0, 4, 32, 36; slot 8 from 2; slice 1 from odd codes
+    xp = P.pack_rows(x.to(DEV), 128).float().cpu()
+    assert torch.equal(xp[:, [0, 1, 2, 3, 8, 16, 32]], xb[:, [0, 4, 32, 36, 2, 1, 8]])
 
 
 E, H, I, K = 8, 256, 256, 3
