@@ -2,16 +2,16 @@
 ran for them before (csrc/decode.cu) and the off-the-shelf products, as TFLOP/s and % of the bf16 rate measured in
 the same run (torch's 8192^3 bf16 matmul).
 
-- FP8 projections of a layer at 2048 and 8192 rows: the prompt kernel, the CUDA C decode kernel, cuBLAS FP8
+- FP8 projections of a layer at 256 (a large decode round: where the op set's switch sits), 2048 and 8192 rows: the prompt kernel, the CUDA C decode kernel, cuBLAS FP8
   (`torch._scaled_mm`, x quantised to FP8 with row-wise scales: a cheaper, different product, the off-the-shelf
   speed) and cuBLAS bf16 of the dequantised weight (the dequantisation not timed);
 - the routed experts (384, top-6, H 5120, I 2304, random routing; the whole stack, 6.8 GB of FP4, so the L2 holds
-  none of it) at 2048 and 8192 rows: the prompt grouped GEMM and the CUDA C decode kernels; FLOPs 2 · pairs · 3HI,
+  none of it) at the same rows: the prompt grouped GEMM and the CUDA C decode kernels; FLOPs 2 · pairs · 3HI,
   and the bytes of the experts touched against the copy bandwidth.
 "bits": whether the prompt kernel's result has the decode kernel's bits (the op set switches between them by row
 count, so a row's bits must not depend on which one ran).
 
-  python3 bench/prompt_gemm_bench.py [--rows 2048,8192] [--sweep] [--only wo_b,wq_b] [--out FILE]
+  python3 bench/prompt_gemm_bench.py [--rows 256,2048,8192] [--sweep] [--only wo_b,wq_b] [--out FILE]
 """
 from __future__ import annotations
 
@@ -92,9 +92,10 @@ class Report:
 _sweep = [False]
 
 
-def sweep(cands, default):
-    """The configurations to time: the default, and with --sweep every candidate (each must give the same bits)."""
-    return [default] + [c for c in cands if c != default] if _sweep[0] else [default]
+def sweep(cands, default, n):
+    """The configurations to time: the default, and with --sweep (at chunk sizes, >= 2048 rows) every candidate
+    (each must give the same bits)."""
+    return [default] + [c for c in cands if c != default] if _sweep[0] and n >= 2048 else [default]
 
 
 def short(cfg) -> str:
@@ -133,7 +134,7 @@ def fp8_case(rep: Report, name, out_f, in_f, rows):
                 return F.fp8_linear(x, w, s, cfg=F.CUDA)
         note = same_bits(y[:512], dec()[:512])
         label = f"fp8 {name} [{out_f}x{in_f}] S={F.split_for(out_f // groups, in_f, F.CUDA)}"
-        for cfg in sweep(P.FP8_SWEEP, P.fp8_config(out_f // groups, in_f)):
+        for cfg in sweep(P.FP8_SWEEP, P.fp8_config(out_f // groups, in_f), n):
             try:
                 same = torch.equal(P.prompt_fp8_linear(x, w, s, groups=groups, cfg=cfg), y)
                 t = bench(lambda x=x, cfg=cfg: P.prompt_fp8_linear(x, w, s, groups=groups, cfg=cfg))
@@ -170,7 +171,7 @@ def moe_case(rep: Report, rows, bw):
         dec = M.fp4_moe(x[:512], w13, s13, w2, s2, ids[:512], wts[:512], LIMIT, cfg=M.CUDA)
         label = f"fp4 experts top-{TOPK} of {N_EXPERTS} ({touched} touched, byte floor {floor * 1e6:.0f} us)"
         note = same_bits(y[:512], dec)
-        for cfg in sweep(P.MOE_SWEEP, P.MOE_DEFAULT):
+        for cfg in sweep(P.MOE_SWEEP, P.MOE_DEFAULT, n):
             try:
                 same = torch.equal(P.prompt_fp4_moe(x, w13, s13, w2, s2, ids, wts, LIMIT, cfg=cfg), y)
                 t = bench(lambda cfg=cfg: P.prompt_fp4_moe(x, w13, s13, w2, s2, ids, wts, LIMIT, cfg=cfg))
@@ -191,7 +192,7 @@ def guarded(rep: Report, what, fn, *args):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="2048,8192")
+    ap.add_argument("--rows", default="256,2048,8192")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "prompt-gemm.md"))
     ap.add_argument("--only", default="", help="comma-separated names of the FP8 cases to run (default all)")
     ap.add_argument("--sweep", action="store_true", help="time every prompt-kernel configuration candidate")
@@ -204,11 +205,12 @@ def main() -> int:
     print(f"ceilings: bf16 GEMM {mm / 1e12:.0f} TFLOP/s, copy {bw / 1e12:.2f} TB/s", flush=True)
     rep = Report(Path(args.out), bw, mm)
     only = {s for s in args.only.split(",") if s}
+    guarded(rep, "fp4 experts", moe_case, rep, rows, bw)
+    torch.cuda.empty_cache()
     for name, out_f, in_f in FP8:
         if not only or name in only:
             guarded(rep, f"fp8 {name}", fp8_case, rep, name, out_f, in_f, rows)
             torch.cuda.empty_cache()
-    guarded(rep, "fp4 experts", moe_case, rep, rows, bw)
     print(f"wrote {args.out}")
     return 0
 
