@@ -424,3 +424,58 @@ def prompt_fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: to
     FM._slot_sum_kernel[(triton.cdiv(n, FM.SUM_ROWS), triton.cdiv(hidden, FM.SUM_COLS))](
         y, ids, out, n, hidden, top_k, BR=FM.SUM_ROWS, BH=FM.SUM_COLS)
     return out
+
+
+# ---- may the op set use these kernels on a device? ---------------------------------------------------------------
+
+_agrees: dict[int, bool] = {}
+
+
+def agrees_with_decode(device: torch.device | int) -> bool:
+    """Whether, on this device, these kernels give the decode kernels' bits (csrc/decode.cu, the CUDA C ones): checked
+    once per device on random non-zero inputs -- an FP8 product of 8 K chunks at 1, 65 and 300 rows and the experts
+    at 70 rows -- and False where the CUDA C kernels do not run. The op set routes rows > PROMPT_ROWS here only when
+    this holds: the bits then never depend on the row count. Inside a CUDA graph capture an unchecked device
+    answers False (the decode kernels run: the same bits) without checking."""
+    dev = device.index if isinstance(device, torch.device) else device
+    if dev not in _agrees:
+        if INTERPRET or not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
+            return False
+        ok = False
+        try:
+            with torch.cuda.device(dev):
+                ok = _decode_bits(torch.device("cuda", dev))
+        except Exception as exc:  # noqa: BLE001 -- any failure: the decode kernels keep every row
+            import sys
+            print(f"kernels/prompt_gemm.py: not used on cuda:{dev} ({type(exc).__name__}: {exc})", file=sys.stderr)
+        if not ok:
+            import sys
+            print(f"kernels/prompt_gemm.py: cuda:{dev} does not give the decode kernels' bits: the decode kernels "
+                  "run every row count", file=sys.stderr)
+        _agrees[dev] = ok
+    return _agrees[dev]
+
+
+def _decode_bits(dev: torch.device) -> bool:
+    from kernels import cuda
+    from kernels import fp4_moe as FM
+    from kernels import fp8_linear as F
+    if not cuda.available(dev.index):
+        return False
+    g = torch.Generator(device=dev).manual_seed(29)
+    w = (torch.randn(256, 1024, device=dev, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    s = torch.randint(112, 122, (8, 32), dtype=torch.uint8, device=dev, generator=g)
+    x = torch.randn(300, 1024, device=dev, generator=g) + 0.1
+    y = prompt_fp8_linear(x, w, s)
+    fp8_ok = all(torch.equal(F.fp8_linear(x[:n], w, s, cfg=F.CUDA), y[:n]) for n in (1, 65, 300))
+    e, h, i, k, n = 8, 256, 256, 3, 70
+    w13 = torch.randint(-128, 128, (e, 2 * i, h // 2), dtype=torch.int8, device=dev, generator=g)
+    s13 = torch.randint(118, 122, (e, 2 * i, h // 32), dtype=torch.uint8, device=dev, generator=g)
+    w2 = torch.randint(-128, 128, (e, h, i // 2), dtype=torch.int8, device=dev, generator=g)
+    s2 = torch.randint(118, 122, (e, h, i // 32), dtype=torch.uint8, device=dev, generator=g)
+    xm = torch.randn(n, h, device=dev, generator=g)
+    ids = torch.rand(n, e, device=dev, generator=g).topk(k, dim=1).indices.to(torch.int32)
+    wts = torch.rand(n, k, device=dev, generator=g) + 0.05
+    moe_ok = torch.equal(prompt_fp4_moe(xm, w13, s13, w2, s2, ids, wts, 10.0),
+                         FM.fp4_moe(xm, w13, s13, w2, s2, ids, wts, 10.0, cfg=FM.CUDA))
+    return fp8_ok and moe_ok

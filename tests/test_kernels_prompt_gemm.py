@@ -161,6 +161,8 @@ def test_fp8_v41_on_gpu(name, out_f, in_f):
     dec = F.fp8_linear(x[:300], wd, sd, cfg=F.CUDA)
     same = (dec == big[:300]).all(dim=1).float().mean().item()
     assert torch.equal(dec, big[:300]), f"{name}: {same:.1%} of the rows have the decode kernel's bits"
+    for n in (1, 17, 64, 65, 200):          # the decode kernel's row-tile counts and both of its K-chunk paths
+        assert torch.equal(F.fp8_linear(x[:n], wd, sd, cfg=F.CUDA), big[:n]), f"{name}: decode at {n} rows"
 
 
 @pytest.mark.gpu
@@ -195,11 +197,23 @@ def test_moe_v41_on_gpu():
     dec = FM.fp4_moe(xd[:300], *W, idd[:300], wd[:300], LIMIT, cfg=FM.CUDA)
     same = (dec == big[:300]).all(dim=1).float().mean().item()
     assert torch.equal(dec, big[:300]), f"{same:.1%} of the rows have the decode kernels' bits"
+    for n in (1, 9, 64, 65):
+        assert torch.equal(FM.fp4_moe(xd[:n], *W, idd[:n], wd[:n], LIMIT, cfg=FM.CUDA), big[:n]), f"decode at {n}"
 
 
 def test_the_cuda_op_set_has_the_prompt_kernels():
     from dsv41.model.ops import cuda_ops
     assert {"prompt_fp8_linear", "prompt_fp4_moe"} <= set(cuda_ops(True).kernels)
+
+
+@pytest.mark.gpu
+def test_the_device_gives_the_decode_kernels_bits():
+    """The check the op set makes before routing rows > PROMPT_ROWS here (False would keep the decode kernels)."""
+    from kernels import cuda
+    if not cuda.available():
+        pytest.skip("no CUDA C compiler: the decode kernels' bits not compared")
+    assert P._decode_bits(torch.device("cuda", torch.cuda.current_device()))
+    assert P.agrees_with_decode(torch.cuda.current_device())
 
 
 @pytest.mark.gpu

@@ -428,14 +428,17 @@ def _kernel_fp4_routed(k: Callable) -> Callable:
 
 def _prompt_fp8_linear(k: Callable, fp8: Callable, grouped: Callable) -> tuple[Callable, Callable]:
     """FP8 products of more than PROMPT_ROWS rows through kernels/prompt_gemm.py's tensor-core tiles, where the decode
-    kernel they replace is the CUDA C one (the prompt kernel runs its k order and K chunks: the same bits, so the row
-    count picking one or the other changes no row); else, and for decode rounds, `fp8` / `grouped`."""
+    kernel they replace is the CUDA C one and the device gives its bits (`agrees_with_decode`, checked once per
+    device: the prompt kernel runs the decode kernel's k order and K chunks, but whether wgmma sums as mma.sync is the
+    hardware's), so the row count picking one or the other changes no row; else `fp8` / `grouped`."""
     from kernels.fp8_linear import CUDA, config_for
-    from kernels.prompt_gemm import PROMPT_ROWS, fp8_config
+    from kernels.prompt_gemm import PROMPT_ROWS, agrees_with_decode, fp8_config
+    if torch.cuda.is_available():
+        agrees_with_decode(torch.cuda.current_device())     # checked at load, outside any graph capture
 
     def takes(x: torch.Tensor, w, rows: int) -> bool:
         return (x.shape[0] > PROMPT_ROWS and isinstance(w, Fp8Weight) and x.device.type == "cuda"
-                and config_for(rows, w.shape[1], x.device) is CUDA)
+                and config_for(rows, w.shape[1], x.device) is CUDA and agrees_with_decode(x.device))
 
     def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
         if takes(x, w, w.shape[0]):
@@ -452,16 +455,18 @@ def _prompt_fp8_linear(k: Callable, fp8: Callable, grouped: Callable) -> tuple[C
 
 def _prompt_fp4_routed(k: Callable | None, routed: Callable) -> Callable:
     """The routed experts of more than PROMPT_ROWS rows through kernels/prompt_gemm.py's grouped tensor-core GEMM,
-    where the decode kernels are the CUDA C ones (the same k order: the same bits); else `routed`."""
+    where the decode kernels are the CUDA C ones and the device gives their bits (`agrees_with_decode`); else
+    `routed`."""
     if k is None:
         return routed
     from kernels import fp4_moe
-    from kernels.prompt_gemm import PROMPT_ROWS
+    from kernels.prompt_gemm import PROMPT_ROWS, agrees_with_decode
     prompt = _kernel_fp4_routed(k)
 
     def fp4_routed(stack: ExpertStack, x, weights, ids, limit, shard):
         if (x.shape[0] > PROMPT_ROWS and x.device.type == "cuda"
-                and fp4_moe.config_for(x.device, x.shape[1], stack.w13.shape[1] // 2) is fp4_moe.CUDA):
+                and fp4_moe.config_for(x.device, x.shape[1], stack.w13.shape[1] // 2) is fp4_moe.CUDA
+                and agrees_with_decode(x.device)):
             return prompt(stack, x, weights, ids, limit, shard)
         return routed(stack, x, weights, ids, limit, shard)
     return fp4_routed
