@@ -102,7 +102,7 @@ def _prompt_fp8_case(P, c8, div):
 
 
 def _prompt_moe_cases(P, fp4_moe, work, div):
-    moe = {"BP": fp4_moe.BLOCK_M, "BN": P.MOE_DEFAULT.bn, "BK": P.MOE_BK, "SWAP": P.MOE_DEFAULT.swap,
+    moe = {"BP": P.MOE_DEFAULT.bm, "BN": P.MOE_DEFAULT.bn, "BK": P.MOE_BK, "SWAP": P.MOE_DEFAULT.swap,
            "INTERP": False}
     opt = {"num_warps": P.MOE_DEFAULT.warps, "num_stages": P.MOE_DEFAULT.stages}
     yield ("prompt experts gate/up", P._moe_up_kernel,

@@ -385,16 +385,17 @@ def _work_list_kernel(ids_ptr, n_pairs, n_exp, n_tiles, cursor_ptr, order_ptr, t
         tl.store(tile_cnt_ptr + t, cnt, mask=t_ok)
 
 
-def max_tiles(n_pairs: int, n_experts: int) -> int:
-    """Upper bound on the work list's tiles: Σ_e ceil(c_e / BLOCK_M) <= n_pairs // BLOCK_M + #experts touched."""
-    return n_pairs // BLOCK_M + min(n_experts, n_pairs)
+def max_tiles(n_pairs: int, n_experts: int, block_m: int = BLOCK_M) -> int:
+    """Upper bound on the work list's tiles: Σ_e ceil(c_e / block_m) <= n_pairs // block_m + #experts touched."""
+    return n_pairs // block_m + min(n_experts, n_pairs)
 
 
-def work_list(expert_ids: torch.Tensor, n_experts: int):
+def work_list(expert_ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
     """(tile_expert, tile_start, tile_count, order), all on the ids' device, built without host synchronisation.
     `order` lists the flat (row * k + slot) pair indices grouped by expert (ascending id, stable: row order within
     an expert; slots with id < 0 go last and belong to no tile); tile t covers order[tile_start[t] : + tile_count[t]]
-    of expert tile_expert[t]; tiles past the real work have count 0."""
+    of expert tile_expert[t] (up to block_m pairs; kernels/prompt_gemm.py takes larger tiles); tiles past the real
+    work have count 0."""
     flat = expert_ids.reshape(-1).to(torch.int64)
     n_pairs = flat.numel()
     key = torch.where(flat >= 0, flat, n_experts)
@@ -402,15 +403,15 @@ def work_list(expert_ids: torch.Tensor, n_experts: int):
     # scatter_add, not bincount: bincount reads the maximum back to the host
     counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=flat.device).scatter_add_(
         0, key, torch.ones_like(key))[:n_experts]
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tiles = (counts + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles, 0)
     pair_start = torch.cumsum(counts, 0) - counts
-    t = torch.arange(max_tiles(n_pairs, n_experts), device=flat.device)
+    t = torch.arange(max_tiles(n_pairs, n_experts, block_m), device=flat.device)
     e = torch.searchsorted(tile_end, t, right=True)
     live = e < n_experts
     e = e.clamp(max=n_experts - 1)
-    off = (t - (tile_end[e] - tiles[e])) * BLOCK_M
-    cnt = torch.where(live, (counts[e] - off).clamp(0, BLOCK_M), 0)
+    off = (t - (tile_end[e] - tiles[e])) * block_m
+    cnt = torch.where(live, (counts[e] - off).clamp(0, block_m), 0)
     return e.to(torch.int32), (pair_start[e] + off).to(torch.int32), cnt.to(torch.int32), order
 
 

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.fp4_moe import _unpack
 from kernels.fp8_linear import INTERPRET, bf16_operand, mma
 
 PROMPT_ROWS = 64   # rows above which the op set runs these kernels (at or below: the decode kernels)
@@ -45,8 +46,8 @@ PACK_ROWS, PACK_COLS = 16, 256
 
 @dataclass(frozen=True)
 class Config:
-    """A launch configuration: the output tile (bm rows x bn weight rows; the experts' bm is the work list's tile,
-    fp4_moe.BLOCK_M), warps, pipeline stages, group_m (row tiles that sweep the columns together, for the L2) and
+    """A launch configuration: the output tile (bm rows x bn weight rows; the experts' bm is their work list's
+    tile, pairs of one expert), warps, pipeline stages, group_m (row tiles that sweep the columns together, for the L2) and
     tot_mem (the FP8 linear's running sum of its K chunks kept in y, not in registers: frees a tile of registers
     for a wider bn). Any configuration gives the same bits: every output element is its own MMA chain."""
     bm: int = 128
@@ -65,12 +66,12 @@ MOE_DEFAULT = Config(bm=64, bn=128, warps=8, stages=3, swap=True)
 FP8_CONFIGS: dict[tuple[int, int], Config] = {}
 
 
-# the candidates bench/prompt_gemm_bench.py --sweep times (the 16-warp ones spill 56-188 bytes for sm_90)
-FP8_SWEEP = [FP8_DEFAULT, Config(), Config(tot_mem=True), Config(bn=256, warps=16, stages=3, tot_mem=True),
-             Config(bm=256, bn=128, warps=16, stages=3, tot_mem=True),
-             Config(swap=True, tot_mem=True), Config(bm=256, bn=128, swap=True, tot_mem=True)]
-MOE_SWEEP = [MOE_DEFAULT, Config(bm=64, bn=128, warps=8, stages=3), Config(bm=64, bn=64, warps=4, stages=4),
-             Config(bm=64, bn=64, warps=4, stages=4, swap=True), Config(bm=64, bn=256, warps=16, stages=3)]
+# the candidates bench/prompt_gemm_bench.py --sweep times (a few spill 64-80 bytes for sm_90)
+FP8_SWEEP = [FP8_DEFAULT, Config(), Config(swap=True, tot_mem=True), Config(bm=64, bn=128, warps=4, swap=True),
+             Config(bm=64, bn=128, warps=8, swap=True), Config(bm=256, bn=128, swap=True, tot_mem=True),
+             Config(bn=256, warps=16, stages=3, tot_mem=True)]
+MOE_SWEEP = [MOE_DEFAULT, Config(bm=64, bn=128, warps=8, stages=3), Config(bm=128, bn=64, warps=8, stages=3, swap=True),
+             Config(bm=128, bn=128, warps=8, stages=3, swap=True), Config(bm=64, bn=64, warps=4, stages=4, swap=True)]
 
 
 def fp8_config(out_f: int, in_f: int) -> Config:
@@ -262,27 +263,18 @@ def prompt_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | No
 # ---- FP4 routed experts ----------------------------------------------------------------------------------------
 
 @triton.jit
-def _e2m1(c):
-    """E2M1 codes (int32 0..15: bit 3 sign, then e1 e0 m) -> float32 values."""
-    mag = c & 7
-    e = mag >> 1
-    frac = (mag & 1).to(tl.float32) * 0.5
-    v = tl.where(e == 0, frac, (1.0 + frac) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
-    return tl.where((c & 8) != 0, -v, v)
-
-
-@triton.jit
 def _e2m1_tile(w_base, s_base, w_off, s_off, b0, BN: tl.constexpr, BK: tl.constexpr, INTERP: tl.constexpr):
     """A [BN, BK = 128] weight step (packed bytes b0 .. b0 + 63 of each row) in the dot's k order, as bf16 operands.
     w_off / s_off [BN, 1]: the rows' int32 offsets from w_base / s_base (the expert's). Byte 16t + 4j + 2b + h
     holds the codes decode.cu's MMA pair of word j puts in slot 8h + 2t + b (low nibble: MMA 2j, high: 2j + 1):
     the bytes are put in the FP8 step's order (_fp8_order), then the nibbles interleaved per 16."""
     c = tl.arange(0, BK // 2)
-    q = tl.load(w_base + w_off + b0 + c[None, :]).to(tl.int32) & 0xFF                   # [BN, 64], physical order
+    q = tl.load(w_base + w_off + b0 + c[None, :])                                       # [BN, 64], physical order
     code = tl.load(s_base + s_off + b0 // 16 + (c // 16)[None, :])                      # byte 16t.. : group t
-    f = (code.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    lo = _fp8_order(bf16_operand(_e2m1(q & 0xF) * f, INTERP), BN)
-    hi = _fp8_order(bf16_operand(_e2m1(q >> 4) * f, INTERP), BN)
+    # fp4_moe's unpacking: prmt byte-table lookups, four codes an instruction, times 2^(code-127) in bf16 (exact)
+    lo, hi = _unpack(q, code, BK // 2, True, INTERP)
+    lo = _fp8_order(lo, BN)
+    hi = _fp8_order(hi, BN)
     w = tl.reshape(tl.join(lo, hi), (BN, BK // 32, 16, 2))                             # [n, j, slot, s]
     return tl.reshape(tl.permute(w, (0, 1, 3, 2)), (BN, BK))                            # slice 2j + s
 
@@ -408,14 +400,14 @@ def prompt_fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: to
     ids = expert_ids.to(torch.int32).contiguous()
     # the torch form of the work list (a stable sort and a few scans, no host sync): the same four tensors as the
     # one-program kernel, which takes milliseconds at a prompt chunk's 10^4 pairs (bench/results/round-profile.md)
-    tile_e, tile_start, tile_cnt, order = FM.work_list(ids, n_exp)
+    tile_e, tile_start, tile_cnt, order = FM.work_list(ids, n_exp, cfg.bm)
     rw = weights.to(torch.float32).contiguous()
     n_pairs = n * top_k
     xp = pack_rows(x.contiguous(), MOE_BK)
     h = torch.empty((n_pairs, inter), dtype=_operand_dtype(), device=x.device)
     y = torch.empty((n_pairs, hidden), dtype=torch.float32, device=x.device)
     tiles = tile_cnt.numel()
-    common = {"BP": FM.BLOCK_M, "BN": cfg.bn, "BK": MOE_BK, "SWAP": cfg.swap, "INTERP": INTERPRET, "num_warps": cfg.warps,
+    common = {"BP": cfg.bm, "BN": cfg.bn, "BK": MOE_BK, "SWAP": cfg.swap, "INTERP": INTERPRET, "num_warps": cfg.warps,
               "num_stages": cfg.stages}
     _moe_up_kernel[(tiles, inter // cfg.bn)](xp, w13, s13, tile_e, tile_start, tile_cnt, order, rw, h, hidden, inter,
                                              top_k, float(limit), **common)

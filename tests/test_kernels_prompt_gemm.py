@@ -118,7 +118,8 @@ def test_moe_configurations_give_the_same_bits(small):
     ids, wts = _routing(70, E, K, seed=17, skew=True)
     xd, idd, wd = x.to(DEV), ids.to(DEV), wts.to(DEV)
     want = P.prompt_fp4_moe(xd, *W, idd, wd, LIMIT)
-    for cfg in (P.Config(bm=64, bn=64, warps=4), P.Config(bm=64, bn=128, swap=not P.MOE_DEFAULT.swap)):
+    for cfg in (P.Config(bm=64, bn=64, warps=4), P.Config(bm=64, bn=128, swap=not P.MOE_DEFAULT.swap),
+                P.Config(bm=128, bn=64, swap=True)):
         assert torch.equal(P.prompt_fp4_moe(xd, *W, idd, wd, LIMIT, cfg=cfg), want), cfg
 
 
