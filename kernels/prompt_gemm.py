@@ -186,7 +186,7 @@ def _fp8_kernel(xp_ptr, w_ptr, s_ptr, y_ptr, M, N, K, LDX, kchunk, S, XG,
     x_row = xp_ptr + offs_m[:, None].to(tl.int64) * LDX + xoff + i[None, :]
     w_off = offs_n[:, None] * K + i[None, :]                    # int32 offsets: fewer registers than pointers
     s_row = s_ptr + (offs_n // 32) * (K // 32)                  # [BN]: a step's two scale groups, k0/32 and + 1
-    second = (i >= 32)[None, :]
+    second = (_fp8_phys(i) >= 32)[None, :]                      # dot position i holds a k of the second group
     if SWAP:      # the weight is the MMA's A operand (it may stay in registers), the rows its N side: acc is yᵀ
         y_at = y_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
         y_ok = m_ok[None, :] & n_ok[:, None]
@@ -208,7 +208,7 @@ def _fp8_kernel(xp_ptr, w_ptr, s_ptr, y_ptr, M, N, K, LDX, kchunk, S, XG,
             c0 = tl.load(s_row + k0 // 32, mask=n_ok, other=127).to(tl.int32)
             c1 = tl.load(s_row + k0 // 32 + 1, mask=n_ok, other=127).to(tl.int32)
             f = (tl.where(second, c1[:, None], c0[:, None]) << 23).to(tl.float32, bitcast=True)
-            wb = _fp8_order(bf16_operand(wq.to(tl.float32) * f, INTERP), BN)
+            wb = bf16_operand(_fp8_order(wq, BN).to(tl.float32) * f, INTERP)   # bytes permuted, then dequantised
             if SWAP:
                 acc = mma(wb, tl.trans(a), acc, INTERP)
             else:
