@@ -47,6 +47,11 @@ def test_emulated_graphs_give_the_eager_bits(model, lens, rows):
     assert G.stats["replays"] == 4 * per_round and G.stats["eager"] == 0
     assert G.stats["captures"] == per_round             # one bucket: captured in the first round only
     assert not G.failed
+    # the history's gathered keys (attn_out_ffn's 2nd argument) go through one input buffer for all layers with
+    # the same key count (window-only layers have fewer)
+    keys = {(e.inputs[1].data_ptr(), tuple(e.inputs[1].shape)) for (k, _), e in G.entries.items()
+            if k[0] == "attn_out_ffn"}
+    assert len({p for p, _ in keys}) == len({s for _, s in keys}) < len(model.blocks)
 
 
 def test_emulated_graphs_split_pieces_for_tensor_parallel(model):
