@@ -281,6 +281,38 @@ def test_routed_experts_one_launch_against_the_reference_loop(n):
         assert torch.equal(CUDA.routed(stack, x[-1:], weights[-1:], ids[-1:], 10.0, shard), got[-1:])
 
 
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 9, 64])
+def test_routed_shards_in_one_pass_equal_a_pass_per_shard(n):
+    """Two (three) TP shards' routed sums from one grouped pass (one work list, gate/up, down; each shard's own slot
+    sum) are bitwise the passes shard by shard with the other shards' slots masked (what 2 ranks compute), and a
+    slot of an expert in no shard adds nothing; the reference and the fallbacks have no such pass."""
+    H, inter, E, top_k = 128, 128, 8, 3
+    g = _g(80 + n)
+
+    def fp4(rows, cols):
+        p = torch.randint(-128, 128, (rows, cols // 2), generator=g, dtype=torch.int8).to(DEVICE)
+        s = torch.randint(118, 122, (rows, cols // 32), generator=g, dtype=torch.uint8).to(DEVICE)
+        return dev.Fp4Weight(p, s.view(torch.float8_e8m0fnu))
+
+    experts = {e: Expert(fp4(inter, H), fp4(H, inter), fp4(inter, H)) for e in range(E)}
+    x = _x(n, H, 90 + n) * 0.3
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(n)]).to(DEVICE)
+    weights = (torch.rand(n, top_k, generator=g) + 0.1).to(DEVICE)
+    for ranges in ([range(0, 4), range(4, 8)], [range(0, 3), range(3, 5), range(6, 8)]):   # expert 5: in none
+        stack = dev.stack_experts(experts, E)
+        assert REF.routed_shards(stack, x, weights, ids, 10.0, len(ranges)) is None     # no shard table yet
+        dev.shard_stack(stack, ranges)
+        assert REF.routed_shards(stack, x, weights, ids, 10.0, len(ranges)) is None
+        assert FALLBACKS.routed_shards(stack, x, weights, ids, 10.0, len(ranges)) is None
+        got = CUDA.routed_shards(stack, x, weights, ids, 10.0, len(ranges))
+        assert got.shape == (len(ranges), n, H)
+        for i, rng in enumerate(ranges):
+            want = CUDA.routed(stack, x, weights, ids, 10.0, rng)
+            assert torch.equal(got[i], want), f"shard {i} of {len(ranges)}"
+        assert got.abs().amax() > 0
+
+
 @pytest.mark.parametrize("ops", [FALLBACKS, pytest.param(CUDA, marks=[needs_kernels, pytest.mark.slow])],
                          ids=["fallbacks", "kernels"])
 def test_the_model_on_two_op_sets(ckpt, ops):

@@ -207,6 +207,8 @@ def _shard_block(attn: Attention, moe: MoE, shards: int, n_experts: int, plan: S
     moe.shards = shards
     moe.shard_ranges = [part_range(n_experts, rank * shards + i, plan.parts) for i in range(shards)]
     moe.shared_shards = shared_shards
+    if moe.stack is not None:       # one grouped pass for all the shards (Ops.routed_shards)
+        dev.shard_stack(moe.stack, moe.shard_ranges)
 
 
 class Model:

@@ -9,7 +9,8 @@ Exactness: each expert runs on its rows through the fixed-tile `linear`; a row's
 order, so the sum does not depend on which other rows picked the same experts. Tensor parallelism: with `shards` >
 1 (weights.TP_SHARDS) the output is Σ over shards, in order, of (that shard's experts' slots + its part of the
 shared expert), each computed as the rank holding that shard alone computes it, so one rank and two give the same
-bits.
+bits. The grouped kernel computes every shard's slots in one pass (`ops.routed_shards`: a pair's output does not
+depend on the other pairs of the launch) and sums each shard's apart.
 
 The products and the routing weights go through the op set (`MoE.ops`, dsv41/model/ops.py); `ops.routed` runs a
 layer's stacked experts in one grouped kernel launch where the op set has one (the CUDA path), else the per-expert
@@ -90,9 +91,12 @@ class MoE:
         if self.shards == 1:
             y = self._routed(x, weights, ids)
             return y if self.shared is None else y + swiglu(x, self.shared, self.limit, ops=self.ops)
+        # every shard's routed sum from one grouped pass where the op set has one, else a pass per shard
+        routed = None if self.stack is None else self.ops.routed_shards(self.stack, x, weights, ids, self.limit,
+                                                                        self.shards)
         y = None
-        for rng, shared in zip(self.shard_ranges, self.shared_shards):
-            part = self._routed(x, weights, ids, rng)
+        for i, (rng, shared) in enumerate(zip(self.shard_ranges, self.shared_shards)):
+            part = self._routed(x, weights, ids, rng) if routed is None else routed[i]
             if shared is not None:     # None: a shared expert not cut is part 0's (weights.SplitPlan)
                 part = part + swiglu(x, shared, self.limit, ops=self.ops)
             y = part if y is None else y + part
