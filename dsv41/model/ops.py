@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.model import linear as L
-from dsv41.model.device import CUDA_ROW_TILE, ExpertStack, Fp4Weight, Fp8Weight, address_table
+from dsv41.model.device import CUDA_ROW_TILE, ExpertStack, Fp4Weight, Fp8Weight, FusedWeight, address_table, fuse_rows
 from dsv41.model.exl3_load import Exl3Packed
 from kernels.numerics import inv_count, tree_row_sum
 
@@ -60,10 +60,15 @@ class Ops:
     sparse_attend: Callable        # (ops, q [n, h, D], pool [P, D], idx [n, K] (-1 masked), sink [h], scale)
     #                                -> [n, h, D]
     fp4_routed: Callable | None = None    # (ExpertStack, x, weights, ids, limit, shard) -> [n, H]; None: per expert
+    fp4_routed_shards: Callable | None = None   # (ExpertStack with .shard, x, weights, ids, limit) -> [S, n, H]:
+    #                                             each TP shard's slot sum from one grouped pass; None: shard by shard
     exl3_routed: Callable | None = None   # (Exl3ExpertStack, x, weights, ids, limit, grouped) -> [n, H]; None: per
     #                                       expert
     exl3_grouped: Callable | None = None  # (x [G, M, in], Exl3Weight stack, ids [G], rows [G]) -> [G, M, out]: the
     #                                       grouped EXL3 kernel exl3_routed runs (CUDA C or Triton)
+    fuse_linears: Callable | None = None   # (weights that take one input) -> device.FusedWeight | None: their rows
+    #                                        concatenated for one launch; None: products one by one (the reference)
+    fused_linear: Callable | None = None   # (x, FusedWeight) -> [each weight's float32 [n, out_i]]
     stacks_experts: bool = False   # Model.load stacks each layer's kept experts (the grouped kernels' layout)
     graphs: bool = True            # a round's row-only pieces may become CUDA graphs (no host sync inside them)
     kernels: tuple[str, ...] = ()  # the kernels/ functions this op set runs (reports; empty: torch only)
@@ -80,6 +85,16 @@ class Ops:
             return self.exl3_linear(x, w)
         raise TypeError(f"no linear for a weight of type {type(w).__name__}")
 
+    def fuse(self, weights: list) -> FusedWeight | None:
+        """Weights that take the same input, as one FusedWeight (their rows concatenated: a load-time copy; the
+        caller then holds its `part` views) where this op set computes them in one launch with each product's
+        bits as its own launch has them; else None (the products run one by one)."""
+        return None if self.fuse_linears is None else self.fuse_linears(weights)
+
+    def linear_parts(self, x: torch.Tensor, w: FusedWeight) -> list[torch.Tensor]:
+        """x times each weight of a FusedWeight, in one launch: [n, out_i] each, bitwise `linear(x, part i)`."""
+        return self.fused_linear(x, w)
+
     def grouped(self, x: torch.Tensor, w, groups: int) -> torch.Tensor:
         """The block-diagonal product of a grouped projection (wo_a): group g's weight rows times x's group g
         columns, concatenated -> [n, groups * rows]."""
@@ -95,6 +110,16 @@ class Ops:
             return None if f is None else f(stack, x, weights, ids, limit, shard)
         f = self.exl3_routed
         return None if f is None or shard is not None else f(stack, x, weights, ids, limit, self.exl3_grouped)
+
+    def routed_shards(self, stack, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float,
+                      shards: int) -> torch.Tensor | None:
+        """Each of `shards` TP shards' `routed` sum ([shards, n, H]; shard s = stack.shard's s) from ONE grouped pass
+        over all the pairs, the same bits as `routed` shard by shard; None where this op set has no such pass for
+        the stack (an EXL3 stack, no shard table, no kernel: MoE runs the shards one by one)."""
+        f = self.fp4_routed_shards
+        if f is None or not isinstance(stack, ExpertStack) or stack.shard is None:
+            return None
+        return f(stack, x, weights, ids, limit, shards)
 
     def attend(self, q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -184,9 +209,11 @@ def _cuda_ops(kernels: bool) -> Ops:
         index_scores = _kernel_index_scores(k["index_scores"], index_scores)
     fp8 = _dequant_linear(dense)
     grouped = _grouped_linear
+    fuse = fused = None
     if "fp8_linear" in k:
         fp8 = _kernel_fp8_linear(k["fp8_linear"])
         grouped = _kernel_grouped_linear(k["fp8_linear_grouped"], fp8)
+        fuse, fused = _kernel_fuse(k["multi_config"]), _kernel_fused_linear(k["fp8_linear_multi"])
     kdense = _kernel_dense_linear(k["bf16_linear"], dense) if "bf16_linear" in k else dense
     return Ops(
         name="cuda" if kernels else "cuda-fallbacks", row_tile=rows, dense_linear=kdense, fp8_linear=fp8,
@@ -203,6 +230,8 @@ def _cuda_ops(kernels: bool) -> Ops:
         gather_round=_kernel_gather_round(k["gather_rows"]) if "gather_rows" in k else gather_round,
         sparse_attend=_kernel_attend(k["sparse_attn"]) if "sparse_attn" in k else attend_tiled,
         fp4_routed=_kernel_fp4_routed(k["fp4_moe"]) if "fp4_moe" in k else None,
+        fp4_routed_shards=_kernel_fp4_routed_shards(k["fp4_moe"]) if "fp4_moe" in k else None,
+        fuse_linears=fuse, fused_linear=fused,
         stacks_experts=True,
         # the fallbacks' per-expert MoE waits for the device (ids.unique): those rounds run eagerly
         graphs="fp4_moe" in k,
@@ -212,7 +241,8 @@ def _cuda_ops(kernels: bool) -> Ops:
 def _load_kernels() -> dict:
     """The kernels of kernels/ that import (Triton present); an absent one leaves its op to the torch fallback."""
     found = {}
-    for module, names in (("kernels.fp8_linear", ("fp8_linear", "bf16_linear", "fp8_linear_grouped")),
+    for module, names in (("kernels.fp8_linear", ("fp8_linear", "bf16_linear", "fp8_linear_grouped",
+                                                  "fp8_linear_multi", "multi_config")),
                           ("kernels.fp4_moe", ("fp4_moe",)),
                           ("kernels.indexer", ("index_scores", "index_scores_table")),
                           ("kernels.round_gather", ("gather_rows",)),
@@ -274,6 +304,27 @@ def _kernel_fp8_linear(k: Callable) -> Callable:
     def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
         return k(x.contiguous(), w.q, w.scale).float()
     return fp8_linear
+
+
+def _kernel_fuse(multi_config: Callable) -> Callable:
+    """FP8 weights (or bf16 ones) that take one input, concatenated for one launch of kernels/fp8_linear.py's
+    kernel where it takes them with each part's own split and tiles (kernels.fp8_linear.multi_config), else None."""
+    def fuse(weights: list) -> FusedWeight | None:
+        w = fuse_rows(weights)
+        if w is None:
+            return None
+        fp8 = isinstance(w, Fp8Weight)
+        outs = tuple(int(p.shape[0]) for p in weights)
+        cfg = multi_config(outs, int(w.shape[1]), w.device, fp8)
+        return None if cfg is None else FusedWeight(w, outs, cfg)
+    return fuse
+
+
+def _kernel_fused_linear(k: Callable) -> Callable:
+    def fused_linear(x: torch.Tensor, w: FusedWeight) -> list[torch.Tensor]:
+        q, s = (w.w.q, w.w.scale) if isinstance(w.w, Fp8Weight) else (w.w, None)
+        return k(x.contiguous(), q, s, w.outs, w.cfg)
+    return fused_linear
 
 
 def _exl3_reference_linear(rows: int) -> Callable:
@@ -420,3 +471,12 @@ def _kernel_fp4_routed(k: Callable) -> Callable:
             local = torch.where((ids >= shard.start) & (ids < shard.stop), local, -1)
         return k(x.contiguous(), stack.w13, stack.s13, stack.w2, stack.s2, local, weights, limit)
     return routed
+
+
+def _kernel_fp4_routed_shards(k: Callable) -> Callable:
+    """kernels/fp4_moe.py's grouped launch over every pair of the rank's shards once, then each shard's slot sum
+    (stack.shard): one work list, one gate/up and one down launch where a pass per shard took one each."""
+    def routed_shards(stack: ExpertStack, x, weights, ids, limit, shards):
+        return k(x.contiguous(), stack.w13, stack.s13, stack.w2, stack.s2, stack.local[ids], weights, limit,
+                 shard_of=stack.shard, shards=shards)
+    return routed_shards
