@@ -33,8 +33,9 @@ import torch
 log = logging.getLogger("dsv41.graphs")
 
 # Row counts a piece is captured for; a round of n rows replays the smallest bucket >= n. Larger rounds (prompt
-# chunks) run eagerly: they are not host-bound.
-ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+# chunks) run eagerly: they are not host-bound. The buckets above 64 are drafted verify rounds of many streams
+# (32 streams x 2..6 rows) and their DSpark passes (32 x 5 block rows); each bucket is captured when first used.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192)
 
 
 def row_bucket(n: int) -> int | None:
