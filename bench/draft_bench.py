@@ -21,6 +21,8 @@ rows equal serial one-row decoding bit for bit (torch.equal) and that the rolled
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import os
 import platform
 import sys
@@ -33,6 +35,8 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from dsv41.model.model import Model, SeqInput
+from dsv41.sched.drafting import DraftPolicy, RoundCosts
+from dsv41.serve_config import ServeConfig
 
 RATES = (0.3, 0.5, 0.7)
 
@@ -53,6 +57,23 @@ def fill(model, n_streams: int, context: int, chunk: int = 256) -> list:
             model.forward([SeqInput(st, ids[a:a + chunk], logits="none")])
         states.append(st)
     return states
+
+
+def policy_rate(B: int, r: float, round_s, draft_s: float, max_draft: int, round_rows: int) -> tuple[float, float]:
+    """(mean draft length, tokens/s per stream) of what DraftPolicy picks for B streams at acceptance r: round_s(n)
+    the round of B x (1 + n) rows; a calibrated head (confidence logit(r) at every position, expected ==
+    accepted), its acceptance history r, the pass costing draft_s."""
+    costs = RoundCosts([B * (1 + n) for n in range(max_draft + 1)], [round_s(n) for n in range(max_draft + 1)])
+    pol = DraftPolicy(costs, round_rows)
+    pol.record_pass(draft_s, B)
+    pol.verified, pol.accepted = 100_000, round(r * 100_000)
+    pol.expected = pol.accepted
+    if not pol.proposing(1, streams=B, base_rows=B, block=max_draft):
+        return 0.0, 1.0 / round_s(0)
+    c = math.log(r / (1 - r))
+    lens = pol.lengths(B, B, {s: ([c] * max_draft, max_draft) for s in range(B)})
+    tokens = sum(sum(r ** i for i in range(n + 1)) for n in lens.values())
+    return sum(lens.values()) / B, tokens / B / (costs(B + sum(lens.values())) + draft_s)
 
 
 def ratios(model) -> dict[int, int]:
@@ -157,6 +178,8 @@ def main(argv=None) -> int:
                     help="also project the tokens/s table to a model of this many backbone layers ((round time - "
                          "ring fill) x L / n_layers + ring fill, the draft pass as measured or estimated: e.g. 40 "
                          "for the release)")
+    ap.add_argument("--round-rows", type=int, default=ServeConfig().round_rows,
+                    help="the policy's row budget per round (the server's --round-rows)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     if a.model:
@@ -212,8 +235,10 @@ def main(argv=None) -> int:
 
     def table(title: str, scale: float) -> None:
         nonlocal lines
-        lines += ["", title, "", "| B | serial tok/s | " + " | ".join(f"a={r}: n, tok/s, x" for r in RATES) + " |",
-                  "|---|---|" + "---|" * len(RATES)]
+        lines += ["", title, "", "| B | serial tok/s | " + " | ".join(f"a={r}: n, tok/s, x" for r in RATES)
+                  + " | " + " | ".join(f"a={r} policy: n, tok/s, x" for r in RATES) + " |",
+                  "|---|---|" + "---|" * (2 * len(RATES))]
+
         def round_s(B, n):           # the layers scale, the ring fill does not
             return (T[B, n] - F[B, n]) * scale + F[B, n]
         for B in streams:
@@ -225,8 +250,15 @@ def main(argv=None) -> int:
                 best = max(range(1, a.max_draft + 1), key=rate)
                 cells.append(f"{best}, {rate(best):.3g}, {rate(best) / serial:.2f}x"
                              + (" (est.)" if D[B][1] else ""))
+            for r in RATES:
+                n, tps = policy_rate(B, r, functools.partial(round_s, B), D[B][0], a.max_draft, a.round_rows)
+                cells.append(f"{n:.2g}, {tps:.3g}, {tps / serial:.2f}x" + (" (est.)" if D[B][1] else ""))
             lines.append(f"| {B} | {serial:.3g} | " + " | ".join(cells) + " |")
 
+    lines += ["", "Best n: the draft length (1..max) with the most tokens/s at that acceptance, an oracle's pick. Policy: "
+              "what the server's DraftPolicy picks (dsv41/sched/drafting.py) from these round costs and the pass time "
+              f"with a calibrated head at that acceptance (--round-rows {a.round_rows}): whether to propose at all "
+              "(n 0: serial) and each stream's length (n: the mean), and the tokens/s that gives."]
     table("## Tokens per second per stream (best draft length n for each rate)", 1.0)
     if a.project_layers:
         K = len(model.layout.layers)

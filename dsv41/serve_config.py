@@ -53,7 +53,7 @@ class ServeConfig(msgspec.Struct, kw_only=True):
     engram_cache_mib: int = 256          # host memory for hot Engram rows (0 = no cache, no read-ahead)
     prompt_cache_gib: float = 2.0        # bytes for kept prompt states (dsv41/sched/kept.py); 0 = none kept
     drafts: bool = True                  # speculative decoding with the DSpark head (docs/drafts.md)
-    round_rows: int = 64                 # rows a round may reach by adding draft tokens
+    round_rows: int = 192                # rows a round may reach by adding draft tokens (graphs.ROW_BUCKETS)
     draft_tokens: int = 0                # draft tokens each sequence verifies; 0 = picked per round (confidence, costs)
     # request defaults
     max_tokens: int = 32768

@@ -20,14 +20,15 @@ def _cases():
     from kernels import fp4_moe, fp8_linear, sparse_attn
     div = [["tt.divisibility", 16]]
     sig8 = {"x_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32", "part_ptr": "*fp32",
-            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "kb_chunk": "i32",
-            "S": "i32", "BM_": "constexpr", "MT_": "constexpr", "BN": "constexpr", "BK": "constexpr",
+            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "KB": "i32",
+            "E0": "i32", "E1": "i32", "E2": "i32", "S0": "i32", "S1": "i32", "S2": "i32", "S3": "i32", "BM_": "constexpr", "MT_": "constexpr", "BN": "constexpr", "BK": "constexpr",
             "SWAP": "constexpr", "W_FP8": "constexpr", "SPLIT_PROGRAMS": "constexpr", "EVEN_K": "constexpr",
-            "INTERP": "constexpr", "POST": "constexpr", "SH0": "constexpr", "SH1": "constexpr"}
+            "INTERP": "constexpr", "POST": "constexpr", "SH0": "constexpr", "SH1": "constexpr",
+            "MULTI": "constexpr"}
     cfgs = sorted(set(fp8_linear.CONFIGS.values()) | {fp8_linear.DEFAULT}, key=repr)
     for cfg in cfgs:
         base = {"BM_": fp8_linear.BM, "MT_": cfg.mt, "BN": cfg.bn, "BK": cfg.bk, "SWAP": cfg.swap,
-                "W_FP8": True, "EVEN_K": True, "INTERP": False, "POST": cfg.post,
+                "W_FP8": True, "EVEN_K": True, "INTERP": False, "POST": cfg.post, "MULTI": False,
                 "SH0": cfg.bn if cfg.swap else fp8_linear.BM, "SH1": fp8_linear.BM if cfg.swap else cfg.bn}
         opt8 = {"num_warps": cfg.warps, "num_stages": cfg.stages}
         attrs8 = {(i,): div for i in (0, 1, 2, 3, 4, 5, 7, 8)}
@@ -39,9 +40,11 @@ def _cases():
                {**base, "SPLIT_PROGRAMS": True}, attrs8, opt8)
         yield (f"bf16_linear {cfg}", fp8_linear._linear_kernel, {**sig8, "w_ptr": "*bf16", "s_ptr": "*bf16"},
                {**base, "W_FP8": False, "POST": False, "SPLIT_PROGRAMS": True}, attrs8, opt8)
+        yield (f"fp8_linear {cfg} parts", fp8_linear._linear_kernel, sig8,   # several weights in one launch
+               {**base, "SPLIT_PROGRAMS": True, "MULTI": True}, attrs8, opt8)
     yield ("fp8_linear K tail (small test shapes)", fp8_linear._linear_kernel, sig8,
            {"BM_": fp8_linear.BM, "MT_": 4, "BN": 128, "BK": 64, "SWAP": True, "W_FP8": True,
-            "EVEN_K": False, "SPLIT_PROGRAMS": True, "INTERP": False, "POST": False, "SH0": 128,
+            "EVEN_K": False, "SPLIT_PROGRAMS": True, "INTERP": False, "POST": False, "MULTI": False, "SH0": 128,
             "SH1": fp8_linear.BM}, {}, {"num_warps": 4, "num_stages": 4})
     cfg4 = fp4_moe.DEFAULT
     opt4 = {"num_warps": cfg4.warps, "num_stages": cfg4.stages}
@@ -60,8 +63,9 @@ def _cases():
             "INTERP": "constexpr", "POST": "constexpr"},
            {**c4, "BN": cfg4.bn_down}, {(i,): div for i in range(10)}, opt4)
     yield ("fp4_moe slot sum", fp4_moe._slot_sum_kernel,
-           {"y_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*fp32", "N": "i32", "H": "i32", "TOPK": "i32",
-            "BR": "constexpr", "BH": "constexpr"}, {"BR": fp4_moe.SUM_ROWS, "BH": fp4_moe.SUM_COLS}, {}, {})
+           {"y_ptr": "*fp32", "ids_ptr": "*i32", "shard_ptr": "*i32", "out_ptr": "*fp32", "N": "i32", "H": "i32",
+            "TOPK": "i32", "BR": "constexpr", "BH": "constexpr", "SHARDED": "constexpr"},
+           {"BR": fp4_moe.SUM_ROWS, "BH": fp4_moe.SUM_COLS, "SHARDED": True}, {}, {})
     yield from _prompt_cases(work, div)
     for t, precise in (("fp32", True), ("fp32", False), ("bf16", False)):
         yield (f"sparse_attn {t}{' precise' if precise else ''}", sparse_attn._sparse_attn_kernel,

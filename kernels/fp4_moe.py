@@ -318,8 +318,11 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_p
 
 
 @triton.jit
-def _slot_sum_kernel(y_ptr, ids_ptr, out_ptr, N, H, TOPK, BR: tl.constexpr, BH: tl.constexpr):
-    """out[r] = 0 + y[r, 0] + y[r, 1] + … over the slots whose expert is on this rank (id >= 0), in slot order."""
+def _slot_sum_kernel(y_ptr, ids_ptr, shard_ptr, out_ptr, N, H, TOPK, BR: tl.constexpr, BH: tl.constexpr,
+                     SHARDED: tl.constexpr):
+    """out[r] = 0 + y[r, 0] + y[r, 1] + … over the slots whose expert is on this rank (id >= 0), in slot order.
+    SHARDED: out[s, r] (s = program axis 2) the same sum over the slots whose expert is in TP shard s
+    (shard_ptr[id] == s): the other shards' slots add exact zeros, as in a pass with them masked to -1."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     c = tl.program_id(1) * BH + tl.arange(0, BH)
     r_ok = r < N
@@ -327,8 +330,13 @@ def _slot_sum_kernel(y_ptr, ids_ptr, out_ptr, N, H, TOPK, BR: tl.constexpr, BH: 
     r = r.to(tl.int64)
     acc = tl.zeros((BR, BH), tl.float32)
     for j in range(TOPK):
-        here = tl.load(ids_ptr + r * TOPK + j, mask=r_ok, other=-1) >= 0
+        e = tl.load(ids_ptr + r * TOPK + j, mask=r_ok, other=-1)
+        here = e >= 0
+        if SHARDED:
+            here = here & (tl.load(shard_ptr + tl.maximum(e, 0), mask=here, other=-1) == tl.program_id(2))
         acc = acc + tl.load(y_ptr + (r * TOPK + j)[:, None] * H + c[None, :], mask=ok & here[:, None], other=0.0)
+    if SHARDED:
+        out_ptr += tl.program_id(2).to(tl.int64) * N * H
     tl.store(out_ptr + r[:, None] * H + c[None, :], acc, mask=ok)
 
 
@@ -496,11 +504,17 @@ def _check(x, w13, s13, w2, s2, expert_ids, weights, cfg: Config):
 
 
 def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-            expert_ids: torch.Tensor, weights: torch.Tensor, limit: float, cfg: Config | None = None) -> torch.Tensor:
+            expert_ids: torch.Tensor, weights: torch.Tensor, limit: float, cfg: Config | None = None,
+            shard_of: torch.Tensor | None = None, shards: int = 1) -> torch.Tensor:
     """Σ over slots (in slot order) of w2(weight · silu(min(w1x, limit)) · clamp(w3x, ±limit)) for each row's
     experts -> float32 [n, H]; equals the routed part of `MoE.__call__` with `dequant_fp4` weights and x, h
     rounded to bf16, up to the fp32 summation order. Slots with expert id < 0 (another rank's) contribute nothing.
-    Layouts: docs/kernels.md. cfg: a configuration other than DEFAULT (the bench's sweep)."""
+    Layouts: docs/kernels.md. cfg: a configuration other than DEFAULT (the bench's sweep).
+
+    shard_of (int32 [E]: each stacked expert's tensor-parallel shard, 0..shards-1): one pass over every pair, then
+    each shard's own slot sum -> float32 [shards, n, H]; out[s] has the bits of a call with the slots of the other
+    shards' experts set to -1 (a pair's output does not depend on the other pairs of the launch, and the slot sum
+    adds the same terms in the same order)."""
     cfg = cfg or config_for(x.device, x.shape[1], w13.shape[1] // 2)
     if cfg.post and cfg.bkb != 16:
         raise ValueError(f"fp4_moe: a post-scaled configuration steps 16 bytes, not {cfg.bkb}")
@@ -510,7 +524,11 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
     n_exp, two_i, _ = w13.shape
     inter = two_i // 2
     top_k = expert_ids.shape[1]
-    out = torch.empty((n, hidden), dtype=torch.float32, device=x.device)
+    if shard_of is not None and (shard_of.shape != (n_exp,) or shard_of.dtype != torch.int32
+                                 or shard_of.device != x.device):
+        raise ValueError(f"fp4_moe: shard_of must be int32 [{n_exp}] on {x.device}")
+    sharded = shard_of is not None
+    out = torch.empty((shards, n, hidden) if sharded else (n, hidden), dtype=torch.float32, device=x.device)
     if n == 0 or top_k == 0:
         return out.zero_()
     ids = expert_ids.to(torch.int32).contiguous()
@@ -540,9 +558,7 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
                     [xq, w13, s13, tile_e, tile_start, tile_cnt, order, rw, hq, hidden, inter, top_k, float(limit)])
         cuda.launch(cuda.function("decode.cu", f"moe_down_t{rt}", dev), (tiles, hidden // 64, 1), 128,
                     [hq, w2, s2, tile_e, tile_start, tile_cnt, order, y, hidden, inter])
-        _slot_sum_kernel[(triton.cdiv(n, SUM_ROWS), triton.cdiv(hidden, SUM_COLS))](
-            y, ids, out, n, hidden, top_k, BR=SUM_ROWS, BH=SUM_COLS)
-        return out
+        return _slot_sum(y, ids, shard_of, out)
     h = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
     common = {"BM": BLOCK_M, "BP_": BP, "BKB": cfg.bkb, "ASM": cfg.asm, "INTERP": INTERPRET, "POST": cfg.post,
               "num_warps": cfg.warps, "num_stages": cfg.stages}
@@ -551,6 +567,16 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
         BN=cfg.bn_up, **common)
     _moe_down_kernel[(tiles, hidden // cfg.bn_down)](
         h, w2, s2, tile_e, tile_start, tile_cnt, order, y, hidden, inter, BN=cfg.bn_down, **common)
-    _slot_sum_kernel[(triton.cdiv(n, SUM_ROWS), triton.cdiv(hidden, SUM_COLS))](
-        y, ids, out, n, hidden, top_k, BR=SUM_ROWS, BH=SUM_COLS)
+    return _slot_sum(y, ids, shard_of, out)
+
+
+def _slot_sum(y: torch.Tensor, ids: torch.Tensor, shard_of: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """The pairs' outputs y [n * k, H] summed per row in slot order into out ([n, H], or [shards, n, H] per shard
+    of shard_of) in one launch."""
+    n, top_k = ids.shape
+    hidden = y.shape[1]
+    shards = out.shape[0] if shard_of is not None else 1
+    _slot_sum_kernel[(triton.cdiv(n, SUM_ROWS), triton.cdiv(hidden, SUM_COLS), shards)](
+        y, ids, ids if shard_of is None else shard_of, out, n, hidden, top_k, BR=SUM_ROWS, BH=SUM_COLS,
+        SHARDED=shard_of is not None)
     return out

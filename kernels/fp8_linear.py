@@ -249,18 +249,35 @@ def _step(wb, xb, acc, f, SWAP: tl.constexpr, INTERP: tl.constexpr, POST: tl.con
 
 
 @triton.jit(do_not_specialize=["M", "stride_xm"])
-def _linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, kb_chunk, S,
+def _linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, KB, E0, E1, E2, S0, S1, S2, S3,
                    BM_: tl.constexpr, MT_: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr,
                    W_FP8: tl.constexpr, SPLIT_PROGRAMS: tl.constexpr, EVEN_K: tl.constexpr,
-                   INTERP: tl.constexpr, POST: tl.constexpr, SH0: tl.constexpr, SH1: tl.constexpr):
+                   INTERP: tl.constexpr, POST: tl.constexpr, SH0: tl.constexpr, SH1: tl.constexpr,
+                   MULTI: tl.constexpr = False):
     """Program (column tile, chunk or 0, row block). SPLIT_PROGRAMS: this program computes chunk `pid_c` for one
     row block, stores the partial, and the last of the S programs of the column tile sums the partials in chunk
-    order. Else the program runs the S chunks itself in the same order: ((0 + p_0) + p_1) + ..."""
+    order. Else the program runs the S chunks itself in the same order: ((0 + p_0) + p_1) + ...
+    Parts (fp8_linear_multi): up to four weights concatenated along N, part i the columns [E_{i-1}, E_i) (E_3 = N)
+    with its own split S_i (of the KB K steps) and its own output block of y ([M, E_i - E_{i-1}] at M * E_{i-1});
+    a single weight is one part (MULTI False: the table is not read, the kernel is the one-weight kernel)."""
     pid_n = tl.program_id(0)
     pid_c = tl.program_id(1)
     pid_m = tl.program_id(2)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    n_ok = offs_n < N
+    n0 = pid_n * BN
+    if MULTI:
+        S = tl.where(n0 >= E2, S3, tl.where(n0 >= E1, S2, tl.where(n0 >= E0, S1, S0)))
+        lo = tl.where(n0 >= E2, E2, tl.where(n0 >= E1, E1, tl.where(n0 >= E0, E0, 0)))
+        hi = tl.where(n0 >= E2, N, tl.where(n0 >= E1, E2, tl.where(n0 >= E0, E1, E0)))
+        if pid_c >= S:      # a part with fewer chunks than the launch's most
+            return
+        y_ptr += M.to(tl.int64) * lo - lo      # this part's output block, row stride hi - lo
+    else:
+        S = S0
+        lo = 0
+        hi = N
+    kb_chunk = KB // S
+    offs_n = n0 + tl.arange(0, BN)
+    n_ok = offs_n < hi
     r0 = pid_m * (BM_ * MT_)
     if SPLIT_PROGRAMS:
         # this chunk's partial, then the column tile's counter; the last of its S programs adds them in order
@@ -284,7 +301,7 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, strid
                 if MT_ > 2:
                     a2 = a2 + _load_rows(part, r0 + 2 * BM_, M, offs_n, n_ok, N, SWAP, BM_)
                     a3 = a3 + _load_rows(part, r0 + 3 * BM_, M, offs_n, n_ok, N, SWAP, BM_)
-            _store_tiles(y_ptr, a0, a1, a2, a3, r0, M, offs_n, n_ok, N, SWAP, BM_, MT_)
+            _store_tiles(y_ptr, a0, a1, a2, a3, r0, M, offs_n, n_ok, hi - lo, SWAP, BM_, MT_)
             tl.atomic_xchg(cnt_ptr + tile, 0)     # ready for the next launch (and the next graph replay)
     else:
         t0 = tl.zeros((SH0, SH1), tl.float32)
@@ -298,7 +315,7 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, strid
             t1 = t1 + p1
             t2 = t2 + p2
             t3 = t3 + p3
-        _store_tiles(y_ptr, t0, t1, t2, t3, r0, M, offs_n, n_ok, N, SWAP, BM_, MT_)
+        _store_tiles(y_ptr, t0, t1, t2, t3, r0, M, offs_n, n_ok, hi - lo, SWAP, BM_, MT_)
 
 
 @triton.jit
@@ -392,18 +409,67 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
     E8M0 [ceil(out/32), in/32] (float8_e8m0fnu or its uint8 bits). cfg: a configuration other than the shape's
     (the bench's sweep; a caller that wants batch invariance passes nothing)."""
     scale = _check(x, w, scale)
+    out_f, in_f = w.shape
+    cfg = cfg or config_for(out_f, in_f, x.device, w.dtype == torch.float8_e4m3fn)
+    return _launch(x, w, scale, (out_f,), cfg).view(x.shape[0], out_f)
+
+
+MAX_PARTS = 4     # weights one fp8_linear_multi launch takes (the kernels' part table)
+
+
+def multi_config(outs: tuple[int, ...], in_f: int, device: torch.device, fp8: bool) -> Config | None:
+    """The configuration the weights [out_i, in_f] (concatenated along out, in this order) run with in ONE launch
+    of fp8_linear_multi with every part's bits as its own launch, or None where they cannot: more than MAX_PARTS,
+    parts of different configurations, or a part other than the last not ending on a column tile (64 rows for the
+    CUDA C kernel, bn for Triton; FP8 parts also on their 32-row scale blocks)."""
+    if not 1 < len(outs) <= MAX_PARTS:
+        return None
+    cfgs = {config_for(o, in_f, device, fp8) for o in outs}
+    if len(cfgs) != 1:
+        return None
+    cfg = cfgs.pop()
+    if cfg.impl != "cuda" and not fp8 and device.type == "cuda":
+        return None      # the Triton kernel's bf16 form with the part table spills registers (compile_check)
+    tile = 64 if cfg.impl == "cuda" else cfg.bn
+    if any(o % tile for o in outs[:-1]) or (fp8 and any(o % 32 for o in outs)) or (cfg.post and fp8):
+        return None
+    return cfg
+
+
+def fp8_linear_multi(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, outs: tuple[int, ...],
+                     cfg: Config) -> list[torch.Tensor]:
+    """Several weights that take the same x in one launch: w [Σ out_i, in] (their rows concatenated, FP8 with the
+    scales concatenated alike, or bf16) -> [float32 [n, out_i]] (each contiguous), part i the bits of
+    fp8_linear(x, w_i) alone: each part keeps its own split (split_for of its own shape: the same chunks, summed
+    in the same order) and tiles (`multi_config` gives cfg, the parts' common configuration)."""
+    scale = _check(x, w, scale)
+    if sum(outs) != w.shape[0]:
+        raise ValueError(f"fp8_linear_multi: parts {list(outs)} do not make the weight's {w.shape[0]} rows")
+    y = _launch(x, w, scale, tuple(outs), cfg)
+    n, res, a = x.shape[0], [], 0
+    for o in outs:
+        res.append(y[n * a:n * (a + o)].view(n, o))
+        a += o
+    return res
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, outs: tuple[int, ...],
+            cfg: Config) -> torch.Tensor:
+    """One launch for the parts `outs` of w's rows (one part: the plain product) -> float32, flat: part i's
+    [n, out_i] block at n * (its first row)."""
     n = x.shape[0]
     out_f, in_f = w.shape
-    y = torch.empty((n, out_f), dtype=torch.float32, device=x.device)
+    y = torch.empty(n * out_f, dtype=torch.float32, device=x.device)
     if n == 0:
         return y
-    cfg = cfg or config_for(out_f, in_f, x.device, w.dtype == torch.float8_e4m3fn)
     if cfg.impl == "cuda":
-        return _linear_cuda(x, w, scale, y)
+        return _linear_cuda(x, w, scale, y, outs=outs)
     if cfg.post and cfg.bk != 32:
         raise ValueError(f"fp8_linear: a post-scaled configuration steps K by 32, not {cfg.bk}")
-    S = split_for(out_f, in_f, cfg)
-    kb_chunk = triton.cdiv(in_f, cfg.bk) // S
+    splits = [split_for(o, in_f, cfg) for o in outs]
+    S = max(splits)
+    ends = _part_table(outs)
+    kb = triton.cdiv(in_f, cfg.bk)
     n_tiles = triton.cdiv(out_f, cfg.bn)
     m_blocks = triton.cdiv(n, BM * cfg.mt)
     split_programs = S > 1 and n <= SPLIT_ROWS
@@ -411,17 +477,30 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = No
               "W_FP8": w.dtype == torch.float8_e4m3fn, "EVEN_K": in_f % cfg.bk == 0, "INTERP": INTERPRET,
               "POST": cfg.post and w.dtype == torch.float8_e4m3fn,
               "SH0": cfg.bn if cfg.swap else BM, "SH1": BM if cfg.swap else cfg.bn,   # a row tile's result shape
-              "num_warps": cfg.warps, "num_stages": cfg.stages}
+              "MULTI": len(outs) > 1, "num_warps": cfg.warps, "num_stages": cfg.stages}
     s_arg = scale if scale is not None else w
+    parts = (*ends, *(splits + [1] * (MAX_PARTS - len(splits))))
     if split_programs:
         part = torch.empty((S, n, out_f), dtype=torch.float32, device=x.device)
         cnt = _counter(x.device, n_tiles * m_blocks)
-        _linear_kernel[(n_tiles, S, m_blocks)](x, w, s_arg, y, part, cnt, n, out_f, in_f, x.stride(0), kb_chunk, S,
-                                        SPLIT_PROGRAMS=True, **common)
+        _linear_kernel[(n_tiles, S, m_blocks)](x, w, s_arg, y, part, cnt, n, out_f, in_f, x.stride(0), kb, *parts,
+                                               SPLIT_PROGRAMS=True, **common)
     else:
-        _linear_kernel[(n_tiles, 1, m_blocks)](x, w, s_arg, y, y, y, n, out_f, in_f, x.stride(0), kb_chunk, S,
+        _linear_kernel[(n_tiles, 1, m_blocks)](x, w, s_arg, y, y, y, n, out_f, in_f, x.stride(0), kb, *parts,
                                                SPLIT_PROGRAMS=False, **common)
     return y
+
+
+def _part_table(outs: tuple[int, ...]) -> list[int]:
+    """The kernels' part ends e0, e1, e2 (the last part ends at N; absent parts end there too)."""
+    if len(outs) > MAX_PARTS:
+        raise ValueError(f"fp8_linear_multi: at most {MAX_PARTS} parts, got {len(outs)}")
+    ends, a = [], 0
+    for o in outs[:-1]:
+        a += o
+        ends.append(a)
+    total = sum(outs)
+    return ends + [total] * (MAX_PARTS - 1 - len(ends))
 
 
 def pack_x(x: torch.Tensor, mode: int, rows: torch.Tensor | None = None, topk: int = 1) -> torch.Tensor:
@@ -448,9 +527,10 @@ def row_tiles(n: int) -> int:
 
 
 def _linear_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, y: torch.Tensor,
-                 groups: int = 1) -> torch.Tensor:
+                 groups: int = 1, outs: tuple[int, ...] | None = None) -> torch.Tensor:
     """The CUDA C kernel (csrc/decode.cu): the same function, its own fixed tiling (one for every row count).
-    groups > 1: w's row groups multiply x's column groups (x [n, groups * in], w [groups * rows, in])."""
+    groups > 1: w's row groups multiply x's column groups (x [n, groups * in], w [groups * rows, in]). outs: w's
+    rows as several weights' parts (fp8_linear_multi), each with its own split and output block."""
     from kernels import cuda
     n = x.shape[0]
     out_f, in_f = w.shape
@@ -459,8 +539,11 @@ def _linear_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, y
     if x.stride(0) % 4 or x.data_ptr() % 16:
         x = x.contiguous()
     fp8 = w.dtype == torch.float8_e4m3fn
-    S = split_for(out_f // groups, in_f, CUDA)     # the split of one group's weight (a shape-only choice)
-    kchunk = in_f // S
+    outs = outs or (out_f,)
+    splits = [split_for(o, in_f, CUDA) for o in outs] if groups == 1 else [split_for(out_f // groups, in_f, CUDA)]
+    S = max(splits)                                # the split of each part (a shape-only choice): the grid's most
+    kchunk = in_f // splits[0]
+    table = (*_part_table(outs), *(splits[1:] + [1] * (MAX_PARTS - len(splits))))
     xg = out_f // groups if groups > 1 else 0
     tiles = row_tiles(n)
     nb, mb = triton.cdiv(out_f, 64), triton.cdiv(n, 8 * tiles)
@@ -474,10 +557,12 @@ def _linear_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, y
         part = torch.empty((S, n, out_f), dtype=torch.float32, device=x.device)
         fn = cuda.function("decode.cu", f"{kind}_split_t{tiles}", dev)
         cuda.launch(fn, (nb, S, mb), 128, [x, ldx, w, scale if fp8 else w, y, part,
-                                           _counter(x.device, nb * mb), n, out_f, in_f, kchunk, S, xg])
+                                           _counter(x.device, nb * mb), n, out_f, in_f, kchunk, splits[0], xg,
+                                           *table])
     else:
         fn = cuda.function("decode.cu", f"{kind}_whole_t{tiles}", dev)
-        cuda.launch(fn, (nb, 1, mb), 128, [x, ldx, w, scale if fp8 else w, y, y, y, n, out_f, in_f, kchunk, S, xg])
+        cuda.launch(fn, (nb, 1, mb), 128, [x, ldx, w, scale if fp8 else w, y, y, y, n, out_f, in_f, kchunk,
+                                           splits[0], xg, *table])
     return y
 
 

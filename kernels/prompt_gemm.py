@@ -380,12 +380,13 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_p
 
 
 def prompt_fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-                   expert_ids: torch.Tensor, weights: torch.Tensor, limit: float, cfg: Config | None = None
-                   ) -> torch.Tensor:
+                   expert_ids: torch.Tensor, weights: torch.Tensor, limit: float, cfg: Config | None = None,
+                   shard_of: torch.Tensor | None = None, shards: int = 1) -> torch.Tensor:
     """fp4_moe.fp4_moe's function (the routed experts, slots summed in slot order; float32 [n, H]) for prompt
     chunks: the same device-built work list, the gate/up and down products as tensor-core tiles of a work-list
     tile's pairs x cfg.bn weight rows, the decode kernels' k order (the same bits where the hardware sums alike).
-    cfg: another configuration than MOE_DEFAULT (the bench's sweep; the same bits)."""
+    cfg: another configuration than MOE_DEFAULT (the bench's sweep; the same bits). shard_of / shards: every TP
+    shard's sum from one pass -> [shards, n, H], as fp4_moe.fp4_moe."""
     from kernels import fp4_moe as FM
     cfg = cfg or MOE_DEFAULT
     s13, s2 = FM._check(x, w13, s13, w2, s2, expert_ids, weights, FM.Config(bn_up=cfg.bn, bn_down=cfg.bn,
@@ -394,7 +395,11 @@ def prompt_fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: to
     n_exp, two_i, _ = w13.shape
     inter = two_i // 2
     top_k = expert_ids.shape[1]
-    out = torch.empty((n, hidden), dtype=torch.float32, device=x.device)
+    if shard_of is not None and (shard_of.shape != (n_exp,) or shard_of.dtype != torch.int32
+                                 or shard_of.device != x.device):
+        raise ValueError(f"prompt fp4_moe: shard_of must be int32 [{n_exp}] on {x.device}")
+    out = torch.empty((shards, n, hidden) if shard_of is not None else (n, hidden), dtype=torch.float32,
+                      device=x.device)
     if n == 0 or top_k == 0:
         return out.zero_()
     ids = expert_ids.to(torch.int32).contiguous()
@@ -413,9 +418,7 @@ def prompt_fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: to
                                              top_k, float(limit), **common)
     _moe_down_kernel[(tiles, hidden // cfg.bn)](h, w2, s2, tile_e, tile_start, tile_cnt, order, y, hidden, inter,
                                                 **common)
-    FM._slot_sum_kernel[(triton.cdiv(n, FM.SUM_ROWS), triton.cdiv(hidden, FM.SUM_COLS))](
-        y, ids, out, n, hidden, top_k, BR=FM.SUM_ROWS, BH=FM.SUM_COLS)
-    return out
+    return FM._slot_sum(y, ids, shard_of, out)
 
 
 # ---- may the op set use these kernels on a device? ---------------------------------------------------------------

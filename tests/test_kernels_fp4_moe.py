@@ -253,3 +253,37 @@ def test_v41_shapes_on_gpu(v41, impl):
     for n in (1, 3, 9, 17, 33, 64):          # every row-tile count of the CUDA kernels
         assert torch.equal(run(slice(0, n)), big[:n]), f"rows 0..{n} differ from the same rows among 2048"
     assert torch.equal(run(slice(700, 701))[0], big[700])
+
+
+def _sharded_equals_masked(W, ids, wts, x, cfg, n_exp):
+    """fp4_moe over every pair once with each shard's own slot sum == a call per shard with the other shards'
+    slots at -1 (what the passes shard by shard compute), bitwise; an expert in no shard adds nothing."""
+    shard_of = torch.tensor([0, 0, 0, 1, 1, -1, 2, 2][:n_exp], dtype=torch.int32, device=x.device)
+    got = fp4_moe(x, *W, ids, wts, LIMIT, cfg=cfg, shard_of=shard_of, shards=3)
+    assert got.shape == (3, x.shape[0], x.shape[1])
+    for s in range(3):
+        masked = torch.where(shard_of[ids.clamp_min(0)] == s, ids, -1)
+        assert torch.equal(got[s], fp4_moe(x, *W, masked, wts, LIMIT, cfg=cfg)), f"shard {s}"
+    assert got.abs().amax() > 0
+
+
+@pytest.mark.parametrize("n", [1, 17])
+def test_tp_shards_in_one_pass(small, n):
+    _, _, W = small
+    ids, wts = _routing(n, E, K, seed=40 + n)
+    _sharded_equals_masked(W, ids.to(DEV), wts.to(DEV), _inputs(n, H, seed=41 + n).to(DEV), None, E)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cuda", "triton"])
+def test_v41_tp_shards_in_one_pass_on_gpu(v41, impl):
+    """The served default's 2-shards-on-one-GPU MoE (issue 24: one pass whatever the TP share) at V4.1 shapes, on
+    the CUDA C kernels (what the model runs) and the Triton ones, decode and verify row counts."""
+    from kernels import cuda
+    if impl == "cuda" and not cuda.available():
+        pytest.skip("no CUDA C compiler here")
+    cfg = Config(impl="cuda") if impl == "cuda" else Config()
+    _, W = v41
+    for n in (1, 5, 33, 64):
+        ids, wts = _routing(n, 8, 6, seed=50 + n)
+        _sharded_equals_masked(W, ids.cuda(), wts.cuda(), _inputs(n, 5120, seed=51 + n).cuda(), cfg, 8)

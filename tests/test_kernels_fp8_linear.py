@@ -17,7 +17,9 @@ import torch
 triton = pytest.importorskip("triton")
 
 from dsv41.model import quant
-from kernels.fp8_linear import DEFAULT, Config, fp8_linear, fp8_linear_grouped, split_for
+from kernels import fp8_linear as fp8_module
+from kernels.fp8_linear import (DEFAULT, Config, fp8_linear, fp8_linear_grouped, fp8_linear_multi, multi_config,
+                                split_for)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -176,3 +178,64 @@ def test_grouped_in_one_launch_equals_the_groups_on_gpu():
         want = torch.cat([fp8_linear(x[:n, g * 4096:(g + 1) * 4096], w[g * 1024:(g + 1) * 1024],
                                      s[g * 32:(g + 1) * 32]) for g in range(8)], dim=1)
         assert torch.equal(y, want), n
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int32)
+
+
+def _multi_equals_alone(outs, in_f, rows, seed, device, bf16=False):
+    """fp8_linear_multi over weights concatenated along out == each weight through fp8_linear alone, bit for bit
+    (signed zeros included), each output contiguous."""
+    parts = [_weight(o, in_f, seed=seed + i) for i, o in enumerate(outs)]
+    if bf16:
+        parts = [(_deq(w, s).bfloat16(), None) for w, s in parts]
+    w = torch.cat([p[0] for p in parts]).to(device)
+    s = None if bf16 else torch.cat([p[1] for p in parts]).to(device)
+    cfg = multi_config(tuple(outs), in_f, torch.device(device), not bf16)
+    assert cfg is not None
+    x = _x(max(rows), in_f, seed=seed + 9).to(device)
+    for n in rows:
+        got = fp8_linear_multi(x[:n], w, s, tuple(outs), cfg)
+        for i, (wi, si) in enumerate(parts):
+            want = fp8_linear(x[:n], wi.to(device), None if si is None else si.to(device))
+            assert got[i].is_contiguous() and got[i].shape == (n, outs[i])
+            assert torch.equal(_bits(got[i]), _bits(want)), f"part {i} at {n} rows"
+
+
+def test_multi_equals_each_weight_alone(monkeypatch):
+    """Several weights in one launch, each part with its own split: a narrow launch target gives the parts
+    splits 2, 4, 1 and 4 at these shapes (one of them whole, one ragged at the end), so the part table is what makes
+    the bits equal; decode rows (split programs) and a prompt's (> SPLIT_ROWS: the chunks in one program)."""
+    monkeypatch.setattr(fp8_module, "TARGET_PROGRAMS", 4)
+    split_for.cache_clear()
+    try:
+        outs = (128, 64, 256, 32)
+        assert [split_for(o, 512) for o in outs] == [2, 4, 1, 4]
+        _multi_equals_alone(outs, 512, [1, 3, 17, 300], seed=20, device=DEV)
+        _multi_equals_alone((64, 128, 32), 256, [1, 5], seed=30, device=DEV, bf16=True)
+    finally:
+        split_for.cache_clear()
+
+
+def test_multi_config_refuses_what_one_launch_cannot_take():
+    dev = torch.device(DEV)
+    assert multi_config((128,), 512, dev, True) is None                  # one weight: nothing to fuse
+    assert multi_config((64,) * 5, 512, dev, True) is None               # more parts than the kernel's table
+    assert multi_config((96, 64), 512, dev, True) is None                # a part ending inside a column tile
+    assert multi_config((64, 96), 512, dev, True) is not None            # ... but the last may be ragged
+    assert multi_config((64, 48), 512, dev, True) is None                # FP8: whole 32-row scale blocks
+
+
+# V4.1's projections that share an input: the attention site's FP8 wq_a + wkv, the shared expert's w1 + w3 over 2
+# TP shards (w1 of each shard, then w3 of each), the compressor's wkv + wgate with the indexer's weights_proj (bf16)
+V41_MULTI = [("attn wq_a+wkv", (1280, 512), False), ("shared w1+w3, 2 shards", (1152,) * 4, False),
+             ("shared w1+w3", (2304, 2304), False), ("compressor+indexer bf16", (512, 512, 32), True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,outs,bf16", V41_MULTI)
+def test_v41_multi_equals_each_weight_alone_on_gpu(name, outs, bf16):
+    """At V4.1 shapes on the GPU (the CUDA C kernel where it runs: the parts' splits differ, e.g. 20 and 40 for
+    wq_a and wkv), every row-tile count and a prompt's rows."""
+    _multi_equals_alone(outs, 5120, [1, 3, 9, 17, 33, 64, 300], seed=40, device="cuda", bf16=bf16)

@@ -123,6 +123,19 @@ def test_moe_configurations_give_the_same_bits(small):
         assert torch.equal(P.prompt_fp4_moe(xd, *W, idd, wd, LIMIT, cfg=cfg), want), cfg
 
 
+def test_moe_tp_shards_in_one_pass(small):
+    """Every shard's sum from one pass == a pass per shard with the other shards' slots at -1, bitwise."""
+    exps, W = small
+    x = _inputs(70, H, seed=19).to(DEV)
+    ids, wts = (t.to(DEV) for t in _routing(70, E, K, seed=19))
+    shard_of = torch.tensor([0, 0, 0, 1, 1, -1, 2, 2], dtype=torch.int32, device=DEV)
+    got = P.prompt_fp4_moe(x, *W, ids, wts, LIMIT, shard_of=shard_of, shards=3)
+    assert got.shape == (3, 70, H)
+    for s in range(3):
+        masked = torch.where(shard_of[ids.clamp_min(0)] == s, ids, -1)
+        assert torch.equal(got[s], P.prompt_fp4_moe(x, *W, masked, wts, LIMIT)), s
+
+
 def test_moe_row_bits_do_not_depend_on_the_chunk(small):
     """Skewed routing (an expert's pairs fill several work-list tiles): a row alone == among 130 == among 300."""
     exps, W = small
@@ -229,3 +242,11 @@ def test_the_op_set_switches_by_rows_without_changing_a_bit():
     big = ops.fp8_linear(x, Fp8Weight(w, s))
     assert torch.equal(big, P.prompt_fp8_linear(x, w, s))
     assert torch.equal(ops.fp8_linear(x[:P.PROMPT_ROWS], Fp8Weight(w, s)), big[:P.PROMPT_ROWS])
+    # projections fused for one decode launch (Ops.fuse): above PROMPT_ROWS each part through the prompt kernel
+    w2, s2 = (t.cuda() for t in _weight(1024, 8192, seed=7))
+    fw = ops.fuse([Fp8Weight(w, s), Fp8Weight(w2, s2)])
+    if fw is not None:
+        parts = ops.linear_parts(x, fw)
+        assert torch.equal(parts[0], big) and torch.equal(parts[1], P.prompt_fp8_linear(x, w2, s2))
+        small = ops.linear_parts(x[:P.PROMPT_ROWS], fw)
+        assert torch.equal(small[0], big[:P.PROMPT_ROWS]) and torch.equal(small[1], parts[1][:P.PROMPT_ROWS])

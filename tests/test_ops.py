@@ -281,6 +281,38 @@ def test_routed_experts_one_launch_against_the_reference_loop(n):
         assert torch.equal(CUDA.routed(stack, x[-1:], weights[-1:], ids[-1:], 10.0, shard), got[-1:])
 
 
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 9, 64])
+def test_routed_shards_in_one_pass_equal_a_pass_per_shard(n):
+    """Two (three) TP shards' routed sums from one grouped pass (one work list, gate/up, down; each shard's own slot
+    sum) are bitwise the passes shard by shard with the other shards' slots masked (what 2 ranks compute), and a
+    slot of an expert in no shard adds nothing; the reference and the fallbacks have no such pass."""
+    H, inter, E, top_k = 128, 128, 8, 3
+    g = _g(80 + n)
+
+    def fp4(rows, cols):
+        p = torch.randint(-128, 128, (rows, cols // 2), generator=g, dtype=torch.int8).to(DEVICE)
+        s = torch.randint(118, 122, (rows, cols // 32), generator=g, dtype=torch.uint8).to(DEVICE)
+        return dev.Fp4Weight(p, s.view(torch.float8_e8m0fnu))
+
+    experts = {e: Expert(fp4(inter, H), fp4(H, inter), fp4(inter, H)) for e in range(E)}
+    x = _x(n, H, 90 + n) * 0.3
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(n)]).to(DEVICE)
+    weights = (torch.rand(n, top_k, generator=g) + 0.1).to(DEVICE)
+    for ranges in ([range(0, 4), range(4, 8)], [range(0, 3), range(3, 5), range(6, 8)]):   # expert 5: in none
+        stack = dev.stack_experts(experts, E)
+        assert REF.routed_shards(stack, x, weights, ids, 10.0, len(ranges)) is None     # no shard table yet
+        dev.shard_stack(stack, ranges)
+        assert REF.routed_shards(stack, x, weights, ids, 10.0, len(ranges)) is None
+        assert FALLBACKS.routed_shards(stack, x, weights, ids, 10.0, len(ranges)) is None
+        got = CUDA.routed_shards(stack, x, weights, ids, 10.0, len(ranges))
+        assert got.shape == (len(ranges), n, H)
+        for i, rng in enumerate(ranges):
+            want = CUDA.routed(stack, x, weights, ids, 10.0, rng)
+            assert torch.equal(got[i], want), f"shard {i} of {len(ranges)}"
+        assert got.abs().amax() > 0
+
+
 @pytest.mark.parametrize("ops", [FALLBACKS, pytest.param(CUDA, marks=[needs_kernels, pytest.mark.slow])],
                          ids=["fallbacks", "kernels"])
 def test_the_model_on_two_op_sets(ckpt, ops):
@@ -471,3 +503,59 @@ def test_the_op_set_is_frozen_and_its_fields_are_functions():
                 assert isinstance(v, tuple)
             else:
                 assert v is None or callable(v), f.name
+
+
+@needs_kernels
+def test_projections_sharing_an_input_in_one_launch():
+    """The kernel op set builds one FusedWeight at load for wq_a + wkv, the compressor's wkv + wgate and the shared
+    expert's w1 + w3 of every TP shard (the blocks then hold views of it), and a fused block's outputs are bitwise
+    those of the same block with each product in its own launch; the reference fuses nothing."""
+    from dsv41.model.attention import Attention
+    from dsv41.model.compressor import Compressor
+    H, g = 256, _g(120)
+    unfused = dataclasses.replace(CUDA, fuse_linears=None, fused_linear=None)
+
+    def fp8(rows, cols):
+        q = (torch.randn(rows, cols, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+        s = torch.randint(118, 124, (rows // 32, cols // 32), generator=g, dtype=torch.uint8)
+        return dev.Fp8Weight(q.to(DEVICE), s.view(torch.float8_e8m0fnu).to(DEVICE))
+
+    x = _x(5, H, 121) * 0.2
+    # attention: q_lora 128, head_dim 64, 2 heads
+    parts = dict(wq_a=fp8(128, H), q_norm=torch.ones(128, device=DEVICE), wq_b=fp8(128, 128), wkv=fp8(64, H),
+                 kv_norm=torch.ones(64, device=DEVICE), attn_sink=torch.zeros(2, device=DEVICE), wo_a=fp8(64, 128),
+                 wo_b=fp8(H, 64), head_dim=64, o_lora=64, eps=1e-6)
+    a, b = Attention(**parts, ops=CUDA), Attention(**parts, ops=unfused)
+    assert a.fused_in is not None and b.fused_in is None and Attention(**parts, ops=REF).fused_in is None
+    assert a.wq_a.q.data_ptr() == a.fused_in.w.q.data_ptr()                 # a view of the one copy
+    cos, sin = torch.ones(5, 16, device=DEVICE) * 0.6, torch.ones(5, 16, device=DEVICE) * 0.8
+    for u, v in zip(a.project(x, cos, sin, False), b.project(x, cos, sin, False)):
+        assert torch.equal(u, v)
+    # compressor (bf16 weights)
+    bf = [(torch.randn(64, H, generator=g) / 16).bfloat16().to(DEVICE) for _ in range(2)]
+    ca = Compressor(layer=0, ratio=2, wkv=bf[0], wgate=bf[1], norm=torch.ones(64, device=DEVICE), eps=1e-6, ops=CUDA)
+    cb = Compressor(layer=0, ratio=2, wkv=bf[0], wgate=bf[1], norm=torch.ones(64, device=DEVICE), eps=1e-6,
+                    ops=unfused)
+    assert ca.fused_in is not None and cb.fused_in is None
+    for u, v in zip(ca.project(x), cb.project(x)):
+        assert torch.equal(u, v)
+    # the shared expert over 2 TP shards (w1/w3 rows, w2 columns), no routed experts picked
+    inter = 256
+    w1, w3, w2 = fp8(inter, H), fp8(inter, H), fp8(H, inter)
+    E = 4
+    outs = []
+    for ops in (CUDA, unfused):
+        sh = Expert(w1=w1, w2=w2, w3=w3)
+        shards = [Expert(w1=a_, w2=c_, w3=b_) for a_, b_, c_ in zip(dev.shard_rows(w1, 2), dev.shard_rows(w3, 2),
+                                                                    dev.shard_cols(w2, 2))]
+        moe = MoE(gate=torch.randn(E, H, generator=_g(7)).to(DEVICE), bias=torch.zeros(E, device=DEVICE),
+                  bias_vl=torch.zeros(E, device=DEVICE), experts={}, shared=sh, top_k=2, gate_temp=1.0,
+                  scaling=1.0, limit=10.0, ops=ops, shards=2, shard_ranges=[range(0, 2), range(2, 4)],
+                  shared_shards=shards)
+        moe.fuse_shared()
+        assert (moe.shared_in is not None) == (ops is CUDA)
+        if ops is CUDA:
+            assert moe.shared_in.outs == (128, 128, 128, 128)
+            assert sh.w1.q.data_ptr() == moe.shared_in.w.q.data_ptr() == shards[0].w1.q.data_ptr()
+        outs.append(moe(x))
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().amax() > 0

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41.model import quant
+from dsv41.model.device import FusedWeight
 from dsv41.model.ops import Ops, reference_ops
 from dsv41.model.rope import apply_rope
 
@@ -41,6 +42,13 @@ class Attention:
     wq_b_shards: list | None = None         # wq_b's rows per shard (views)
     wo_b_shards: list | None = None         # wo_b's columns per shard (contiguous copies)
     ops: Ops = field(default_factory=reference_ops)   # the model's op set (given at load; dsv41/model/ops.py)
+    fused_in: FusedWeight | None = None     # wq_a and wkv (both take x) for one launch (Ops.fuse; made here)
+
+    def __post_init__(self):
+        if self.fused_in is None:
+            self.fused_in = self.ops.fuse([self.wq_a, self.wkv])
+            if self.fused_in is not None:      # hold the weights as views of the one copy
+                self.wq_a, self.wkv = self.fused_in.part(0), self.fused_in.part(1)
 
     @property
     def n_heads(self) -> int:
@@ -49,13 +57,17 @@ class Attention:
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qat: bool):
         """x [n, H] (attn_norm'd) -> q_res [n, q_lora], q [n, heads, D] (roped), kv [n, D] (roped, fake-quant)."""
         ops = self.ops
-        q_res = ops.rms_norm(ops.linear(x, self.wq_a), self.q_norm, self.eps)
+        if self.fused_in is not None:     # one launch, each product's bits as its own launch has them
+            qa, kva = ops.linear_parts(x, self.fused_in)
+        else:
+            qa, kva = ops.linear(x, self.wq_a), ops.linear(x, self.wkv)
+        q_res = ops.rms_norm(qa, self.q_norm, self.eps)
         if self.shards > 1:
             q = torch.cat([ops.linear(q_res, w) for w in self.wq_b_shards], dim=1)
         else:
             q = ops.linear(q_res, self.wq_b)
         q = apply_rope(q.view(-1, self.n_heads, self.head_dim), cos, sin)
-        kv = apply_rope(ops.rms_norm(ops.linear(x, self.wkv), self.kv_norm, self.eps), cos, sin)
+        kv = apply_rope(ops.rms_norm(kva, self.kv_norm, self.eps), cos, sin)
         if qat:
             kv = quant.fp8_fake_quant(kv, 32)
         return q_res, q, kv

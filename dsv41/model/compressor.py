@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv41.model.device import FusedWeight
 from dsv41.model.ops import Ops, reference_ops
 from dsv41.model.state import SeqState
 
@@ -24,9 +25,19 @@ class Compressor:
     norm: torch.Tensor           # [D]
     eps: float
     ops: Ops = field(default_factory=reference_ops)   # the model's op set (given at load)
+    fused_in: FusedWeight | None = None   # wkv and wgate (both take x) for one launch (Ops.fuse; made here)
+
+    def __post_init__(self):
+        if self.fused_in is None and self.wgate is not None:
+            self.fused_in = self.ops.fuse([self.wkv, self.wgate])
+            if self.fused_in is not None:      # hold the weights as views of the one copy
+                self.wkv, self.wgate = self.fused_in.part(0), self.fused_in.part(1)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token kv (and gate) for all rows of the forward [n, D], float32."""
+        if self.fused_in is not None:      # one launch, each product's bits as its own launch has them
+            kv, gate = self.ops.linear_parts(x, self.fused_in)
+            return kv, gate
         kv = self.ops.linear(x, self.wkv)
         gate = self.ops.linear(x, self.wgate) if self.wgate is not None else None
         return kv, gate

@@ -139,6 +139,37 @@ def shard_cols(w, n: int) -> list | None:
             for i in range(n)]
 
 
+@dataclass
+class FusedWeight:
+    """Weights that take the same input, their rows concatenated once at load (Ops.fuse) so one kernel launch
+    computes every product (Ops.linear_parts splits the output): `w` the concatenation (an Fp8Weight or a bf16
+    tensor), `outs` each weight's rows in order, `cfg` the kernel configuration the parts share. The weights the
+    blocks hold are views into it (`part`, `rows`)."""
+    w: Fp8Weight | torch.Tensor
+    outs: tuple[int, ...]
+    cfg: object
+
+    def rows(self, first: int, last: int) -> Fp8Weight | torch.Tensor:
+        """Parts first..last-1 as one view of w's rows."""
+        a = sum(self.outs[:first])
+        return self.w[a:a + sum(self.outs[first:last])]
+
+    def part(self, i: int) -> Fp8Weight | torch.Tensor:
+        return self.rows(i, i + 1)
+
+
+def fuse_rows(weights: list) -> Fp8Weight | torch.Tensor | None:
+    """The weights' rows concatenated (a copy), or None where they are not all FP8 (each in whole 32-row scale
+    blocks) or all bf16 tensors with one input width."""
+    if len({w.shape[1] for w in weights}) != 1:
+        return None
+    if all(isinstance(w, Fp8Weight) and w.shape[0] % quant.BLOCK == 0 for w in weights):
+        return Fp8Weight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]))
+    if all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in weights):
+        return torch.cat(weights)
+    return None
+
+
 def to_device(w: Fp8Weight | Fp4Weight, device) -> Fp8Weight | Fp4Weight:
     if isinstance(w, Fp8Weight):
         return Fp8Weight(w.q.to(device), w.scale.to(device))
@@ -160,12 +191,27 @@ def address_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Te
 class ExpertStack:
     """A layer's routed experts on the GPU in the grouped kernel's layout (docs/kernels.md): w13 [E, 2I, H/2] (w1
     rows then w3 rows), s13 [E, 2I, H/32], w2 [E, H, I/2], s2 [E, H, I/32], checkpoint bytes; `local` maps a global
-    expert id to its place in the stack (-1: not on this rank). The experts' own Fp4Weights are views into it."""
+    expert id to its place in the stack (-1: not on this rank); `shard`, where the rank computes several TP shards
+    (MoE.shards > 1; `shard_stack`), each stacked expert's shard (int32, -1: in none). The experts' own Fp4Weights
+    are views into it."""
     w13: torch.Tensor
     s13: torch.Tensor
     w2: torch.Tensor
     s2: torch.Tensor
     local: torch.Tensor
+    shard: torch.Tensor | None = None
+
+
+def shard_stack(stack: ExpertStack, ranges: list[range]) -> None:
+    """Note in the stack which of `ranges` (each TP shard's global expert ids, in shard order) holds each stacked
+    expert, so one grouped pass gives every shard's slot sum (Ops.routed_shards)."""
+    shard = torch.full((stack.w13.shape[0],), -1, dtype=torch.int32)
+    local = stack.local.cpu()
+    for i, rng in enumerate(ranges):
+        for e in rng:
+            if e < local.numel() and local[e] >= 0:
+                shard[local[e]] = i
+    stack.shard = shard.to(stack.w13.device)
 
 
 def stack_experts(experts: dict, n_experts: int) -> ExpertStack | None:

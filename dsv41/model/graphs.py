@@ -33,8 +33,9 @@ import torch
 log = logging.getLogger("dsv41.graphs")
 
 # Row counts a piece is captured for; a round of n rows replays the smallest bucket >= n. Larger rounds (prompt
-# chunks) run eagerly: they are not host-bound.
-ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+# chunks) run eagerly: they are not host-bound. The buckets above 64 are drafted verify rounds of many streams
+# (32 streams x 2..6 rows) and their DSpark passes (32 x 5 block rows); each bucket is captured when first used.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192)
 
 
 def row_bucket(n: int) -> int | None:
@@ -70,6 +71,7 @@ class PieceGraphs:
         # captured with one of them as an argument reads it in place, with no copy on replay
         self._static: dict[int, torch.Tensor] = {}
         self._rows: dict[tuple, torch.Tensor] = {}
+        self._inputs: dict[tuple, torch.Tensor] = {}   # shared input buffers (_static_for)
 
     def rows(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """t [n, ...] copied into the round's static buffer `name` for its bucket (padded by repeating row 0),
@@ -114,7 +116,8 @@ class PieceGraphs:
 
     def _capture(self, key, b: int, fn, args: Args) -> _Entry | None:
         n = args[0].shape[0]
-        inputs = [None if a is None else self._static_for(a, b) for a in args]
+        name = key[0] if isinstance(key, tuple) else key
+        inputs = [None if a is None else self._static_for(a, b, (name, i)) for i, a in enumerate(args)]
         _fill(inputs, args, n)
         if self.mode == "emulate":
             outputs = tuple(None if r is None else r.clone() for r in fn(*inputs))
@@ -145,14 +148,20 @@ class PieceGraphs:
         self.stats["captures"] += 1
         return e
 
-    def _static_for(self, a: torch.Tensor, b: int) -> torch.Tensor:
-        """The static input for argument a: the static buffer a is the first rows of (read in place), else a new
-        one."""
+    def _static_for(self, a: torch.Tensor, b: int, slot: tuple) -> torch.Tensor:
+        """The static input for argument a: the static buffer a is the first rows of (read in place), else the
+        input buffer of this argument `slot` (piece name, position) for the bucket, shared by the layers' pieces of
+        that name: each replay fills it first and nothing reads it after (a decode round's gathered keys, ~1.3 MB
+        a row, would otherwise be held once per layer and bucket)."""
         s = self._static.get(a.data_ptr())
         if (s is not None and s.shape[0] == b and s.shape[1:] == a.shape[1:] and s.dtype == a.dtype
                 and s.stride() == a.stride()):
             return s
-        return torch.empty((b,) + tuple(a.shape[1:]), dtype=a.dtype, device=a.device)
+        k = (slot, b, tuple(a.shape[1:]), a.dtype, a.device)
+        s = self._inputs.get(k)
+        if s is None:
+            s = self._inputs[k] = torch.empty((b,) + tuple(a.shape[1:]), dtype=a.dtype, device=a.device)
+        return s
 
 
 def _fill(static: list[torch.Tensor | None], args: Args, n: int) -> None:

@@ -162,6 +162,7 @@ def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, 
               stack=dev.stack_experts(experts, n_experts) if ops.stacks_experts else None, ops=ops)
     if shards > 1:
         _shard_block(attn, moe, shards, n_experts, plan, rank)
+    moe.fuse_shared()     # the shared expert's w1/w3 (every shard's) in one launch where the op set can
     block = Block(role=role, attn_norm=W[f"{p}.attn_norm.weight"], ffn_norm=W[f"{p}.ffn_norm.weight"],
                   hc_attn=site("attn"), hc_ffn=site("ffn"), attn=attn, moe=moe, ops=ops)
     if role.owns_compressor:
@@ -207,6 +208,8 @@ def _shard_block(attn: Attention, moe: MoE, shards: int, n_experts: int, plan: S
     moe.shards = shards
     moe.shard_ranges = [part_range(n_experts, rank * shards + i, plan.parts) for i in range(shards)]
     moe.shared_shards = shared_shards
+    if moe.stack is not None:       # one grouped pass for all the shards (Ops.routed_shards)
+        dev.shard_stack(moe.stack, moe.shard_ranges)
 
 
 class Model:

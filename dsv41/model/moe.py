@@ -9,7 +9,8 @@ Exactness: each expert runs on its rows through the fixed-tile `linear`; a row's
 order, so the sum does not depend on which other rows picked the same experts. Tensor parallelism: with `shards` >
 1 (weights.TP_SHARDS) the output is Σ over shards, in order, of (that shard's experts' slots + its part of the
 shared expert), each computed as the rank holding that shard alone computes it, so one rank and two give the same
-bits.
+bits. The grouped kernel computes every shard's slots in one pass (`ops.routed_shards`: a pair's output does not
+depend on the other pairs of the launch) and sums each shard's apart.
 
 The products and the routing weights go through the op set (`MoE.ops`, dsv41/model/ops.py); `ops.routed` runs a
 layer's stacked experts in one grouped kernel launch where the op set has one (the CUDA path), else the per-expert
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv41.model.device import ExpertStack
+from dsv41.model.device import ExpertStack, FusedWeight
 from dsv41.model.linear import silu, softplus, stable_topk
 from dsv41.model.ops import Ops, reference_ops
 
@@ -44,6 +45,12 @@ def swiglu(x: torch.Tensor, e: Expert, limit: float, weight: torch.Tensor | None
     if weight is not None:
         h = h * weight
     return lin(h, e.w2)
+
+
+def swiglu_down(gate: torch.Tensor, up: torch.Tensor, e: Expert, limit: float, ops: Ops) -> torch.Tensor:
+    """`swiglu` from its two products w1x, w3x already computed (a fused launch: MoE.shared_in)."""
+    h = silu(torch.clamp(gate, max=limit)) * torch.clamp(up, min=-limit, max=limit)
+    return ops.linear(h, e.w2)
 
 
 def route_weights(s: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -76,6 +83,40 @@ class MoE:
     shared_shards: list[Expert | None] | None = None   # each shard's part of the shared expert (w1/w3 rows, w2
     #                                                    columns); None: a part without one (weights.SplitPlan)
     ops: Ops = field(default_factory=reference_ops)   # the model's op set (given at load)
+    shared_in: FusedWeight | None = None   # w1 of each shard's shared part, then w3 of each, for one launch
+    #                                        (fuse_shared, at load; None: the products one by one)
+
+    def fuse_shared(self) -> None:
+        """At load, once the shards are set: the shared expert's w1 and w3 rows (of every shard this rank computes)
+        concatenated for one launch where the op set takes them so (Ops.fuse); the experts then hold views of it
+        (w1 of the shards in order then w3: the whole w1 and w3 stay views too, nothing is held twice)."""
+        live = self._shared_parts()
+        if not live:
+            return
+        fused = self.ops.fuse([e.w1 for e in live] + [e.w3 for e in live])
+        if fused is None:
+            return
+        k = len(live)
+        whole = self.shared
+        if self.shards > 1 and whole is not None and all(whole is not e for e in live):     # the shards are cut from it
+            whole.w1, whole.w3 = fused.rows(0, k), fused.rows(k, 2 * k)
+        for i, e in enumerate(live):
+            e.w1, e.w3 = fused.part(i), fused.part(k + i)
+        self.shared_in = fused
+
+    def _shared_parts(self) -> list[Expert]:
+        if self.shards == 1:
+            return [] if self.shared is None else [self.shared]
+        return [e for e in self.shared_shards if e is not None]
+
+    def _shared(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each shared part's output (_shared_parts' order): one launch for all the w1/w3 products where fused."""
+        live = self._shared_parts()
+        if self.shared_in is None:
+            return [swiglu(x, e, self.limit, ops=self.ops) for e in live]
+        outs = self.ops.linear_parts(x, self.shared_in)
+        k = len(live)
+        return [swiglu_down(outs[i], outs[k + i], e, self.limit, self.ops) for i, e in enumerate(live)]
 
     def route(self, x: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [n, k] float32, expert ids [n, k]) in slot order."""
@@ -87,14 +128,18 @@ class MoE:
     def __call__(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, H] (ffn_norm'd) -> [n, H]: this rank's routed slots (in slot order) + its shared-expert part."""
         weights, ids = self.route(x, image)
+        shared_out = iter(self._shared(x))
         if self.shards == 1:
             y = self._routed(x, weights, ids)
-            return y if self.shared is None else y + swiglu(x, self.shared, self.limit, ops=self.ops)
+            return y if self.shared is None else y + next(shared_out)
+        # every shard's routed sum from one grouped pass where the op set has one, else a pass per shard
+        routed = None if self.stack is None else self.ops.routed_shards(self.stack, x, weights, ids, self.limit,
+                                                                        self.shards)
         y = None
-        for rng, shared in zip(self.shard_ranges, self.shared_shards):
-            part = self._routed(x, weights, ids, rng)
+        for i, (rng, shared) in enumerate(zip(self.shard_ranges, self.shared_shards)):
+            part = self._routed(x, weights, ids, rng) if routed is None else routed[i]
             if shared is not None:     # None: a shared expert not cut is part 0's (weights.SplitPlan)
-                part = part + swiglu(x, shared, self.limit, ops=self.ops)
+                part = part + next(shared_out)
             y = part if y is None else y + part
         return y
 

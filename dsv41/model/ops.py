@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.model import linear as L
-from dsv41.model.device import CUDA_ROW_TILE, ExpertStack, Fp4Weight, Fp8Weight, address_table
+from dsv41.model.device import CUDA_ROW_TILE, ExpertStack, Fp4Weight, Fp8Weight, FusedWeight, address_table, fuse_rows
 from dsv41.model.exl3_load import Exl3Packed
 from kernels.numerics import inv_count, tree_row_sum
 
@@ -60,10 +60,15 @@ class Ops:
     sparse_attend: Callable        # (ops, q [n, h, D], pool [P, D], idx [n, K] (-1 masked), sink [h], scale)
     #                                -> [n, h, D]
     fp4_routed: Callable | None = None    # (ExpertStack, x, weights, ids, limit, shard) -> [n, H]; None: per expert
+    fp4_routed_shards: Callable | None = None   # (ExpertStack with .shard, x, weights, ids, limit) -> [S, n, H]:
+    #                                             each TP shard's slot sum from one grouped pass; None: shard by shard
     exl3_routed: Callable | None = None   # (Exl3ExpertStack, x, weights, ids, limit, grouped) -> [n, H]; None: per
     #                                       expert
     exl3_grouped: Callable | None = None  # (x [G, M, in], Exl3Weight stack, ids [G], rows [G]) -> [G, M, out]: the
     #                                       grouped EXL3 kernel exl3_routed runs (CUDA C or Triton)
+    fuse_linears: Callable | None = None   # (weights that take one input) -> device.FusedWeight | None: their rows
+    #                                        concatenated for one launch; None: products one by one (the reference)
+    fused_linear: Callable | None = None   # (x, FusedWeight) -> [each weight's float32 [n, out_i]]
     stacks_experts: bool = False   # Model.load stacks each layer's kept experts (the grouped kernels' layout)
     graphs: bool = True            # a round's row-only pieces may become CUDA graphs (no host sync inside them)
     kernels: tuple[str, ...] = ()  # the kernels/ functions this op set runs (reports; empty: torch only)
@@ -80,6 +85,16 @@ class Ops:
             return self.exl3_linear(x, w)
         raise TypeError(f"no linear for a weight of type {type(w).__name__}")
 
+    def fuse(self, weights: list) -> FusedWeight | None:
+        """Weights that take the same input, as one FusedWeight (their rows concatenated: a load-time copy; the
+        caller then holds its `part` views) where this op set computes them in one launch with each product's
+        bits as its own launch has them; else None (the products run one by one)."""
+        return None if self.fuse_linears is None else self.fuse_linears(weights)
+
+    def linear_parts(self, x: torch.Tensor, w: FusedWeight) -> list[torch.Tensor]:
+        """x times each weight of a FusedWeight, in one launch: [n, out_i] each, bitwise `linear(x, part i)`."""
+        return self.fused_linear(x, w)
+
     def grouped(self, x: torch.Tensor, w, groups: int) -> torch.Tensor:
         """The block-diagonal product of a grouped projection (wo_a): group g's weight rows times x's group g
         columns, concatenated -> [n, groups * rows]."""
@@ -95,6 +110,16 @@ class Ops:
             return None if f is None else f(stack, x, weights, ids, limit, shard)
         f = self.exl3_routed
         return None if f is None or shard is not None else f(stack, x, weights, ids, limit, self.exl3_grouped)
+
+    def routed_shards(self, stack, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float,
+                      shards: int) -> torch.Tensor | None:
+        """Each of `shards` TP shards' `routed` sum ([shards, n, H]; shard s = stack.shard's s) from ONE grouped pass
+        over all the pairs, the same bits as `routed` shard by shard; None where this op set has no such pass for
+        the stack (an EXL3 stack, no shard table, no kernel: MoE runs the shards one by one)."""
+        f = self.fp4_routed_shards
+        if f is None or not isinstance(stack, ExpertStack) or stack.shard is None:
+            return None
+        return f(stack, x, weights, ids, limit, shards)
 
     def attend(self, q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -184,11 +209,13 @@ def _cuda_ops(kernels: bool) -> Ops:
         index_scores = _kernel_index_scores(k["index_scores"], index_scores)
     fp8 = _dequant_linear(dense)
     grouped = _grouped_linear
+    fuse = fused = None
     if "fp8_linear" in k:
         fp8 = _kernel_fp8_linear(k["fp8_linear"])
         grouped = _kernel_grouped_linear(k["fp8_linear_grouped"], fp8)
+        fuse, fused = _kernel_fuse(k["multi_config"]), _kernel_fused_linear(k["fp8_linear_multi"])
         if "prompt_fp8_linear" in k:
-            fp8, grouped = _prompt_fp8_linear(k["prompt_fp8_linear"], fp8, grouped)
+            fp8, grouped, fused = _prompt_fp8_linear(k["prompt_fp8_linear"], fp8, grouped, fused)
     kdense = _kernel_dense_linear(k["bf16_linear"], dense) if "bf16_linear" in k else dense
     return Ops(
         name="cuda" if kernels else "cuda-fallbacks", row_tile=rows, dense_linear=kdense, fp8_linear=fp8,
@@ -206,6 +233,9 @@ def _cuda_ops(kernels: bool) -> Ops:
         sparse_attend=_kernel_attend(k["sparse_attn"]) if "sparse_attn" in k else attend_tiled,
         fp4_routed=_prompt_fp4_routed(k.get("prompt_fp4_moe"), _kernel_fp4_routed(k["fp4_moe"]))
         if "fp4_moe" in k else None,
+        fp4_routed_shards=_prompt_fp4_routed_shards(k.get("prompt_fp4_moe"), _kernel_fp4_routed_shards(k["fp4_moe"]))
+        if "fp4_moe" in k else None,
+        fuse_linears=fuse, fused_linear=fused,
         stacks_experts=True,
         # the fallbacks' per-expert MoE waits for the device (ids.unique): those rounds run eagerly
         graphs="fp4_moe" in k,
@@ -215,7 +245,8 @@ def _cuda_ops(kernels: bool) -> Ops:
 def _load_kernels() -> dict:
     """The kernels of kernels/ that import (Triton present); an absent one leaves its op to the torch fallback."""
     found = {}
-    for module, names in (("kernels.fp8_linear", ("fp8_linear", "bf16_linear", "fp8_linear_grouped")),
+    for module, names in (("kernels.fp8_linear", ("fp8_linear", "bf16_linear", "fp8_linear_grouped",
+                                                  "fp8_linear_multi", "multi_config")),
                           ("kernels.fp4_moe", ("fp4_moe",)),
                           ("kernels.prompt_gemm", ("prompt_fp8_linear", "prompt_fp4_moe")),
                           ("kernels.indexer", ("index_scores", "index_scores_table")),
@@ -278,6 +309,27 @@ def _kernel_fp8_linear(k: Callable) -> Callable:
     def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
         return k(x.contiguous(), w.q, w.scale).float()
     return fp8_linear
+
+
+def _kernel_fuse(multi_config: Callable) -> Callable:
+    """FP8 weights (or bf16 ones) that take one input, concatenated for one launch of kernels/fp8_linear.py's
+    kernel where it takes them with each part's own split and tiles (kernels.fp8_linear.multi_config), else None."""
+    def fuse(weights: list) -> FusedWeight | None:
+        w = fuse_rows(weights)
+        if w is None:
+            return None
+        fp8 = isinstance(w, Fp8Weight)
+        outs = tuple(int(p.shape[0]) for p in weights)
+        cfg = multi_config(outs, int(w.shape[1]), w.device, fp8)
+        return None if cfg is None else FusedWeight(w, outs, cfg)
+    return fuse
+
+
+def _kernel_fused_linear(k: Callable) -> Callable:
+    def fused_linear(x: torch.Tensor, w: FusedWeight) -> list[torch.Tensor]:
+        q, s = (w.w.q, w.w.scale) if isinstance(w.w, Fp8Weight) else (w.w, None)
+        return k(x.contiguous(), q, s, w.outs, w.cfg)
+    return fused_linear
 
 
 def _exl3_reference_linear(rows: int) -> Callable:
@@ -426,11 +478,22 @@ def _kernel_fp4_routed(k: Callable) -> Callable:
     return routed
 
 
-def _prompt_fp8_linear(k: Callable, fp8: Callable, grouped: Callable) -> tuple[Callable, Callable]:
+def _kernel_fp4_routed_shards(k: Callable) -> Callable:
+    """kernels/fp4_moe.py's grouped launch over every pair of the rank's shards once, then each shard's slot sum
+    (stack.shard): one work list, one gate/up and one down launch where a pass per shard took one each."""
+    def routed_shards(stack: ExpertStack, x, weights, ids, limit, shards):
+        return k(x.contiguous(), stack.w13, stack.s13, stack.w2, stack.s2, stack.local[ids], weights, limit,
+                 shard_of=stack.shard, shards=shards)
+    return routed_shards
+
+
+def _prompt_fp8_linear(k: Callable, fp8: Callable, grouped: Callable,
+                       fused: Callable) -> tuple[Callable, Callable, Callable]:
     """FP8 products of more than PROMPT_ROWS rows through kernels/prompt_gemm.py's tensor-core tiles, where the decode
     kernel they replace is the CUDA C one and the device gives its bits (`agrees_with_decode`, checked once per
     device: the prompt kernel runs the decode kernel's k order and K chunks, but whether wgmma sums as mma.sync is the
-    hardware's), so the row count picking one or the other changes no row; else `fp8` / `grouped`."""
+    hardware's), so the row count picking one or the other changes no row; else `fp8` / `grouped` / `fused` (a
+    FusedWeight's parts, each its own prompt product: each part's bits are its own launch's)."""
     from kernels.fp8_linear import CUDA, config_for
     from kernels.prompt_gemm import PROMPT_ROWS, agrees_with_decode, fp8_config
     if torch.cuda.is_available():
@@ -450,7 +513,13 @@ def _prompt_fp8_linear(k: Callable, fp8: Callable, grouped: Callable) -> tuple[C
         if takes(x, w, rows) and rows % fp8_config(rows, w.shape[1]).bn == 0:
             return k(x.contiguous(), w.q, w.scale, groups)
         return grouped(ops, x, w, groups)
-    return fp8_linear, grouped_linear
+
+    def fused_linear(x: torch.Tensor, w: FusedWeight) -> list[torch.Tensor]:
+        if isinstance(w.w, Fp8Weight) and all(takes(x, w.w, o) for o in w.outs):
+            x = x.contiguous()
+            return [k(x, part.q, part.scale) for part in (w.part(i) for i in range(len(w.outs)))]
+        return fused(x, w)
+    return fp8_linear, grouped_linear, fused_linear
 
 
 def _prompt_fp4_routed(k: Callable | None, routed: Callable) -> Callable:
@@ -470,3 +539,21 @@ def _prompt_fp4_routed(k: Callable | None, routed: Callable) -> Callable:
             return prompt(stack, x, weights, ids, limit, shard)
         return routed(stack, x, weights, ids, limit, shard)
     return fp4_routed
+
+
+def _prompt_fp4_routed_shards(k: Callable | None, routed_shards: Callable) -> Callable:
+    """Every TP shard's routed sum from one pass (Ops.routed_shards) through kernels/prompt_gemm.py for more than
+    PROMPT_ROWS rows, under the same conditions as `_prompt_fp4_routed`; else `routed_shards`."""
+    if k is None:
+        return routed_shards
+    from kernels import fp4_moe
+    from kernels.prompt_gemm import PROMPT_ROWS, agrees_with_decode
+
+    def fp4_routed_shards(stack: ExpertStack, x, weights, ids, limit, shards):
+        if (x.shape[0] > PROMPT_ROWS and x.device.type == "cuda"
+                and fp4_moe.config_for(x.device, x.shape[1], stack.w13.shape[1] // 2) is fp4_moe.CUDA
+                and agrees_with_decode(x.device)):
+            return k(x.contiguous(), stack.w13, stack.s13, stack.w2, stack.s2, stack.local[ids], weights, limit,
+                     shard_of=stack.shard, shards=shards)
+        return routed_shards(stack, x, weights, ids, limit, shards)
+    return fp4_routed_shards

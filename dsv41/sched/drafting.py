@@ -32,7 +32,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-MEASURE_ROWS = (1, 2, 4, 8, 16, 32, 48, 64)
+MEASURE_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192)
 EXPLORE_BELOW = 0.1
 EXPLORE_EVERY = 8
 

@@ -46,7 +46,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from dsv41.comm.plan import DropState, FreeSeq, NewSeq, RestoreState, Rollback, SaveState, SeqRows, StepPlan
-from dsv41.sched.drafting import DraftPolicy, DraftStats, RoundCosts
+from dsv41.sched.drafting import MEASURE_ROWS, DraftPolicy, DraftStats, RoundCosts
 from dsv41.sched.images import covers_images
 from dsv41.sched.kept import ImageSpan
 from dsv41.sched.memory import MemoryBudget
@@ -353,7 +353,7 @@ class Scheduler:
             pos += n
 
         try:
-            rows = [n for n in (1, 2, 4, 8, 16, 32, 48, 64) if n <= max(self.round_rows, 1)]
+            rows = [n for n in MEASURE_ROWS if n <= max(self.round_rows, 1)]
             return RoundCosts.measure(run_rows, rows=rows, repeat=1)
         finally:
             self._round += 1

@@ -216,13 +216,28 @@ DEVI void linear_step(const uint4& wa, const uint4& wb, u32 f2, const float* con
 constexpr int PF = 8;                                      // 16-byte weight steps a lane has in flight (a row each)
 constexpr int RING_STAGE = 2 * 128 * 16;                   // bytes of one ring stage: rows a and b of 128 lanes
 
+// Several weights that take the same x, concatenated along N (fp8_linear_multi): up to four parts, part i the rows
+// [e_{i-1}, e_i) (e_{-1} = 0, e_3 = N; a single weight: e0 = e1 = e2 = N), each with its own split S_i (the split it
+// has alone: the same chunks, the same sums, the same bits) and its own output, the [M, e_i - e_{i-1}] block of y at
+// M * e_{i-1}. A part starts on a 64-row block; a block past its part's S_i chunks returns at once.
 template <bool WFP8, bool IN_PROGRAM, int MAXT, bool XB>
 DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict__ w, const u8* __restrict__ s,
                       float* __restrict__ y, float* __restrict__ part, int* __restrict__ cnt, int M, int N, int K,
-                      int kchunk, int S, int xg) {
+                      int kchunk, int S, int xg, int e0, int e1, int e2, int s1, int s2, int s3) {
+    const int nb0 = blockIdx.x * 64;
+    const int seg = nb0 >= e2 ? 3 : nb0 >= e1 ? 2 : nb0 >= e0 ? 1 : 0;
+    const int p_lo = seg == 3 ? e2 : seg == 2 ? e1 : seg == 1 ? e0 : 0;
+    const int p_hi = seg == 3 ? N : seg == 2 ? e2 : seg == 1 ? e1 : e0;
+    if (seg > 0) {
+        S = seg == 3 ? s3 : seg == 2 ? s2 : s1;
+        kchunk = K / S;
+    }
+    if (!IN_PROGRAM && (int)blockIdx.y >= S) return;       // a part with fewer chunks than the launch's most
+    float* __restrict__ yp = y + (long long)M * p_lo - p_lo;  // this part's output: row stride ldy, columns from p_lo
+    const int ldy = p_hi - p_lo;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * 64 + warp * 16;
+    const int n0 = nb0 + warp * 16;
     const int m0 = blockIdx.z * (8 * MAXT);
     const int live = min(MAXT, (M - m0 + 7) >> 3);
     const bool rows_ok = n0 < N;
@@ -305,8 +320,10 @@ DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict
         }
     }
     // C fragment of row tile i: (n0 + g, m0 + 8i + 2t), (.., +1), (n0 + g + 8, ..), (.., +1)
+    // (a part of one chunk in a split launch: 0 + its sum, as the in-program form adds it: -0 becomes +0 alike)
     const bool split = S > 1 && !IN_PROGRAM;
-    float* dst = split ? part + (long long)blockIdx.y * M * N : y;
+    float* dst = split ? part + (long long)blockIdx.y * M * N : yp;
+    const long long ldd = split ? N : ldy;
     if (rows_ok) {
 #pragma unroll
         for (int i = 0; i < MAXT; ++i) {
@@ -314,7 +331,9 @@ DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
                     int n = n0 + g + (r >> 1) * 8, m = m0 + 8 * i + 2 * t + (r & 1);
-                    if (m < M) dst[(long long)m * N + n] = IN_PROGRAM ? tot[IN_PROGRAM ? i : 0][r] : acc[i][r];
+                    if (m < M && n < p_hi)
+                        dst[(long long)m * ldd + n] = IN_PROGRAM ? tot[IN_PROGRAM ? i : 0][r]
+                                                      : split ? acc[i][r] : 0.f + acc[i][r];
                 }
             }
         }
@@ -340,7 +359,7 @@ DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict
             if (m < M) {
                 float sum = 0.f;
                 for (int c = 0; c < S; ++c) sum = sum + ld_cg(part + ((long long)c * M + m) * N + n);
-                y[(long long)m * N + n] = sum;
+                if (n < p_hi) yp[(long long)m * ldy + n] = sum;
             }
         }
     }
@@ -350,8 +369,10 @@ DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict
 #define LINEAR_KERNEL(name, WFP8, IN_PROGRAM, MAXT)                                                          \
     extern "C" __global__ void __launch_bounds__(128) name(const float* x, int ldx, const u8* w, const u8* s,     \
                                                            float* y, float* part, int* cnt, int M, int N, int K,  \
-                                                           int kchunk, int S, int xg) {                           \
-        linear_body<WFP8, IN_PROGRAM, MAXT, (MAXT > 1)>(x, ldx, w, s, y, part, cnt, M, N, K, kchunk, S, xg);     \
+                                                           int kchunk, int S, int xg, int e0, int e1, int e2,     \
+                                                           int s1, int s2, int s3) {                              \
+        linear_body<WFP8, IN_PROGRAM, MAXT, (MAXT > 1)>(x, ldx, w, s, y, part, cnt, M, N, K, kchunk, S, xg, e0, e1,  \
+                                                        e2, s1, s2, s3);                                             \
     }
 #define LINEAR_KERNELS(T)                                   \
     LINEAR_KERNEL(fp8_linear_split_t##T, true, false, T)    \
