@@ -37,7 +37,10 @@ from triton.language.extra import libdevice
 from kernels.fp4_moe import _unpack
 from kernels.fp8_linear import INTERPRET, bf16_operand, mma
 
-PROMPT_ROWS = 64   # rows above which the op set runs these kernels (at or below: the decode kernels)
+PROMPT_ROWS = 64   # rows above which the op set runs the FP8 prompt product (at or below: the decode kernel)
+# rows above which it runs the experts here: below, a work-list tile holds a few pairs and the decode kernels, which
+# unpack in registers with no shuffle, are faster (bench/results/prompt-gemm.md). The bits are the same either way.
+MOE_PROMPT_ROWS = 1024
 
 FP8_BK = 64        # the FP8 linear's K step: the decode kernel's 64-wide step, whose k order is matched
 MOE_BK = 128       # the experts' K step: 128 values (64 packed bytes), the decode kernels' step

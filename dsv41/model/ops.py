@@ -523,17 +523,17 @@ def _prompt_fp8_linear(k: Callable, fp8: Callable, grouped: Callable,
 
 
 def _prompt_fp4_routed(k: Callable | None, routed: Callable) -> Callable:
-    """The routed experts of more than PROMPT_ROWS rows through kernels/prompt_gemm.py's grouped tensor-core GEMM,
+    """The routed experts of more than MOE_PROMPT_ROWS rows through kernels/prompt_gemm.py's grouped tensor-core GEMM,
     where the decode kernels are the CUDA C ones and the device gives their bits (`agrees_with_decode`); else
     `routed`."""
     if k is None:
         return routed
     from kernels import fp4_moe
-    from kernels.prompt_gemm import PROMPT_ROWS, agrees_with_decode
+    from kernels.prompt_gemm import MOE_PROMPT_ROWS, agrees_with_decode
     prompt = _kernel_fp4_routed(k)
 
     def fp4_routed(stack: ExpertStack, x, weights, ids, limit, shard):
-        if (x.shape[0] > PROMPT_ROWS and x.device.type == "cuda"
+        if (x.shape[0] > MOE_PROMPT_ROWS and x.device.type == "cuda"
                 and fp4_moe.config_for(x.device, x.shape[1], stack.w13.shape[1] // 2) is fp4_moe.CUDA
                 and agrees_with_decode(x.device)):
             return prompt(stack, x, weights, ids, limit, shard)
@@ -543,14 +543,14 @@ def _prompt_fp4_routed(k: Callable | None, routed: Callable) -> Callable:
 
 def _prompt_fp4_routed_shards(k: Callable | None, routed_shards: Callable) -> Callable:
     """Every TP shard's routed sum from one pass (Ops.routed_shards) through kernels/prompt_gemm.py for more than
-    PROMPT_ROWS rows, under the same conditions as `_prompt_fp4_routed`; else `routed_shards`."""
+    MOE_PROMPT_ROWS rows, under the same conditions as `_prompt_fp4_routed`; else `routed_shards`."""
     if k is None:
         return routed_shards
     from kernels import fp4_moe
-    from kernels.prompt_gemm import PROMPT_ROWS, agrees_with_decode
+    from kernels.prompt_gemm import MOE_PROMPT_ROWS, agrees_with_decode
 
     def fp4_routed_shards(stack: ExpertStack, x, weights, ids, limit, shards):
-        if (x.shape[0] > PROMPT_ROWS and x.device.type == "cuda"
+        if (x.shape[0] > MOE_PROMPT_ROWS and x.device.type == "cuda"
                 and fp4_moe.config_for(x.device, x.shape[1], stack.w13.shape[1] // 2) is fp4_moe.CUDA
                 and agrees_with_decode(x.device)):
             return k(x.contiguous(), stack.w13, stack.s13, stack.w2, stack.s2, stack.local[ids], weights, limit,
