@@ -1,4 +1,4 @@
-"""Compile every kernel of fp8_linear, fp4_moe and sparse_attn for a CUDA target without a GPU (Triton's own ptxas),
+"""Compile every kernel of fp8_linear, fp4_moe, sparse_attn and topk for a CUDA target without a GPU (Triton's own ptxas),
 in the configurations the wrappers launch. The interpreter runs kernels as Python, so it misses what only the
 compiler rejects (non-constexpr globals, unsupported casts, shared memory over the limit); this catches those on a
 CPU machine. Run with TRITON_INTERPRET unset (the kernels must be real JIT functions):
@@ -17,7 +17,7 @@ CUDA_SMEM_LIMIT = 232448   # bytes of shared memory a Hopper block may use (227 
 
 
 def _cases():
-    from kernels import fp4_moe, fp8_linear, sparse_attn
+    from kernels import fp4_moe, fp8_linear, sparse_attn, topk
     div = [["tt.divisibility", 16]]
     sig8 = {"x_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32", "part_ptr": "*fp32",
             "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "KB": "i32",
@@ -76,6 +76,15 @@ def _cases():
                 "INTERP": False},
                {(i,): div for i in range(6)},
                {"num_warps": sparse_attn.NUM_WARPS, "num_stages": sparse_attn.NUM_STAGES})
+    for E, k in ((384, 6), (256, 8), (1024, 16)):   # V4.1's router (384 experts, top 6) and the limits
+        be = 1 << (E - 1).bit_length()
+        yield (f"router_topk E={E} k={k}", topk._router_topk_kernel,
+               {"s_ptr": "*fp32", "val_ptr": "*fp32", "ids_ptr": "*i64", "n": "i32", "E": "i32", "K": "constexpr",
+                "BE": "constexpr", "BR": "constexpr"},
+               {"K": k, "BE": be, "BR": topk.ROUTER_ROWS}, {}, {"num_warps": 4 if be >= 512 else 2})
+    yield ("select_topk", topk._select_topk_kernel,
+           {"s_ptr": "*fp32", "out_ptr": "*i64", "T": "i32", "k": "i32", "BLOCK": "constexpr"},
+           {"BLOCK": topk.SELECT_BLOCK}, {}, {"num_warps": topk.SELECT_WARPS})
 
 
 def _prompt_cases(work, div):

@@ -34,7 +34,7 @@ from dsv41.model.engram_hash import EngramHasher, build_token_map, load_token_ma
 from dsv41.model.engram_store import EngramStore
 from dsv41.model.exl3_load import Exl3Packed
 from dsv41.model.graphs import PieceGraphs
-from dsv41.model.indexer import KEY_TILE, Indexer, candidate_blocks, select_topk
+from dsv41.model.indexer import KEY_TILE, Indexer, candidate_blocks
 from dsv41.model.layout import LayerRole, Layout
 from dsv41.model.mhc import HcSite, hc_mixes
 from dsv41.model.moe import Expert, MoE
@@ -616,7 +616,7 @@ class Model:
                                                   t.candidate_block_size))
                 elif r.uses_candidates and "candidates" in sh:
                     scores = scores.masked_fill(~sh["candidates"][rows], float("-inf"))
-                picks.append(select_topk(scores, t.index_topk))
+                picks.append(ix.ops.select_topk(scores, t.index_topk))
                 del scores
             topk = torch.cat(picks) if len(picks) > 1 else picks[0]
             if r.candidate_source:
@@ -832,7 +832,7 @@ class Model:
                                 rd.cand[b * n:(b + 1) * n, :c])
             elif r.uses_candidates and rd.cand is not None:
                 scores = scores.masked_fill(~rd.cand, float("-inf"))
-            topk = select_topk(scores, t.index_topk)
+            topk = ix.ops.select_topk(scores, t.index_topk)
         if trace is not None:
             for b in range(B):
                 trace.setdefault(f"topk.layer{r.index}", []).append(topk[b * n:(b + 1) * n])

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41.model.device import ExpertStack, FusedWeight
-from dsv41.model.linear import silu, softplus, stable_topk
+from dsv41.model.linear import silu, softplus
 from dsv41.model.ops import Ops, reference_ops
 
 
@@ -122,7 +122,7 @@ class MoE:
         """-> (weights [n, k] float32, expert ids [n, k]) in slot order."""
         s = torch.sqrt(softplus(self.ops.linear(x, self.gate) / self.gate_temp))
         bias = self.bias if image is None else torch.where(image[:, None], self.bias_vl, self.bias)
-        _, ids = stable_topk(s + bias, self.top_k)
+        _, ids = self.ops.router_topk(s + bias, self.top_k)
         return self.ops.route_weights(s, ids, self.scaling), ids
 
     def __call__(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:

@@ -59,6 +59,10 @@ class Ops:
     gather_round: Callable         # (srcs: B x [*, D], idx [B*n, K] (-1: a zero-weight row), n) -> [B*n, K, D]
     sparse_attend: Callable        # (ops, q [n, h, D], pool [P, D], idx [n, K] (-1 masked), sink [h], scale)
     #                                -> [n, h, D]
+    router_topk: Callable          # (scores [n, E], k) -> (values [n, k], ids [n, k] int64): the router's pick,
+    #                                value descending, ties to the lower id (linear.stable_topk)
+    select_topk: Callable          # (scores [n, T], k) -> [n, k] int64: the indexer's top-k finite entries in
+    #                                ascending index order, -1 padded (indexer.select_topk)
     fp4_routed: Callable | None = None    # (ExpertStack, x, weights, ids, limit, shard) -> [n, H]; None: per expert
     fp4_routed_shards: Callable | None = None   # (ExpertStack with .shard, x, weights, ids, limit) -> [S, n, H]:
     #                                             each TP shard's slot sum from one grouped pass; None: shard by shard
@@ -177,6 +181,7 @@ def ops_for(device: torch.device | str, kernels: bool = True) -> Ops:
 def reference_ops() -> Ops:
     """The CPU float32 reference: exactly the functions the model defines (the bitwise tests' path)."""
     from dsv41.model import mhc, moe
+    from dsv41.model.indexer import select_topk
     rows = L.ROW_TILE
     dense = _dense_linear(rows)
     return Ops(name="reference", row_tile=rows, dense_linear=dense, fp8_linear=_dequant_linear(dense),
@@ -186,7 +191,7 @@ def reference_ops() -> Ops:
                hc_collapse=mhc.hc_collapse, hc_expand=mhc.hc_expand, route_weights=moe.route_weights,
                index_scores=functools.partial(_index_scores_tiled, rows=rows),
                round_scores=functools.partial(_round_scores_padded, rows=rows), gather_round=gather_round,
-               sparse_attend=attend_tiled)
+               sparse_attend=attend_tiled, router_topk=L.stable_topk, select_topk=select_topk)
 
 
 # ---- the CUDA path -------------------------------------------------------------------------------------------
@@ -201,6 +206,7 @@ def cuda_ops(kernels: bool = True) -> Ops:
 @functools.cache
 def _cuda_ops(kernels: bool) -> Ops:
     from dsv41.model import mhc, moe
+    from dsv41.model.indexer import select_topk
     rows = CUDA_ROW_TILE
     dense = _dense_linear(rows)
     k = _load_kernels() if kernels else {}
@@ -231,6 +237,8 @@ def _cuda_ops(kernels: bool) -> Ops:
         round_scores=_cuda_round_scores(k.get("index_scores_table"), index_scores),
         gather_round=_kernel_gather_round(k["gather_rows"]) if "gather_rows" in k else gather_round,
         sparse_attend=_kernel_attend(k["sparse_attn"]) if "sparse_attn" in k else attend_tiled,
+        router_topk=_or_fallback(k.get("router_topk"), L.stable_topk),
+        select_topk=_or_fallback(k.get("select_topk"), select_topk),
         fp4_routed=_kernel_fp4_routed(k["fp4_moe"]) if "fp4_moe" in k else None,
         fp4_routed_shards=_kernel_fp4_routed_shards(k["fp4_moe"]) if "fp4_moe" in k else None,
         fuse_linears=fuse, fused_linear=fused,
@@ -250,6 +258,7 @@ def _load_kernels() -> dict:
                           ("kernels.indexer", ("index_scores", "index_scores_table")),
                           ("kernels.round_gather", ("gather_rows",)),
                           ("kernels.sparse_attn", ("sparse_attn",)),
+                          ("kernels.topk", ("router_topk", "select_topk")),
                           ("kernels.rowops", ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "route_weights"))):
         try:
             mod = __import__(module, fromlist=list(names))

@@ -1,0 +1,137 @@
+"""kernels/topk.py (the router's pick; the indexer's top-k selection) against the torch functions they replace,
+`torch.equal` on ids and values: selection does no arithmetic, so the kernels are bitwise those functions on any
+device. On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py) on small shapes; with a GPU (marker gpu)
+at V4.1's shapes (384 experts, top 6; T up to 65536 keys, top 512), rows 1..64.
+
+The definitions: `linear.stable_topk` (a full stable sort) for the router, `indexer.select_topk_by_sort` (the same
+sort, its picks in ascending index order) for the indexer, which `indexer.select_topk` (the torch path the CUDA op
+set ran) equals too."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from dsv41.model.indexer import select_topk, select_topk_by_sort
+from dsv41.model.linear import stable_topk
+from dsv41.model.ops import cuda_ops, reference_ops
+from kernels import topk
+
+interp = pytest.mark.skipif(not topk.INTERPRET, reason="kernels on CPU tensors need TRITON_INTERPRET=1")
+NEG_INF = float("-inf")
+
+
+def _tied(g, shape, levels):
+    """Random rows drawn from a few values: full of ties (and of -0.0 beside +0.0)."""
+    vals = torch.tensor(levels, dtype=torch.float32)
+    return vals[torch.randint(0, len(levels), shape, generator=g)]
+
+
+def _check_router(s, k):
+    got_v, got_i = topk.router_topk(s, k)
+    want_v, want_i = stable_topk(s, k)
+    assert torch.equal(got_i, want_i), (got_i, want_i)
+    assert torch.equal(got_v, want_v) and torch.equal(got_v.signbit(), want_v.signbit())
+
+
+def _check_select(s, k):
+    got = topk.select_topk(s, k)
+    want = select_topk_by_sort(s, k)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got, want), (s.shape, k)
+    assert torch.equal(got, select_topk(s, k))
+
+
+@interp
+@pytest.mark.parametrize(("E", "k"), [(384, 6), (17, 4), (8, 8), (1, 1)])
+def test_router_topk_equals_the_stable_sort(E, k):
+    g = torch.Generator().manual_seed(E * 31 + k)
+    _check_router(torch.randn(9, E, generator=g), k)
+    _check_router(_tied(g, (9, E), [-1.5, -0.0, 0.0, 0.25, 2.0]), k)          # rows full of ties
+    _check_router(torch.full((3, E), 0.5), k)                                    # one value: the lowest ids
+    s = torch.randn(9, E, generator=g)
+    assert torch.equal(topk.router_topk(s[4:5], k)[1][0], topk.router_topk(s, k)[1][4])   # a row alone
+
+
+@interp
+def test_router_topk_out_of_range_is_none():
+    assert topk.router_topk(torch.zeros(2, 2000), 6) is None            # E past ROUTER_MAX_E
+    assert topk.router_topk(torch.zeros(2, 4), 6) is None               # k > E
+    assert topk.router_topk(torch.zeros(2, 8, dtype=torch.float64), 2) is None
+
+
+@interp
+@pytest.mark.parametrize(("T", "k"), [(100, 16), (40, 64), (5000, 64), (1, 3), (300, 300)])
+def test_select_topk_equals_the_stable_sort(T, k):
+    g = torch.Generator().manual_seed(T * 7 + k)
+    s = torch.randn(4, T, generator=g)
+    s[1, T // 3:] = NEG_INF                                # a short sequence's padding
+    s[2] = NEG_INF                                         # a row with no keys
+    _check_select(s, k)
+    t = _tied(g, (4, T), [-3.0, -0.0, 0.0, 1.0, 7.5, float("inf")])              # ties everywhere, +inf kept
+    t[0, T // 2:] = NEG_INF
+    _check_select(t, k)
+    _check_select(_tied(g, (3, T), [NEG_INF, 2.0]), k)                           # k past the finite count
+    _check_select(torch.full((2, T), -1e-30), k)                                 # one value
+
+
+@interp
+def test_select_topk_rows_are_independent_and_values_span_the_keys():
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(6, 3000, generator=g) * torch.tensor([1e-30, 1.0, 1e30, 1e-40, 3e38, 1.0])[:, None]
+    s[5] = s[5].abs().neg()                                  # all negative
+    _check_select(s, 200)
+    assert torch.equal(topk.select_topk(s[3:4], 200)[0], topk.select_topk(s, 200)[3])
+    assert topk.select_topk(torch.zeros(0, 10), 4).shape == (0, 4)
+    assert torch.equal(topk.select_topk(torch.zeros(2, 0), 4), torch.full((2, 4), -1))
+
+
+@interp
+def test_op_sets_route_and_select_with_the_same_picks():
+    """The CUDA op set (kernels) against the reference op set (torch functions), through the model's call sites'
+    ops: MoE.route and the indexer's selection."""
+    from dsv41.model.moe import Expert, MoE
+    g = torch.Generator().manual_seed(1)
+    hidden = 32
+    shared = Expert(torch.randn(8, hidden, generator=g), torch.randn(hidden, 8, generator=g),
+                    torch.randn(8, hidden, generator=g))
+    moe = MoE(gate=torch.randn(384, hidden, generator=g), bias=torch.randn(384, generator=g) * 0.1,
+              bias_vl=torch.zeros(384), experts={}, shared=shared, top_k=6, gate_temp=1.0, scaling=1.5,
+              limit=10.0, ops=cuda_ops())
+    assert "router_topk" in cuda_ops().kernels and "select_topk" in cuda_ops().kernels
+    x = torch.randn(11, hidden, generator=g)
+    got = moe.route(x)[1]
+    assert torch.equal(got, dataclasses.replace(moe, ops=cuda_ops(kernels=False)).route(x)[1])
+    s = _tied(g, (5, 700), [NEG_INF, 0.0, 1.0, 2.0])
+    assert torch.equal(cuda_ops().select_topk(s, 64), reference_ops().select_topk(s, 64))
+
+
+# ---- on the GPU, V4.1's shapes --------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 7, 32, 64])
+def test_router_topk_gpu_release_shape(rows):
+    g = torch.Generator().manual_seed(rows)
+    s = torch.randn(rows, 384, generator=g).cuda()
+    _check_router(s, 6)
+    _check_router(_tied(g, (rows, 384), [0.1, 0.2, 0.3]).cuda(), 6)
+    cpu_v, cpu_i = stable_topk(s.cpu(), 6)                        # and the CPU definition
+    assert torch.equal(topk.router_topk(s, 6)[1].cpu(), cpu_i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [512, 4096, 65536])
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_select_topk_gpu_release_shape(T, rows):
+    g = torch.Generator().manual_seed(T + rows)
+    s = torch.randn(rows, T, generator=g)
+    s[rows // 2:, T - T // 3:] = NEG_INF
+    if rows > 1:
+        s[-1] = NEG_INF
+    _check_select(s.cuda(), 512)
+    t = _tied(g, (rows, T), [NEG_INF, -1.0, 0.0, 0.5, 1.0])
+    _check_select(t.cuda(), 512)
+    assert torch.equal(topk.select_topk(t.cuda(), 512).cpu(), select_topk_by_sort(t, 512))   # the CPU definition
