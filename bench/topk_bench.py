@@ -1,0 +1,89 @@
+"""GPU time of the top-k selections (kernels/topk.py) against the torch paths they replace, at decode row counts:
+the MoE router's pick (384 experts, top 6: `linear.stable_topk`, a full stable sort) and the indexer's selection
+(T keys per row, top 512: `indexer.select_topk`, three torch.topk calls), each checked equal first.
+
+Each op is captured `--calls` times in one CUDA graph (inputs fixed), the graph replayed `--reps` times between CUDA
+events: µs per call, launch overhead included as a graphed decode round has it.
+
+    python bench/topk_bench.py [--rows 1,8,32] [--T 512,4096,65536] [--out bench/results/topk.md]
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def graphed_us(fn, calls: int, reps: int) -> float:
+    """µs per call of fn() captured `calls` times in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / (reps * calls)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,8,32")
+    ap.add_argument("--T", default="512,4096,65536")
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/topk.md"))
+    a = ap.parse_args()
+    from dsv41.model.indexer import select_topk
+    from dsv41.model.linear import stable_topk
+    from kernels import topk
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    lines = ["| op | rows | torch µs | kernel µs | torch / kernel |", "|---|---:|---:|---:|---:|"]
+    for rows in [int(r) for r in a.rows.split(",")]:
+        s = torch.randn(rows, 384, generator=g).to(dev)
+        assert torch.equal(topk.router_topk(s, 6)[1], stable_topk(s, 6)[1])
+        t0 = graphed_us(lambda s=s: stable_topk(s, 6), a.calls, a.reps)
+        t1 = graphed_us(lambda s=s: topk.router_topk(s, 6), a.calls, a.reps)
+        lines.append(f"| router pick E=384 k=6 | {rows} | {t0:.1f} | {t1:.1f} | {t0 / t1:.1f} |")
+        for T in [int(t) for t in a.T.split(",")]:
+            x = torch.randn(rows, T, generator=g).to(dev)
+            x[:, T - T // 8:] = float("-inf")                          # a round's padding
+            assert torch.equal(topk.select_topk(x, 512), select_topk(x, 512))
+            t0 = graphed_us(lambda x=x: select_topk(x, 512), a.calls, a.reps)
+            t1 = graphed_us(lambda x=x: topk.select_topk(x, 512), a.calls, a.reps)
+            lines.append(f"| indexer select T={T} k=512 | {rows} | {t0:.1f} | {t1:.1f} | {t0 / t1:.1f} |")
+        print("\n".join(lines), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                            check=False).stdout.strip()
+    head = [f"## topk_bench ({commit}, {torch.cuda.get_device_name()}, {platform.node()})", "",
+            f"`python bench/topk_bench.py --rows {a.rows} --T {a.T}`: µs per call, {a.calls} calls per CUDA graph, "
+            f"{a.reps} replays; each pair checked equal first.", ""]
+    out = Path(a.out)
+    old = out.read_text() if out.exists() else "# Top-k selections: kernels/topk.py against the torch paths\n\n"
+    title, _, rest = old.partition("\n\n")
+    out.write_text(title + "\n\n" + "\n".join(head + lines) + "\n\n" + rest)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
