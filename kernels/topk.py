@@ -7,8 +7,8 @@ arithmetic on the values), so each is bitwise the torch function it replaces, on
   torch's CUDA path runs a full stable radix sort of each row (radixSortKVInPlace) for 6 of 384 entries.
 - `select_topk(scores, k)` = `dsv41.model.indexer.select_topk`: the indices of each row's k largest entries above
   -inf (value descending, ties to the lower index), listed in ascending index order, -1 padded to width k. One program
-  per row: a radix select over the order-preserving uint32 image of the float32 bits (four passes of an 8-bit
-  histogram over the entries whose higher bytes equal the prefix found so far) finds the k-th value t and how many of
+  per row: a radix select over the order-preserving uint32 image of the float32 bits (three passes of an 11-, 11-
+  and 10-bit digit's histogram over the entries whose higher digits equal the prefix found so far) finds the k-th value t and how many of
   the entries equal to t the pick holds; one more pass lists the entries above t and the first `need` entries equal
   to t in index order (prefix counts within each block, running counts across blocks). torch's path is three
   torch.topk calls (radix sorts + gathers) and the compares between them.
@@ -79,34 +79,40 @@ def _key(x):
 
 
 @triton.jit
+def _pick_bin(hist, bins, want, prefix, shift):
+    """The bin holding the want-th largest of a digit's histogram (the highest bin whose count from the top reaches
+    want): (want less the entries in the bins above it, prefix with the bin's digit at `shift`)."""
+    at_or_above = tl.sum(hist) - tl.cumsum(hist, axis=0) + hist
+    b = tl.max(tl.where(at_or_above >= want, bins, 0))
+    return want - tl.sum(tl.where(bins > b, hist, 0)), prefix | (b.to(tl.uint32) << shift)
+
+
+@triton.jit
 def _select_topk_kernel(s_ptr, out_ptr, T, k, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     row = s_ptr + r * T
     offs = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 256)
-    # the k-th key by radix select, a byte at a time from the top: `prefix` holds the bytes found, `want` how many
+    bins = tl.arange(0, 2048)
+    # the k-th key by radix select, a digit at a time from the top: `prefix` holds the digits found, `want` how many
     # of the entries matching it the pick still needs (the entries above the prefix are all taken)
     prefix = tl.zeros((), dtype=tl.uint32)
     valid_n = tl.zeros((), dtype=tl.int32)
     want = tl.full((), 0, tl.int32)
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        hist = tl.zeros((256,), dtype=tl.int32)
+    for p in tl.static_range(3):
+        shift = 21 - 11 * p + p // 2                   # digits: bits 31..21, 20..10, 9..0
+        width = 11 - p // 2
+        hist = tl.zeros((2048,), dtype=tl.int32)
         for c in range(0, T, BLOCK):
             idx = c + offs
             key = _key(tl.load(row + idx, mask=idx < T, other=float("-inf")))
             m = key > NEG_INF_KEY
             if p > 0:
-                m = m & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-            hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=m)
+                m = m & ((key >> (shift + width)) == (prefix >> (shift + width)))
+            hist += tl.histogram(((key >> shift) & ((1 << width) - 1)).to(tl.int32), 2048, mask=m)
         if p == 0:
             valid_n = tl.sum(hist)
             want = tl.maximum(tl.minimum(valid_n, k), 1)
-        # the bin holding the want-th largest: the highest bin whose count from the top reaches want
-        at_or_above = tl.sum(hist) - tl.cumsum(hist, axis=0) + hist
-        b = tl.max(tl.where(at_or_above >= want, bins, 0))
-        want = want - tl.sum(tl.where(bins > b, hist, 0))
-        prefix = prefix | (b.to(tl.uint32) << shift)
+        want, prefix = _pick_bin(hist, bins, want, prefix, shift)
     taken = tl.minimum(valid_n, k)
     # every valid entry when the row holds no more than k: the threshold drops to -inf's key, no ties
     thresh = tl.where(valid_n <= k, NEG_INF_KEY, prefix)

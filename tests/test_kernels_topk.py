@@ -90,6 +90,20 @@ def test_select_topk_rows_are_independent_and_values_span_the_keys():
 
 
 @interp
+@pytest.mark.parametrize("base", [0x3F800000, 0xBF800000 - 0x3000, 0x00000000])
+def test_select_topk_values_differing_in_their_low_bits(base):
+    """Values a few ulps apart (every digit of the radix select decides; signs and zeros at base 0): the pick
+    crosses the digits' boundaries."""
+    g = torch.Generator().manual_seed(base % 1000)
+    bits = torch.randint(0, 0x3000, (4, 2500), generator=g, dtype=torch.int64) + base
+    s = bits.to(torch.int32).view(torch.float32) if base < 2 ** 31 else (bits - 2 ** 32).to(torch.int32).view(
+        torch.float32)
+    s = torch.where(torch.isfinite(s), s, 0.0)
+    for k in (1, 37, 512, 2400):
+        _check_select(s, k)
+
+
+@interp
 def test_op_sets_route_and_select_with_the_same_picks():
     """The CUDA op set (kernels) against the reference op set (torch functions), through the model's call sites'
     ops: MoE.route and the indexer's selection."""
