@@ -1,6 +1,7 @@
 """GPU time of the top-k selections (kernels/topk.py) against the torch paths they replace, at decode row counts:
 the MoE router's pick (384 experts, top 6: `linear.stable_topk`, a full stable sort) and the indexer's selection
-(T keys per row, top 512: `indexer.select_topk`, three torch.topk calls), each checked equal first.
+(T keys per row, top 512: `indexer.select_topk`, three torch.topk calls; the kernel in both forms, one program
+per row and a row split in SPLIT_CHUNK-entry chunks: select_topk picks by T > SPLIT_T), each checked equal first.
 
 Each op is captured `--calls` times in one CUDA graph (inputs fixed), the graph replayed `--reps` times between CUDA
 events: µs per call, launch overhead included as a graphed decode round has it.
@@ -67,10 +68,14 @@ def main() -> int:
         for T in [int(t) for t in a.T.split(",")]:
             x = torch.randn(rows, T, generator=g).to(dev)
             x[:, T - T // 8:] = float("-inf")                          # a round's padding
-            assert torch.equal(topk.select_topk(x, 512), select_topk(x, 512))
+            want = select_topk(x, 512)
             t0 = graphed_us(lambda x=x: select_topk(x, 512), a.calls, a.reps)
-            t1 = graphed_us(lambda x=x: topk.select_topk(x, 512), a.calls, a.reps)
-            lines.append(f"| indexer select T={T} k=512 | {rows} | {t0:.1f} | {t1:.1f} | {t0 / t1:.1f} |")
+            for split in (False, True):      # one program per row; chunks of SPLIT_CHUNK a program each
+                assert torch.equal(topk.select_topk(x, 512, split=split), want)
+                t1 = graphed_us(lambda x=x, sp=split: topk.select_topk(x, 512, split=sp), a.calls, a.reps)
+                how = f"split {topk.SPLIT_CHUNK}" if split else "a program per row"
+                lines.append(f"| indexer select T={T} k=512 ({how}) | {rows} | {t0:.1f} | {t1:.1f} | "
+                             f"{t0 / t1:.1f} |")
         print("\n".join(lines), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                             check=False).stdout.strip()

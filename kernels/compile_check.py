@@ -85,6 +85,18 @@ def _cases():
     yield ("select_topk", topk._select_topk_kernel,
            {"s_ptr": "*fp32", "out_ptr": "*i64", "T": "i32", "k": "i32", "BLOCK": "constexpr"},
            {"BLOCK": topk.SELECT_BLOCK}, {}, {"num_warps": topk.SELECT_WARPS})
+    opt = {"num_warps": topk.SELECT_WARPS}
+    for p in range(3):
+        yield (f"select_topk split, radix pass {p}", topk._split_hist_kernel,
+               {"s_ptr": "*fp32", "hist_ptr": "*i32", "T": "i32", "k": "i32", "CHUNK": "i32", "P": "constexpr",
+                "BLOCK": "constexpr"}, {"P": p, "BLOCK": topk.SELECT_BLOCK}, {}, opt)
+    sig = {"s_ptr": "*fp32", "hist_ptr": "*i32", "cnt_ptr": "*i32", "T": "i32", "k": "i32", "CHUNK": "i32",
+           "C": "i32", "BLOCK": "constexpr"}
+    yield ("select_topk split, counts", topk._split_count_kernel, sig, {"BLOCK": topk.SELECT_BLOCK}, {}, opt)
+    sig_w = {"s_ptr": "*fp32", "hist_ptr": "*i32", "cnt_ptr": "*i32", "out_ptr": "*i64", "T": "i32", "k": "i32",
+             "CHUNK": "i32", "C": "i32", "BLOCK": "constexpr"}
+    yield ("select_topk split, compaction", topk._split_write_kernel, sig_w,
+           {"BLOCK": topk.SELECT_BLOCK}, {}, opt)
 
 
 def _prompt_cases(work, div):

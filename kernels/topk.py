@@ -30,6 +30,8 @@ ROUTER_MAX_E = 1024          # the router's row is held in registers: E up to th
 ROUTER_ROWS = 4              # rows per program of the router pick
 SELECT_BLOCK = 2048          # entries per step of the indexer selection's passes
 SELECT_WARPS = 8
+SPLIT_T = 16384              # rows longer than this: SPLIT_CHUNK-entry chunks, a program each (fixed by T alone)
+SPLIT_CHUNK = 8192
 NEG_INF_KEY = tl.constexpr(0x007FFFFF)   # the key of -inf: entries at or below it are never taken
 
 
@@ -79,75 +81,183 @@ def _key(x):
 
 
 @triton.jit
-def _pick_bin(hist, bins, want, prefix, shift):
-    """The bin holding the want-th largest of a digit's histogram (the highest bin whose count from the top reaches
-    want): (want less the entries in the bins above it, prefix with the bin's digit at `shift`)."""
-    at_or_above = tl.sum(hist) - tl.cumsum(hist, axis=0) + hist
-    b = tl.max(tl.where(at_or_above >= want, bins, 0))
-    return want - tl.sum(tl.where(bins > b, hist, 0)), prefix | (b.to(tl.uint32) << shift)
+def _digit_hist(row, lo, hi, prefix, p: tl.constexpr, BLOCK: tl.constexpr):
+    """The histogram of radix pass p's digit over entries [lo, hi) of a row: the valid entries (above -inf) whose
+    higher digits equal `prefix`'s. Digits: bits 31..21, 20..10, 9..0 of the key."""
+    shift = 21 - 11 * p + p // 2
+    width = 11 - p // 2
+    offs = tl.arange(0, BLOCK)
+    hist = tl.zeros((2048,), dtype=tl.int32)
+    for c in range(lo, hi, BLOCK):
+        idx = c + offs
+        key = _key(tl.load(row + idx, mask=idx < hi, other=float("-inf")))
+        m = key > NEG_INF_KEY
+        if p > 0:
+            m = m & ((key >> (shift + width)) == (prefix >> (shift + width)))
+        hist += tl.histogram(((key >> shift) & ((1 << width) - 1)).to(tl.int32), 2048, mask=m)
+    return hist
 
 
 @triton.jit
-def _select_topk_kernel(s_ptr, out_ptr, T, k, BLOCK: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    row = s_ptr + r * T
-    offs = tl.arange(0, BLOCK)
+def _radix_step(hist, p: tl.constexpr, valid_n, want, prefix, k):
+    """Radix pass p's digit from its histogram: the bin holding the want-th largest (the highest bin whose count
+    from the top reaches want) -> (valid_n, want less the entries in the bins above it, prefix with the digit).
+    Pass 0's histogram counts the row's valid entries: want starts at min(valid_n, k) (at least 1)."""
+    if p == 0:
+        valid_n = tl.sum(hist)
+        want = tl.maximum(tl.minimum(valid_n, k), 1)
     bins = tl.arange(0, 2048)
-    # the k-th key by radix select, a digit at a time from the top: `prefix` holds the digits found, `want` how many
-    # of the entries matching it the pick still needs (the entries above the prefix are all taken)
+    at_or_above = tl.sum(hist) - tl.cumsum(hist, axis=0) + hist
+    b = tl.max(tl.where(at_or_above >= want, bins, 0))
+    shift = 21 - 11 * p + p // 2
+    return valid_n, want - tl.sum(tl.where(bins > b, hist, 0)), prefix | (b.to(tl.uint32) << shift)
+
+
+@triton.jit
+def _threshold(valid_n, want, prefix, k):
+    """(thresh, need): the pick = the keys above thresh and the first `need` (in index order) equal to it; every
+    valid entry when the row holds no more than k (thresh = -inf's key, no ties)."""
+    few = valid_n <= k
+    return tl.where(few, NEG_INF_KEY, prefix), tl.where(few, 0, want)
+
+
+@triton.jit
+def _state_from(hist_ptr, k, P: tl.constexpr):
+    """The radix state after passes 0..P-1 from their histograms in global memory ([3, 2048] int32 of a row)."""
+    bins = tl.arange(0, 2048)
     prefix = tl.zeros((), dtype=tl.uint32)
     valid_n = tl.zeros((), dtype=tl.int32)
-    want = tl.full((), 0, tl.int32)
-    for p in tl.static_range(3):
-        shift = 21 - 11 * p + p // 2                   # digits: bits 31..21, 20..10, 9..0
-        width = 11 - p // 2
-        hist = tl.zeros((2048,), dtype=tl.int32)
-        for c in range(0, T, BLOCK):
-            idx = c + offs
-            key = _key(tl.load(row + idx, mask=idx < T, other=float("-inf")))
-            m = key > NEG_INF_KEY
-            if p > 0:
-                m = m & ((key >> (shift + width)) == (prefix >> (shift + width)))
-            hist += tl.histogram(((key >> shift) & ((1 << width) - 1)).to(tl.int32), 2048, mask=m)
-        if p == 0:
-            valid_n = tl.sum(hist)
-            want = tl.maximum(tl.minimum(valid_n, k), 1)
-        want, prefix = _pick_bin(hist, bins, want, prefix, shift)
-    taken = tl.minimum(valid_n, k)
-    # every valid entry when the row holds no more than k: the threshold drops to -inf's key, no ties
-    thresh = tl.where(valid_n <= k, NEG_INF_KEY, prefix)
-    need = tl.where(valid_n <= k, 0, want)
-    # the pick in index order: above the threshold, or the first `need` entries equal to it
-    pos = tl.zeros((), dtype=tl.int32)
-    ties = tl.zeros((), dtype=tl.int32)
-    orow = out_ptr + r * k
-    for c in range(0, T, BLOCK):
+    want = tl.zeros((), dtype=tl.int32)
+    for q in tl.static_range(P):
+        valid_n, want, prefix = _radix_step(tl.load(hist_ptr + q * 2048 + bins), q, valid_n, want, prefix, k)
+    return valid_n, want, prefix
+
+
+@triton.jit
+def _compact(row, orow, lo, hi, thresh, need, pos, ties, BLOCK: tl.constexpr):
+    """Entries [lo, hi) of the pick written in index order from position `pos` (`ties`: the entries equal to
+    thresh before lo)."""
+    offs = tl.arange(0, BLOCK)
+    for c in range(lo, hi, BLOCK):
         idx = c + offs
-        key = _key(tl.load(row + idx, mask=idx < T, other=float("-inf")))
-        tie = (key == thresh) & (idx < T)
+        key = _key(tl.load(row + idx, mask=idx < hi, other=float("-inf")))
+        tie = (key == thresh) & (idx < hi)
         tie_i = tie.to(tl.int32)
         tie_rank = ties + tl.cumsum(tie_i, axis=0) - tie_i
-        take = ((key > thresh) | (tie & (tie_rank < need))) & (idx < T)
+        take = ((key > thresh) | (tie & (tie_rank < need))) & (idx < hi)
         take_i = take.to(tl.int32)
         at = pos + tl.cumsum(take_i, axis=0) - take_i
         tl.store(orow + at, idx.to(tl.int64), mask=take)
         pos += tl.sum(take_i)
         ties += tl.sum(tie_i)
-    for c in range(0, k, BLOCK):                  # -1 past the pick
+
+
+@triton.jit
+def _pad(orow, taken, k, BLOCK: tl.constexpr):
+    """-1 past the pick."""
+    offs = tl.arange(0, BLOCK)
+    for c in range(0, k, BLOCK):
         j = c + offs
         tl.store(orow + j, tl.full((BLOCK,), -1, tl.int64), mask=(j >= taken) & (j < k))
 
 
-def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor | None:
+@triton.jit
+def _select_topk_kernel(s_ptr, out_ptr, T, k, BLOCK: tl.constexpr):
+    """One program per row: three radix passes, the compaction, the padding."""
+    r = tl.program_id(0).to(tl.int64)
+    row = s_ptr + r * T
+    prefix = tl.zeros((), dtype=tl.uint32)
+    valid_n = tl.zeros((), dtype=tl.int32)
+    want = tl.zeros((), dtype=tl.int32)
+    for p in tl.static_range(3):
+        valid_n, want, prefix = _radix_step(_digit_hist(row, 0, T, prefix, p, BLOCK), p, valid_n, want, prefix, k)
+    thresh, need = _threshold(valid_n, want, prefix, k)
+    orow = out_ptr + r * k
+    _compact(row, orow, 0, T, thresh, need, tl.zeros((), dtype=tl.int32), tl.zeros((), dtype=tl.int32), BLOCK)
+    _pad(orow, tl.minimum(valid_n, k), k, BLOCK)
+
+
+@triton.jit
+def _split_hist_kernel(s_ptr, hist_ptr, T, k, CHUNK, P: tl.constexpr, BLOCK: tl.constexpr):
+    """Radix pass P of a long row, program (row, chunk): the chunk's digit histogram added to the row's (integer
+    atomics: the sum does not depend on their order)."""
+    r = tl.program_id(0).to(tl.int64)
+    lo = tl.program_id(1) * CHUNK
+    hrow = hist_ptr + r * (3 * 2048)
+    valid_n, want, prefix = _state_from(hrow, k, P)
+    hist = _digit_hist(s_ptr + r * T, lo, tl.minimum(lo + CHUNK, T), prefix, P, BLOCK)
+    bins = tl.arange(0, 2048)
+    tl.atomic_add(hrow + P * 2048 + bins, hist, mask=hist > 0, sem="relaxed")
+
+
+@triton.jit
+def _split_count_kernel(s_ptr, hist_ptr, cnt_ptr, T, k, CHUNK, C, BLOCK: tl.constexpr):
+    """Program (row, chunk): how many of the chunk's entries lie above the threshold and how many equal it."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    valid_n, want, prefix = _state_from(hist_ptr + r * (3 * 2048), k, 3)
+    thresh, need = _threshold(valid_n, want, prefix, k)
+    row = s_ptr + r * T
+    lo = c * CHUNK
+    hi = tl.minimum(lo + CHUNK, T)
+    offs = tl.arange(0, BLOCK)
+    above = tl.zeros((), dtype=tl.int32)
+    ties = tl.zeros((), dtype=tl.int32)
+    for b in range(lo, hi, BLOCK):
+        idx = b + offs
+        key = _key(tl.load(row + idx, mask=idx < hi, other=float("-inf")))
+        above += tl.sum((key > thresh).to(tl.int32))
+        ties += tl.sum(((key == thresh) & (idx < hi)).to(tl.int32))
+    tl.store(cnt_ptr + (r * C + c) * 2, above)
+    tl.store(cnt_ptr + (r * C + c) * 2 + 1, ties)
+
+
+@triton.jit
+def _split_write_kernel(s_ptr, hist_ptr, cnt_ptr, out_ptr, T, k, CHUNK, C, BLOCK: tl.constexpr):
+    """Program (row, chunk): the chunk's part of the pick, from the position the chunks before it fill (their
+    entries above the threshold, and their ties up to `need`)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    valid_n, want, prefix = _state_from(hist_ptr + r * (3 * 2048), k, 3)
+    thresh, need = _threshold(valid_n, want, prefix, k)
+    offs = tl.arange(0, 1024)
+    above = tl.zeros((), dtype=tl.int32)
+    ties = tl.zeros((), dtype=tl.int32)
+    for j in range(0, c, 1024):
+        m = j + offs < c
+        above += tl.sum(tl.load(cnt_ptr + (r * C + j + offs) * 2, mask=m, other=0))
+        ties += tl.sum(tl.load(cnt_ptr + (r * C + j + offs) * 2 + 1, mask=m, other=0))
+    orow = out_ptr + r * k
+    lo = c * CHUNK
+    _compact(s_ptr + r * T, orow, lo, tl.minimum(lo + CHUNK, T), thresh, need, above + tl.minimum(ties, need),
+             ties, BLOCK)
+    if c == 0:
+        _pad(orow, tl.minimum(valid_n, k), k, BLOCK)
+
+
+def select_topk(scores: torch.Tensor, k: int, split: bool | None = None) -> torch.Tensor | None:
     """[n, k] int64: bitwise `indexer.select_topk(scores, k)` for a float32 [n, T]; None where it does not apply
-    (the caller's torch function runs)."""
-    if scores.dim() != 2 or scores.dtype != torch.float32 or k <= 0 or scores.shape[1] >= 2 ** 31 - SELECT_BLOCK:
+    (the caller's torch function runs). A row of more than SPLIT_T entries is split into SPLIT_CHUNK-entry chunks,
+    a program each, over five launches (three radix passes, the chunks' counts, the compaction); a shorter row is
+    one program's (`split` forces either: the result is the same)."""
+    if scores.dim() != 2 or scores.dtype != torch.float32 or k <= 0 or scores.shape[1] >= 2 ** 31 - SPLIT_CHUNK:
         return None
     if scores.device.type != "cuda" and not INTERPRET:
         return None
     s = scores.contiguous()
     n, T = s.shape
     out = torch.empty((n, k), dtype=torch.long, device=s.device)
-    if n:
+    if n == 0:
+        return out
+    if not (T > SPLIT_T if split is None else split) or T == 0:
         _select_topk_kernel[(n,)](s, out, T, k, BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS)
+        return out
+    C = triton.cdiv(T, SPLIT_CHUNK)
+    hist = torch.zeros((n, 3, 2048), dtype=torch.int32, device=s.device)
+    cnt = torch.empty((n, C, 2), dtype=torch.int32, device=s.device)
+    for p in range(3):
+        _split_hist_kernel[(n, C)](s, hist, T, k, SPLIT_CHUNK, P=p, BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS)
+    _split_count_kernel[(n, C)](s, hist, cnt, T, k, SPLIT_CHUNK, C, BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS)
+    _split_write_kernel[(n, C)](s, hist, cnt, out, T, k, SPLIT_CHUNK, C, BLOCK=SELECT_BLOCK,
+                                num_warps=SELECT_WARPS)
     return out

@@ -37,8 +37,8 @@ def _check_router(s, k):
     assert torch.equal(got_v, want_v) and torch.equal(got_v.signbit(), want_v.signbit())
 
 
-def _check_select(s, k):
-    got = topk.select_topk(s, k)
+def _check_select(s, k, split=None):
+    got = topk.select_topk(s, k, split=split)
     want = select_topk_by_sort(s, k)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert torch.equal(got, want), (s.shape, k)
@@ -104,6 +104,24 @@ def test_select_topk_values_differing_in_their_low_bits(base):
 
 
 @interp
+@pytest.mark.parametrize(("T", "k", "chunk"), [(5000, 64, 1250), (700, 300, 128), (3000, 2, 1000)])
+def test_select_topk_split_rows_equal_the_stable_sort(T, k, chunk, monkeypatch):
+    """A long row's form: chunks of the row a program each (histograms summed across them, each chunk's place in
+    the pick from the chunks before it), at small chunks so that a row has many."""
+    monkeypatch.setattr(topk, "SPLIT_CHUNK", chunk)
+    monkeypatch.setattr(topk, "SELECT_BLOCK", 256)       # (the interpreter's time)
+    g = torch.Generator().manual_seed(T + k)
+    s = _tied(g, (4, T), [-3.0, -0.0, 0.0, 1.0, 7.5])
+    s[1, T // 3:] = NEG_INF
+    s[2] = NEG_INF
+    _check_select(s, k, split=True)
+    s = torch.randn(3, T, generator=g)
+    s[0, : T // 2] = 1.0                                  # the ties span chunks
+    _check_select(s, k, split=True)
+    _check_select(_tied(g, (2, T), [NEG_INF, 2.0]), k, split=True)
+
+
+@interp
 def test_op_sets_route_and_select_with_the_same_picks():
     """The CUDA op set (kernels) against the reference op set (torch functions), through the model's call sites'
     ops: MoE.route and the indexer's selection."""
@@ -145,7 +163,9 @@ def test_select_topk_gpu_release_shape(T, rows):
     s[rows // 2:, T - T // 3:] = NEG_INF
     if rows > 1:
         s[-1] = NEG_INF
-    _check_select(s.cuda(), 512)
+    for split in (False, True):
+        _check_select(s.cuda(), 512, split)
     t = _tied(g, (rows, T), [NEG_INF, -1.0, 0.0, 0.5, 1.0])
-    _check_select(t.cuda(), 512)
+    for split in (False, True):
+        _check_select(t.cuda(), 512, split)
     assert torch.equal(topk.select_topk(t.cuda(), 512).cpu(), select_topk_by_sort(t, 512))   # the CPU definition
