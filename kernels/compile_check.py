@@ -1,4 +1,4 @@
-"""Compile every kernel of fp8_linear, fp4_moe, sparse_attn and topk for a CUDA target without a GPU (Triton's own ptxas),
+"""Compile every kernel of fp8_linear, fp4_moe, sparse_attn, router and topk for a CUDA target without a GPU (Triton's own ptxas),
 in the configurations the wrappers launch. The interpreter runs kernels as Python, so it misses what only the
 compiler rejects (non-constexpr globals, unsupported casts, shared memory over the limit); this catches those on a
 CPU machine. Run with TRITON_INTERPRET unset (the kernels must be real JIT functions):
@@ -17,7 +17,7 @@ CUDA_SMEM_LIMIT = 232448   # bytes of shared memory a Hopper block may use (227 
 
 
 def _cases():
-    from kernels import fp4_moe, fp8_linear, sparse_attn, topk
+    from kernels import fp4_moe, fp8_linear, router, sparse_attn, topk
     div = [["tt.divisibility", 16]]
     sig8 = {"x_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32", "part_ptr": "*fp32",
             "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "KB": "i32",
@@ -82,6 +82,13 @@ def _cases():
                {"s_ptr": "*fp32", "val_ptr": "*fp32", "ids_ptr": "*i64", "n": "i32", "E": "i32", "K": "constexpr",
                 "BE": "constexpr", "BR": "constexpr"},
                {"K": k, "BE": be, "BR": topk.ROUTER_ROWS}, {}, {"num_warps": 4 if be >= 512 else 2})
+    for img in (False, True):
+        yield (f"router_scores{' image rows' if img else ''}", router._router_scores_kernel,
+               {"z_ptr": "*fp32", "bias_ptr": "*fp32", "vl_ptr": "*fp32", "img_ptr": "*u8", "s_ptr": "*fp32",
+                "sb_ptr": "*fp32", "n": "i32", "E": "i32", "inv": "fp32", "HAS_IMG": "constexpr", "BE": "constexpr",
+                "BR": "constexpr", "INTERP": "constexpr"},
+               {"HAS_IMG": img, "BE": 512, "BR": router.ROWS, "INTERP": False}, {},
+               {"num_warps": 4, **router.LAUNCH})
     yield ("select_topk", topk._select_topk_kernel,
            {"s_ptr": "*fp32", "out_ptr": "*i64", "T": "i32", "k": "i32", "BLOCK": "constexpr"},
            {"BLOCK": topk.SELECT_BLOCK}, {}, {"num_warps": topk.SELECT_WARPS})

@@ -1,4 +1,5 @@
-"""kernels/topk.py (the router's pick; the indexer's top-k selection) against the torch functions they replace,
+"""kernels/router.py (the router's scores) and kernels/topk.py (the router's pick; the indexer's top-k selection)
+against the torch functions they replace,
 `torch.equal` on ids and values: selection does no arithmetic, so the kernels are bitwise those functions on any
 device. On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py) on small shapes; with a GPU (marker gpu)
 at V4.1's shapes (384 experts, top 6; T up to 65536 keys, top 512), rows 1..64.
@@ -18,7 +19,8 @@ pytest.importorskip("triton")
 from dsv41.model.indexer import select_topk, select_topk_by_sort
 from dsv41.model.linear import stable_topk
 from dsv41.model.ops import cuda_ops, reference_ops
-from kernels import topk
+from dsv41.model.moe import router_scores
+from kernels import router, topk
 
 interp = pytest.mark.skipif(not topk.INTERPRET, reason="kernels on CPU tensors need TRITON_INTERPRET=1")
 NEG_INF = float("-inf")
@@ -141,6 +143,29 @@ def test_op_sets_route_and_select_with_the_same_picks():
     assert torch.equal(cuda_ops().select_topk(s, 64), reference_ops().select_topk(s, 64))
 
 
+def _logits(g, n, E):
+    z = torch.randn(n, E, generator=g) * 4
+    z[0, :6] = torch.tensor([-40.0, -104.0, 19.999998, 20.0, 20.000002, 35.0])   # exp underflow; the threshold
+    return z
+
+
+@interp
+def test_router_scores_kernel_computes_the_router_scores():
+    """The interpreter's stand-ins for libdevice's exp/log1p are not torch's CPU functions: s to float32 rounding
+    here (bitwise on the GPU, below); the bias by row exactly; the wrapper leaves CPU tensors to torch."""
+    g = torch.Generator().manual_seed(3)
+    z = _logits(g, 9, 384)
+    bias, bias_vl = torch.randn(384, generator=g) * 0.1, torch.randn(384, generator=g) * 0.1
+    image = torch.tensor([True, False] * 4 + [True])
+    for temp in (1.0, 2.0):
+        for img in (None, image):
+            s, sb = router.launch(z, temp, bias, bias_vl, img)
+            ws, wsb = router_scores(z, temp, bias, bias_vl, img)
+            torch.testing.assert_close(s, ws, rtol=3e-7, atol=0)
+            assert torch.equal(sb, s + (bias if img is None else torch.where(img[:, None], bias_vl, bias)))
+    assert router.router_scores(z, 1.0, bias, bias_vl, None) is None
+
+
 # ---- on the GPU, V4.1's shapes --------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -169,3 +194,19 @@ def test_select_topk_gpu_release_shape(T, rows):
     for split in (False, True):
         _check_select(t.cuda(), 512, split)
     assert torch.equal(topk.select_topk(t.cuda(), 512).cpu(), select_topk_by_sort(t, 512))   # the CPU definition
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 7, 32, 64])
+def test_router_scores_gpu_bitwise_torch(rows):
+    """libdevice's expf / log1pf are the functions torch's CUDA exp / log1p run: the kernel equals torch's ops
+    on the GPU bit for bit (and a non-power-of-two temperature goes through the same float32 reciprocal)."""
+    g = torch.Generator().manual_seed(rows)
+    z = _logits(g, rows, 384).cuda()
+    bias, bias_vl = (torch.randn(384, generator=g) * 0.1).cuda(), (torch.randn(384, generator=g) * 0.1).cuda()
+    image = (torch.arange(rows) % 3 == 0).cuda()
+    for temp in (1.0, 1.3):
+        for img in (None, image):
+            got = router.router_scores(z, temp, bias, bias_vl, img)
+            want = router_scores(z, temp, bias, bias_vl, img)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (temp, img is None)

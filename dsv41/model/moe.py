@@ -53,6 +53,14 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, e: Expert, limit: float, o
     return ops.linear(h, e.w2)
 
 
+def router_scores(z: torch.Tensor, temp: float, bias: torch.Tensor, bias_vl: torch.Tensor,
+                  image: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's scores from its logits z [n, E]: s = sqrt(softplus(z / temp)), and the selection's input
+    s + bias (bias_vl on the rows image marks) -> (s, s + bias) (kernels/router.py: the same in one launch)."""
+    s = torch.sqrt(softplus(z / temp))
+    return s, s + (bias if image is None else torch.where(image[:, None], bias_vl, bias))
+
+
 def route_weights(s: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
     """The routing weights of the picks ids [n, k] from the scores s [n, E]: s at the picks, divided by their
     slot-order sum + 1e-20 (when k > 1), × scaling (kernels/rowops.py's `route_weights`: the same in one launch)."""
@@ -120,9 +128,9 @@ class MoE:
 
     def route(self, x: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [n, k] float32, expert ids [n, k]) in slot order."""
-        s = torch.sqrt(softplus(self.ops.linear(x, self.gate) / self.gate_temp))
-        bias = self.bias if image is None else torch.where(image[:, None], self.bias_vl, self.bias)
-        _, ids = self.ops.router_topk(s + bias, self.top_k)
+        s, biased = self.ops.router_scores(self.ops.linear(x, self.gate), self.gate_temp, self.bias, self.bias_vl,
+                                           image)
+        _, ids = self.ops.router_topk(biased, self.top_k)
         return self.ops.route_weights(s, ids, self.scaling), ids
 
     def __call__(self, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""The MoE router's elementwise part in one launch: s = sqrt(softplus(z / gate_temp)) and the selection's input
+s + bias (bias_vl on image rows), = `dsv41.model.moe.router_scores` run by torch on the GPU, bitwise: the same
+operations in the same order as torch's CUDA kernels run them, one per element --
+- `z / t` with t a Python float: torch's CUDA division by a CPU scalar multiplies by float32(1 / t) (computed on
+  the host in float32; exact for V4.1's t = 1.0, and on the CPU too for a power of two);
+- softplus: `where(y > 20, y, log1p(exp(min(y, 20))))` with libdevice's expf / log1pf (the CUDA math library's
+  functions torch's `std::exp` / `::log1p` compile to);
+- sqrt_rn, then one IEEE add of the bias; FMA contraction off.
+The interpreter has no libdevice: there numpy's exp and a log1p written with log stand in (close, not bitwise
+torch's CPU functions), so `router_scores` runs on CUDA tensors only (the op set's torch function runs on CPU
+ones); the CPU tests launch the kernel itself (`launch`) and check the function to float32 rounding, the GPU test
+checks `router_scores` against torch bitwise.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ROWS = 4
+LAUNCH = {} if INTERPRET else {"enable_fp_fusion": False, "enable_reflect_ftz": False}   # torch: no FTZ
+
+
+@triton.jit
+def _softplus(y, INTERP: tl.constexpr):
+    """torch's softplus on CUDA (threshold 20): where(y > 20, y, log1p(exp(min(y, 20))))."""
+    c = tl.minimum(y, 20.0)
+    if INTERP:                                   # numpy's exp; log1p(u) = log(1 + u) · u / ((1 + u) - 1)
+        u = tl.exp(c)
+        w = 1.0 + u
+        lp = tl.where(w == 1.0, u, tl.log(w) * (u / tl.where(w == 1.0, 1.0, w - 1.0)))
+    else:
+        lp = libdevice.log1p(libdevice.exp(c))
+    return tl.where(y > 20.0, y, lp)
+
+
+@triton.jit
+def _router_scores_kernel(z_ptr, bias_ptr, vl_ptr, img_ptr, s_ptr, sb_ptr, n, E, inv, HAS_IMG: tl.constexpr,
+                          BE: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    ok = rows < n
+    rows = rows.to(tl.int64)
+    cols = tl.arange(0, BE)
+    m = ok[:, None] & (cols < E)[None, :]
+    at = rows[:, None] * E + cols[None, :]
+    y = tl.load(z_ptr + at, mask=m, other=0.0) * inv
+    s = tl.sqrt_rn(_softplus(y, INTERP))
+    b = tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
+    if HAS_IMG:
+        img = tl.load(img_ptr + rows, mask=ok, other=0) != 0
+        vl = tl.load(vl_ptr + cols, mask=cols < E, other=0.0)[None, :]
+        b = tl.where(img[:, None], vl, b)
+    tl.store(s_ptr + at, s, mask=m)
+    tl.store(sb_ptr + at, s + b, mask=m)
+
+
+def router_scores(z: torch.Tensor, temp: float, bias: torch.Tensor, bias_vl: torch.Tensor,
+                  image: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(s, s + bias by row) for float32 logits z [n, E] (E <= 1024) on CUDA, float32 biases [E], image [n] bool or
+    None; None where it does not apply (the caller's torch function runs): CPU tensors included."""
+    if z.device.type != "cuda" or z.dim() != 2 or z.dtype != torch.float32 or z.shape[1] > 1024 or \
+            bias.dtype != torch.float32 or bias_vl.dtype != torch.float32:
+        return None
+    return launch(z, temp, bias, bias_vl, image)
+
+
+def launch(z: torch.Tensor, temp: float, bias: torch.Tensor, bias_vl: torch.Tensor,
+           image: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel itself, on CUDA tensors or (TRITON_INTERPRET=1) CPU ones."""
+    z = z.contiguous()
+    n, E = z.shape
+    s, sb = torch.empty_like(z), torch.empty_like(z)
+    if n:
+        # torch's CUDA `z / t` for a Python float t: z · float32(1 / t), the reciprocal rounded in float32
+        inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(temp, dtype=torch.float32))
+        img = z if image is None else image.contiguous().view(torch.uint8)
+        _router_scores_kernel[(triton.cdiv(n, ROWS),)](z, bias.contiguous(), bias_vl.contiguous(), img, s, sb, n, E,
+                                                      inv, HAS_IMG=image is not None, BE=triton.next_power_of_2(E),
+                                                      BR=ROWS, INTERP=INTERPRET, num_warps=4,
+                                                      **LAUNCH)
+    return s, sb
