@@ -1,7 +1,9 @@
-"""GPU time of the top-k selections (kernels/topk.py) against the torch paths they replace, at decode row counts:
-the MoE router's pick (384 experts, top 6: `linear.stable_topk`, a full stable sort) and the indexer's selection
-(T keys per row, top 512: `indexer.select_topk`, three torch.topk calls; the kernel in both forms, one program
-per row and a row split in SPLIT_CHUNK-entry chunks: select_topk picks by T > SPLIT_T), each checked equal first.
+"""GPU time of the router's scores (kernels/router.py) and the top-k selections (kernels/topk.py) against the torch
+paths they replace, at decode row counts: the router's elementwise part (`moe.router_scores`, image rows), its
+pick (384 experts, top 6: `linear.stable_topk`, a full stable sort) and the indexer's selection (T keys per row,
+top 512: `indexer.select_topk`, three torch.topk calls; the kernel in both forms, one program per row and a row
+split in SPLIT_CHUNK-entry chunks: select_topk picks by T > SPLIT_T), each checked equal first (the scores'
+row says "NOT bitwise" where they differ).
 
 Each op is captured `--calls` times in one CUDA graph (inputs fixed), the graph replayed `--reps` times between CUDA
 events: µs per call, launch overhead included as a graphed decode round has it.
@@ -55,11 +57,20 @@ def main() -> int:
     a = ap.parse_args()
     from dsv41.model.indexer import select_topk
     from dsv41.model.linear import stable_topk
-    from kernels import topk
+    from dsv41.model.moe import router_scores
+    from kernels import router, topk
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
     lines = ["| op | rows | torch µs | kernel µs | torch / kernel |", "|---|---:|---:|---:|---:|"]
     for rows in [int(r) for r in a.rows.split(",")]:
+        z = (torch.randn(rows, 384, generator=g) * 4).to(dev)
+        bias, img = (torch.randn(384, generator=g) * 0.1).to(dev), torch.zeros(rows, dtype=torch.bool, device=dev)
+        same = [torch.equal(p, q) for p, q in zip(router_scores(z, 1.0, bias, bias, img),
+                                                  router.router_scores(z, 1.0, bias, bias, img))]
+        t0 = graphed_us(lambda z=z, i=img: router_scores(z, 1.0, bias, bias, i), a.calls, a.reps)
+        t1 = graphed_us(lambda z=z, i=img: router.router_scores(z, 1.0, bias, bias, i), a.calls, a.reps)
+        lines.append(f"| router scores E=384{'' if all(same) else ' (NOT bitwise)'} | {rows} | {t0:.1f} | "
+                     f"{t1:.1f} | {t0 / t1:.1f} |")
         s = torch.randn(rows, 384, generator=g).to(dev)
         assert torch.equal(topk.router_topk(s, 6)[1], stable_topk(s, 6)[1])
         t0 = graphed_us(lambda s=s: stable_topk(s, 6), a.calls, a.reps)
