@@ -6,16 +6,19 @@ arithmetic on the values), so each is bitwise the torch function it replaces, on
   once and the pick repeated k times (the maximum of the entries not yet taken, then the lowest index holding it).
   torch's CUDA path runs a full stable radix sort of each row (radixSortKVInPlace) for 6 of 384 entries.
 - `select_topk(scores, k)` = `dsv41.model.indexer.select_topk`: the indices of each row's k largest entries above
-  -inf (value descending, ties to the lower index), listed in ascending index order, -1 padded to width k. One program
-  per row: a radix select over the order-preserving uint32 image of the float32 bits (three passes of an 11-, 11-
-  and 10-bit digit's histogram over the entries whose higher digits equal the prefix found so far) finds the k-th value t and how many of
-  the entries equal to t the pick holds; one more pass lists the entries above t and the first `need` entries equal
-  to t in index order (prefix counts within each block, running counts across blocks). torch's path is three
-  torch.topk calls (radix sorts + gathers) and the compares between them.
+  -inf (value descending, ties to the lower index), listed in ascending index order, -1 padded to width k. A radix
+  select over the order-preserving uint32 image of the float32 bits (three passes of an 11-, 11- and 10-bit digit's
+  histogram over the entries whose higher digits equal the prefix found so far) finds the k-th value t and how many
+  of the entries equal to t the pick holds; one more pass lists the entries above t and the first `need` entries
+  equal to t in index order (prefix counts within each block, running counts across blocks). One program per row;
+  a row of more than SPLIT_T entries in SPLIT_CHUNK-entry chunks, a program each (the histograms summed across
+  them, each chunk's place in the pick from the counts of the chunks before it: five launches). torch's path is
+  three torch.topk calls (radix sorts + gathers) and the compares between them.
 
 Comparison semantics, as torch's compares and the CPU sort have them: -0.0 and +0.0 are one value (the key maps
-both to +0.0's image); values are NaN-free (scores and router logits are finite; the indexer pads with -inf).
-A row's result depends on its row only, whatever the row count.
+both to +0.0's image; torch's CUDA radix sort may order them, but the router's s + bias is never -0.0: s >= +0.0);
+values are NaN-free (scores and router logits are finite; the indexer pads with -inf). A row's result depends on
+its row only, whatever the row count.
 """
 from __future__ import annotations
 
