@@ -33,8 +33,8 @@ ROUTER_MAX_E = 1024          # the router's row is held in registers: E up to th
 ROUTER_ROWS = 4              # rows per program of the router pick
 SELECT_BLOCK = 2048          # entries per step of the indexer selection's passes
 SELECT_WARPS = 8
-SPLIT_T = 16384              # rows longer than this: SPLIT_CHUNK-entry chunks, a program each (fixed by T alone)
-SPLIT_CHUNK = 8192
+SPLIT_T = 2048               # rows longer than this: SPLIT_CHUNK-entry chunks, a program each (fixed by T alone)
+SPLIT_CHUNK = 2048           # one block step per program and pass: a step is ~10 us of latency (topk.md)
 NEG_INF_KEY = tl.constexpr(0x007FFFFF)   # the key of -inf: entries at or below it are never taken
 
 
