@@ -2,8 +2,8 @@
 paths they replace, at decode row counts: the router's elementwise part (`moe.router_scores`, image rows), its
 pick (384 experts, top 6: `linear.stable_topk`, a full stable sort) and the indexer's selection (T keys per row,
 top 512: `indexer.select_topk`, three torch.topk calls; the kernel in both forms, one program per row and a row
-split in SPLIT_CHUNK-entry chunks: select_topk picks by T > SPLIT_T), each checked equal first (the scores'
-row says "NOT bitwise" where they differ).
+split in SPLIT_CHUNK-entry chunks: select_topk picks by T > SPLIT_T; each with 11- and 8-bit radix digits),
+each checked equal first (the scores' row says "NOT bitwise" where they differ).
 
 Each op is captured `--calls` times in one CUDA graph (inputs fixed), the graph replayed `--reps` times between CUDA
 events: µs per call, launch overhead included as a graphed decode round has it.
@@ -82,11 +82,13 @@ def main() -> int:
             want = select_topk(x, 512)
             t0 = graphed_us(lambda x=x: select_topk(x, 512), a.calls, a.reps)
             for split in (False, True):      # one program per row; chunks of SPLIT_CHUNK a program each
-                assert torch.equal(topk.select_topk(x, 512, split=split), want)
-                t1 = graphed_us(lambda x=x, sp=split: topk.select_topk(x, 512, split=sp), a.calls, a.reps)
-                how = f"split {topk.SPLIT_CHUNK}" if split else "a program per row"
-                lines.append(f"| indexer select T={T} k=512 ({how}) | {rows} | {t0:.1f} | {t1:.1f} | "
-                             f"{t0 / t1:.1f} |")
+                for bits in (11, 8):         # the radix digit: 3 passes of 2048 bins, 4 of 256
+                    assert torch.equal(topk.select_topk(x, 512, split=split, bits=bits), want)
+                    t1 = graphed_us(lambda x=x, sp=split, b=bits: topk.select_topk(x, 512, split=sp, bits=b),
+                                    a.calls, a.reps)
+                    how = f"split {topk.SPLIT_CHUNK}" if split else "a program per row"
+                    lines.append(f"| indexer select T={T} k=512 ({how}, {bits}-bit digits) | {rows} | {t0:.1f} | "
+                                 f"{t1:.1f} | {t0 / t1:.1f} |")
         print("\n".join(lines), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                             check=False).stdout.strip()

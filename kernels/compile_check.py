@@ -89,21 +89,22 @@ def _cases():
                 "BR": "constexpr", "INTERP": "constexpr"},
                {"HAS_IMG": img, "BE": 512, "BR": router.ROWS, "INTERP": False}, {},
                {"num_warps": 4, **router.LAUNCH})
-    yield ("select_topk", topk._select_topk_kernel,
-           {"s_ptr": "*fp32", "out_ptr": "*i64", "T": "i32", "k": "i32", "BLOCK": "constexpr"},
-           {"BLOCK": topk.SELECT_BLOCK}, {}, {"num_warps": topk.SELECT_WARPS})
     opt = {"num_warps": topk.SELECT_WARPS}
-    for p in range(3):
-        yield (f"select_topk split, radix pass {p}", topk._split_hist_kernel,
-               {"s_ptr": "*fp32", "hist_ptr": "*i32", "T": "i32", "k": "i32", "CHUNK": "i32", "P": "constexpr",
-                "BLOCK": "constexpr"}, {"P": p, "BLOCK": topk.SELECT_BLOCK}, {}, opt)
     sig = {"s_ptr": "*fp32", "hist_ptr": "*i32", "cnt_ptr": "*i32", "T": "i32", "k": "i32", "CHUNK": "i32",
-           "C": "i32", "BLOCK": "constexpr"}
-    yield ("select_topk split, counts", topk._split_count_kernel, sig, {"BLOCK": topk.SELECT_BLOCK}, {}, opt)
+           "C": "i32", "BITS": "constexpr", "BLOCK": "constexpr"}
     sig_w = {"s_ptr": "*fp32", "hist_ptr": "*i32", "cnt_ptr": "*i32", "out_ptr": "*i64", "T": "i32", "k": "i32",
-             "CHUNK": "i32", "C": "i32", "BLOCK": "constexpr"}
-    yield ("select_topk split, compaction", topk._split_write_kernel, sig_w,
-           {"BLOCK": topk.SELECT_BLOCK}, {}, opt)
+             "CHUNK": "i32", "C": "i32", "BITS": "constexpr", "BLOCK": "constexpr"}
+    for bits in (11, 8):
+        c = {"BITS": bits, "BLOCK": topk.SELECT_BLOCK}
+        yield (f"select_topk {bits}-bit digits", topk._select_topk_kernel,
+               {"s_ptr": "*fp32", "out_ptr": "*i64", "T": "i32", "k": "i32", "BITS": "constexpr",
+                "BLOCK": "constexpr"}, c, {}, opt)
+        for p in range(-(-32 // bits)):
+            yield (f"select_topk split {bits}-bit, radix pass {p}", topk._split_hist_kernel,
+                   {"s_ptr": "*fp32", "hist_ptr": "*i32", "T": "i32", "k": "i32", "CHUNK": "i32", "P": "constexpr",
+                    "BITS": "constexpr", "BLOCK": "constexpr"}, {**c, "P": p}, {}, opt)
+        yield (f"select_topk split {bits}-bit, counts", topk._split_count_kernel, sig, c, {}, opt)
+        yield (f"select_topk split {bits}-bit, compaction", topk._split_write_kernel, sig_w, c, {}, opt)
 
 
 def _prompt_cases(work, div):

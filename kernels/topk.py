@@ -33,6 +33,7 @@ ROUTER_MAX_E = 1024          # the router's row is held in registers: E up to th
 ROUTER_ROWS = 4              # rows per program of the router pick
 SELECT_BLOCK = 2048          # entries per step of the indexer selection's passes
 SELECT_WARPS = 8
+RADIX_BITS = 11              # the select's digit: 11 bits (3 passes, 2048 bins) or 8 (4 passes, 256 bins)
 SPLIT_T = 2048               # rows longer than this: SPLIT_CHUNK-entry chunks, a program each (fixed by T alone)
 SPLIT_CHUNK = 2048           # one block step per program and pass: a step is ~10 us of latency (topk.md)
 NEG_INF_KEY = tl.constexpr(0x007FFFFF)   # the key of -inf: entries at or below it are never taken
@@ -83,36 +84,48 @@ def _key(x):
     return tl.where((b >> 31) != 0, ~b, b | 0x80000000)
 
 
+@triton.constexpr_function
+def _shift(p, bits):
+    """The low bit of radix pass p's digit: digits of `bits` bits from the top, the last one narrower (11: bits
+    31..21, 20..10, 9..0)."""
+    return max(32 - bits * (p + 1), 0)
+
+
+@triton.constexpr_function
+def _width(p, bits):
+    return 32 - bits * p - max(32 - bits * (p + 1), 0)
+
+
 @triton.jit
-def _digit_hist(row, lo, hi, prefix, p: tl.constexpr, BLOCK: tl.constexpr):
+def _digit_hist(row, lo, hi, prefix, p: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
     """The histogram of radix pass p's digit over entries [lo, hi) of a row: the valid entries (above -inf) whose
-    higher digits equal `prefix`'s. Digits: bits 31..21, 20..10, 9..0 of the key."""
-    shift = 21 - 11 * p + p // 2
-    width = 11 - p // 2
+    higher digits equal `prefix`'s."""
+    shift: tl.constexpr = _shift(p, BITS)
+    width: tl.constexpr = _width(p, BITS)
     offs = tl.arange(0, BLOCK)
-    hist = tl.zeros((2048,), dtype=tl.int32)
+    hist = tl.zeros((1 << BITS,), dtype=tl.int32)
     for c in range(lo, hi, BLOCK):
         idx = c + offs
         key = _key(tl.load(row + idx, mask=idx < hi, other=float("-inf")))
         m = key > NEG_INF_KEY
         if p > 0:
             m = m & ((key >> (shift + width)) == (prefix >> (shift + width)))
-        hist += tl.histogram(((key >> shift) & ((1 << width) - 1)).to(tl.int32), 2048, mask=m)
+        hist += tl.histogram(((key >> shift) & ((1 << width) - 1)).to(tl.int32), 1 << BITS, mask=m)
     return hist
 
 
 @triton.jit
-def _radix_step(hist, p: tl.constexpr, valid_n, want, prefix, k):
+def _radix_step(hist, p: tl.constexpr, valid_n, want, prefix, k, BITS: tl.constexpr):
     """Radix pass p's digit from its histogram: the bin holding the want-th largest (the highest bin whose count
     from the top reaches want) -> (valid_n, want less the entries in the bins above it, prefix with the digit).
     Pass 0's histogram counts the row's valid entries: want starts at min(valid_n, k) (at least 1)."""
     if p == 0:
         valid_n = tl.sum(hist)
         want = tl.maximum(tl.minimum(valid_n, k), 1)
-    bins = tl.arange(0, 2048)
+    bins = tl.arange(0, 1 << BITS)
     at_or_above = tl.sum(hist) - tl.cumsum(hist, axis=0) + hist
     b = tl.max(tl.where(at_or_above >= want, bins, 0))
-    shift = 21 - 11 * p + p // 2
+    shift: tl.constexpr = _shift(p, BITS)
     return valid_n, want - tl.sum(tl.where(bins > b, hist, 0)), prefix | (b.to(tl.uint32) << shift)
 
 
@@ -125,14 +138,16 @@ def _threshold(valid_n, want, prefix, k):
 
 
 @triton.jit
-def _state_from(hist_ptr, k, P: tl.constexpr):
-    """The radix state after passes 0..P-1 from their histograms in global memory ([3, 2048] int32 of a row)."""
-    bins = tl.arange(0, 2048)
+def _state_from(hist_ptr, k, P: tl.constexpr, BITS: tl.constexpr):
+    """The radix state after passes 0..P-1 from their histograms in global memory ([passes, 2^BITS] int32 of a
+    row)."""
+    bins = tl.arange(0, 1 << BITS)
     prefix = tl.zeros((), dtype=tl.uint32)
     valid_n = tl.zeros((), dtype=tl.int32)
     want = tl.zeros((), dtype=tl.int32)
     for q in tl.static_range(P):
-        valid_n, want, prefix = _radix_step(tl.load(hist_ptr + q * 2048 + bins), q, valid_n, want, prefix, k)
+        valid_n, want, prefix = _radix_step(tl.load(hist_ptr + q * (1 << BITS) + bins), q, valid_n, want, prefix,
+                                            k, BITS)
     return valid_n, want, prefix
 
 
@@ -165,15 +180,16 @@ def _pad(orow, taken, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _select_topk_kernel(s_ptr, out_ptr, T, k, BLOCK: tl.constexpr):
-    """One program per row: three radix passes, the compaction, the padding."""
+def _select_topk_kernel(s_ptr, out_ptr, T, k, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: the radix passes, the compaction, the padding."""
     r = tl.program_id(0).to(tl.int64)
     row = s_ptr + r * T
     prefix = tl.zeros((), dtype=tl.uint32)
     valid_n = tl.zeros((), dtype=tl.int32)
     want = tl.zeros((), dtype=tl.int32)
-    for p in tl.static_range(3):
-        valid_n, want, prefix = _radix_step(_digit_hist(row, 0, T, prefix, p, BLOCK), p, valid_n, want, prefix, k)
+    for p in tl.static_range((32 + BITS - 1) // BITS):
+        valid_n, want, prefix = _radix_step(_digit_hist(row, 0, T, prefix, p, BITS, BLOCK), p, valid_n, want,
+                                            prefix, k, BITS)
     thresh, need = _threshold(valid_n, want, prefix, k)
     orow = out_ptr + r * k
     _compact(row, orow, 0, T, thresh, need, tl.zeros((), dtype=tl.int32), tl.zeros((), dtype=tl.int32), BLOCK)
@@ -181,24 +197,26 @@ def _select_topk_kernel(s_ptr, out_ptr, T, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _split_hist_kernel(s_ptr, hist_ptr, T, k, CHUNK, P: tl.constexpr, BLOCK: tl.constexpr):
+def _split_hist_kernel(s_ptr, hist_ptr, T, k, CHUNK, P: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
     """Radix pass P of a long row, program (row, chunk): the chunk's digit histogram added to the row's (integer
     atomics: the sum does not depend on their order)."""
     r = tl.program_id(0).to(tl.int64)
     lo = tl.program_id(1) * CHUNK
-    hrow = hist_ptr + r * (3 * 2048)
-    valid_n, want, prefix = _state_from(hrow, k, P)
-    hist = _digit_hist(s_ptr + r * T, lo, tl.minimum(lo + CHUNK, T), prefix, P, BLOCK)
-    bins = tl.arange(0, 2048)
-    tl.atomic_add(hrow + P * 2048 + bins, hist, mask=hist > 0, sem="relaxed")
+    NP: tl.constexpr = (32 + BITS - 1) // BITS
+    hrow = hist_ptr + r * (NP << BITS)
+    valid_n, want, prefix = _state_from(hrow, k, P, BITS)
+    hist = _digit_hist(s_ptr + r * T, lo, tl.minimum(lo + CHUNK, T), prefix, P, BITS, BLOCK)
+    bins = tl.arange(0, 1 << BITS)
+    tl.atomic_add(hrow + (P << BITS) + bins, hist, mask=hist > 0, sem="relaxed")
 
 
 @triton.jit
-def _split_count_kernel(s_ptr, hist_ptr, cnt_ptr, T, k, CHUNK, C, BLOCK: tl.constexpr):
+def _split_count_kernel(s_ptr, hist_ptr, cnt_ptr, T, k, CHUNK, C, BITS: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, chunk): how many of the chunk's entries lie above the threshold and how many equal it."""
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    valid_n, want, prefix = _state_from(hist_ptr + r * (3 * 2048), k, 3)
+    NP: tl.constexpr = (32 + BITS - 1) // BITS
+    valid_n, want, prefix = _state_from(hist_ptr + r * (NP << BITS), k, NP, BITS)
     thresh, need = _threshold(valid_n, want, prefix, k)
     row = s_ptr + r * T
     lo = c * CHUNK
@@ -216,12 +234,14 @@ def _split_count_kernel(s_ptr, hist_ptr, cnt_ptr, T, k, CHUNK, C, BLOCK: tl.cons
 
 
 @triton.jit
-def _split_write_kernel(s_ptr, hist_ptr, cnt_ptr, out_ptr, T, k, CHUNK, C, BLOCK: tl.constexpr):
+def _split_write_kernel(s_ptr, hist_ptr, cnt_ptr, out_ptr, T, k, CHUNK, C, BITS: tl.constexpr,
+                        BLOCK: tl.constexpr):
     """Program (row, chunk): the chunk's part of the pick, from the position the chunks before it fill (their
     entries above the threshold, and their ties up to `need`)."""
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    valid_n, want, prefix = _state_from(hist_ptr + r * (3 * 2048), k, 3)
+    NP: tl.constexpr = (32 + BITS - 1) // BITS
+    valid_n, want, prefix = _state_from(hist_ptr + r * (NP << BITS), k, NP, BITS)
     thresh, need = _threshold(valid_n, want, prefix, k)
     offs = tl.arange(0, 1024)
     above = tl.zeros((), dtype=tl.int32)
@@ -238,11 +258,13 @@ def _split_write_kernel(s_ptr, hist_ptr, cnt_ptr, out_ptr, T, k, CHUNK, C, BLOCK
         _pad(orow, tl.minimum(valid_n, k), k, BLOCK)
 
 
-def select_topk(scores: torch.Tensor, k: int, split: bool | None = None) -> torch.Tensor | None:
+def select_topk(scores: torch.Tensor, k: int, split: bool | None = None, bits: int | None = None) -> torch.Tensor | None:
     """[n, k] int64: bitwise `indexer.select_topk(scores, k)` for a float32 [n, T]; None where it does not apply
     (the caller's torch function runs). A row of more than SPLIT_T entries is split into SPLIT_CHUNK-entry chunks,
-    a program each, over five launches (three radix passes, the chunks' counts, the compaction); a shorter row is
-    one program's (`split` forces either: the result is the same)."""
+    a program each, over five or six launches (the radix passes, the chunks' counts, the compaction); a shorter row is
+    one program's (`split` forces either: the result is the same). `bits`: the radix digit's width (RADIX_BITS; 8
+    or 11 -- the same result; the bench times both)."""
+    bits = RADIX_BITS if bits is None else bits
     if scores.dim() != 2 or scores.dtype != torch.float32 or k <= 0 or scores.shape[1] >= 2 ** 31 - SPLIT_CHUNK:
         return None
     if scores.device.type != "cuda" and not INTERPRET:
@@ -253,14 +275,16 @@ def select_topk(scores: torch.Tensor, k: int, split: bool | None = None) -> torc
     if n == 0:
         return out
     if not (T > SPLIT_T if split is None else split) or T == 0:
-        _select_topk_kernel[(n,)](s, out, T, k, BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS)
+        _select_topk_kernel[(n,)](s, out, T, k, BITS=bits, BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS)
         return out
     C = triton.cdiv(T, SPLIT_CHUNK)
-    hist = torch.zeros((n, 3, 2048), dtype=torch.int32, device=s.device)
+    hist = torch.zeros((n, -(-32 // bits), 1 << bits), dtype=torch.int32, device=s.device)
     cnt = torch.empty((n, C, 2), dtype=torch.int32, device=s.device)
-    for p in range(3):
-        _split_hist_kernel[(n, C)](s, hist, T, k, SPLIT_CHUNK, P=p, BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS)
-    _split_count_kernel[(n, C)](s, hist, cnt, T, k, SPLIT_CHUNK, C, BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS)
-    _split_write_kernel[(n, C)](s, hist, cnt, out, T, k, SPLIT_CHUNK, C, BLOCK=SELECT_BLOCK,
+    for p in range(hist.shape[1]):
+        _split_hist_kernel[(n, C)](s, hist, T, k, SPLIT_CHUNK, P=p, BITS=bits, BLOCK=SELECT_BLOCK,
+                                   num_warps=SELECT_WARPS)
+    _split_count_kernel[(n, C)](s, hist, cnt, T, k, SPLIT_CHUNK, C, BITS=bits, BLOCK=SELECT_BLOCK,
+                                num_warps=SELECT_WARPS)
+    _split_write_kernel[(n, C)](s, hist, cnt, out, T, k, SPLIT_CHUNK, C, BITS=bits, BLOCK=SELECT_BLOCK,
                                 num_warps=SELECT_WARPS)
     return out

@@ -39,8 +39,8 @@ def _check_router(s, k):
     assert torch.equal(got_v, want_v) and torch.equal(got_v.signbit(), want_v.signbit())
 
 
-def _check_select(s, k, split=None):
-    got = topk.select_topk(s, k, split=split)
+def _check_select(s, k, split=None, bits=None):
+    got = topk.select_topk(s, k, split=split, bits=bits)
     want = select_topk_by_sort(s, k)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert torch.equal(got, want), (s.shape, k)
@@ -92,8 +92,9 @@ def test_select_topk_rows_are_independent_and_values_span_the_keys():
 
 
 @interp
+@pytest.mark.parametrize("digit", [11, 8])
 @pytest.mark.parametrize("base", [0x3F800000, 0xBF800000 - 0x3000, 0x00000000])
-def test_select_topk_values_differing_in_their_low_bits(base):
+def test_select_topk_values_differing_in_their_low_bits(base, digit):
     """Values a few ulps apart (every digit of the radix select decides; signs and zeros at base 0): the pick
     crosses the digits' boundaries."""
     g = torch.Generator().manual_seed(base % 1000)
@@ -102,15 +103,16 @@ def test_select_topk_values_differing_in_their_low_bits(base):
         torch.float32)
     s = torch.where(torch.isfinite(s), s, 0.0)
     for k in (1, 37, 512, 2400):
-        _check_select(s, k)
+        _check_select(s, k, bits=digit)
 
 
 @interp
-@pytest.mark.parametrize(("T", "k", "chunk"), [(5000, 64, 1250), (700, 300, 128), (3000, 2, 1000)])
-def test_select_topk_split_rows_equal_the_stable_sort(T, k, chunk, monkeypatch):
+@pytest.mark.parametrize(("T", "k", "chunk", "bits"), [(5000, 64, 1250, 11), (700, 300, 128, 8), (3000, 2, 1000, 11)])
+def test_select_topk_split_rows_equal_the_stable_sort(T, k, chunk, bits, monkeypatch):
     """A long row's form: chunks of the row a program each (histograms summed across them, each chunk's place in
     the pick from the chunks before it), at small chunks so that a row has many."""
     monkeypatch.setattr(topk, "SPLIT_CHUNK", chunk)
+    monkeypatch.setattr(topk, "RADIX_BITS", bits)
     monkeypatch.setattr(topk, "SELECT_BLOCK", 256)       # (the interpreter's time)
     g = torch.Generator().manual_seed(T + k)
     s = _tied(g, (4, T), [-3.0, -0.0, 0.0, 1.0, 7.5])
@@ -189,10 +191,12 @@ def test_select_topk_gpu_release_shape(T, rows):
     if rows > 1:
         s[-1] = NEG_INF
     for split in (False, True):
-        _check_select(s.cuda(), 512, split)
+        for bits in (11, 8):
+            _check_select(s.cuda(), 512, split, bits)
     t = _tied(g, (rows, T), [NEG_INF, -1.0, 0.0, 0.5, 1.0])
     for split in (False, True):
-        _check_select(t.cuda(), 512, split)
+        for bits in (11, 8):
+            _check_select(t.cuda(), 512, split, bits)
     assert torch.equal(topk.select_topk(t.cuda(), 512).cpu(), select_topk_by_sort(t, 512))   # the CPU definition
 
 
