@@ -99,16 +99,17 @@ class DSpark:
         in one copy; the same for every stage."""
         t = self.model.t
         B, S, W = len(items), self.block_size, t.sliding_window
-        lengths = torch.tensor([st.length for st, _ in items], dtype=torch.long)[:, None]       # [B, 1]
-        b = torch.arange(B)[:, None]
-        j = torch.arange(W)[None, :]
-        lead = torch.clamp(lengths, max=W)
-        ctx_ok = j >= W - lead                                                               # [B, W]
-        ctx = b * W + torch.where(ctx_ok, (lengths - W + j) % W, 0)
-        block = B * W + b * S + torch.arange(S)[None, :]
-        idx = torch.cat([ctx, block], dim=1)                                                 # [B, W + S]
-        ok = torch.cat([ctx_ok, torch.ones(B, S, dtype=torch.bool)], dim=1)
-        both = torch.cat([idx, ok.long()], dim=1)
+        with torch.device("cpu"):      # host integers, sent in one copy below
+            lengths = torch.tensor([st.length for st, _ in items], dtype=torch.long)[:, None]       # [B, 1]
+            b = torch.arange(B)[:, None]
+            j = torch.arange(W)[None, :]
+            lead = torch.clamp(lengths, max=W)
+            ctx_ok = j >= W - lead                                                               # [B, W]
+            ctx = b * W + torch.where(ctx_ok, (lengths - W + j) % W, 0)
+            block = B * W + b * S + torch.arange(S)[None, :]
+            idx = torch.cat([ctx, block], dim=1)                                                 # [B, W + S]
+            ok = torch.cat([ctx_ok, torch.ones(B, S, dtype=torch.bool)], dim=1)
+            both = torch.cat([idx, ok.long()], dim=1)
         if dv.type != "cpu":
             both = both.pin_memory().to(dv, non_blocking=True)
         idx, ok = both[:, :W + S], both[:, W + S:].bool()
