@@ -3,7 +3,7 @@
 With CUDA graphs a replayed piece costs the host one graph launch plus the copies of its inputs into the static
 buffers; everything else a round dispatches (the eager history between the pieces, the round's metadata, the head)
 is one host op each, at ~10-35 µs a dispatch on the H200's host. This counts, on the CPU, a round's dispatched aten
-ops outside the pieces (`PieceGraphs("emulate")`, the same bookkeeping as the CUDA graphs: a piece's own ops are not
+ops outside the pieces (the metadata's ops run on host tensors on a GPU too: host work, no launch) (`PieceGraphs("emulate")`, the same bookkeeping as the CUDA graphs: a piece's own ops are not
 counted, its replay counts one), per layer kind, for rounds of R sequences x 1 token (and 3-row verify rounds).
 View ops and bare allocations (no kernel on a GPU) are left out. The CPU-time column is the round's wall time on
 this machine with the emulation (it runs the pieces too: not the GPU's host time).
@@ -101,7 +101,16 @@ def measure(model, R: int, n: int, context: int, counter: Count) -> tuple[dict, 
             return hist(blk, *a, **k)
         finally:
             counter.where = "round"
+    prep = model._prepare_round
+
+    def prep_k(*a, **k):
+        counter.where = "metadata (_prepare_round, host tensors)"
+        try:
+            return prep(*a, **k)
+        finally:
+            counter.where = "round"
     model._history = hist_k
+    model._prepare_round = prep_k
     try:
         for _ in range(2):                          # capture round (not counted), then one counted round
             counter.ops.clear()
@@ -113,7 +122,7 @@ def measure(model, R: int, n: int, context: int, counter: Count) -> tuple[dict, 
     finally:
         G.run = run
         gm._fill = fill
-        del model._history
+        del model._history, model._prepare_round
         model.graphs = None
     return dict(counter.ops), wall
 
@@ -138,14 +147,15 @@ def main(argv=None) -> int:
             print(R, n, ops, f"{wall * 1e3:.0f} ms", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
                             check=False).stdout.strip()
-    cols = ["round"] + sorted(kinds)
+    cols = ["round", "metadata (_prepare_round, host tensors)"] + sorted(kinds)
     lines = [f"## {a.tag}: commit {commit}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
              "", f"- command: `python bench/round_host.py {' '.join(argv or sys.argv[1:])}`; {platform.node()}, "
              f"{platform.processor() or platform.machine()}; {a.context}-token prompts",
              f"- checkpoint: {Path(a.checkpoint).name} ({len(model.blocks)} layers: "
              + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())) + ")", "",
              "| sequences x rows | ops outside the graphs | " + " | ".join(
-                 f"of which {c}" if c != "round" else "round (pieces, metadata, head)" for c in cols)
+                 "round (graph launches, input copies, embed, head)" if c == "round" else
+                 c if c.startswith("metadata") else f"eager history: {c}" for c in cols)
              + " | CPU ms (emulated) |", "|---" * (len(cols) + 3) + "|"]
     for R, n, ops, wall in rows:
         lines.append(f"| {R} x {n} | {sum(ops.values())} | " + " | ".join(str(ops.get(c, 0)) for c in cols)

@@ -207,9 +207,15 @@ def test_round_with_the_gather_kernel_equals_each_alone(model, monkeypatch):
     kernel = cuda_ops().gather_round         # the CUDA op set's gather, in the reference op set's model
     write = cuda_ops().ring_write            # and its ring writes through the round's table
     assert "scatter_rows" in cuda_ops().kernels
+    scored = []
+    score = cuda_ops().round_scores          # and the index scores through the round's per-row key addresses
     monkeypatch.setattr(model, "ops", dataclasses.replace(
         model.ops, gather_round=lambda *a: used.append(len(a) == 4) or kernel(*a),
         ring_write=lambda *a: wrote.append(len(a) == 5) or write(*a)))
+    for blk in model.blocks:
+        if blk.indexer is not None:
+            monkeypatch.setattr(blk.indexer, "ops", dataclasses.replace(
+                blk.indexer.ops, round_scores=lambda *a: scored.append(a[-1] is not None) or score(*a)))
     for k in range(3):
         outs = model.forward([SeqInput(st, s[n + k:n + k + 1]) for st, s, n in zip(states, seqs, lens)])
         for o, r, n in zip(outs, ref, lens):
@@ -217,7 +223,7 @@ def test_round_with_the_gather_kernel_equals_each_alone(model, monkeypatch):
     outs = model.forward([SeqInput(st, s[n + 3:n + 6]) for st, s, n in zip(states, seqs, lens)])  # verify rows
     for o, r, n in zip(outs, ref, lens):
         assert torch.equal(o, r[n + 3:n + 6]), n
-    assert used and all(used) and wrote and all(wrote)     # every call through the round's tables
+    assert used and all(used) and wrote and all(wrote) and scored and all(scored)   # all through the round's tables
 
 
 def test_ring_write_kernel_equals_index_copy():

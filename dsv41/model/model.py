@@ -757,14 +757,12 @@ class Model:
                         st.compressed[L] = _reserve_rows(st.compressed[L], g)
                         if r.owns_index_keys:
                             st.index_keys[L] = _reserve_rows(st.index_keys[L], g)
-                col(f"kv{L}", torch.tensor([st.compressed[L].data_ptr() if st.compressed[L].shape[0] or g else 0
-                                            for st, g in zip(states, groups)],
+                col(f"kv{L}", torch.tensor([_addr(st.compressed[L]) for st in states],
                                            dtype=torch.long, device=cpu).repeat_interleave(n))
                 if r.owns_index_keys:
                     have = [st.index_keys[L].shape[0] if L in st.index_keys else 0 for st in states]
                     counts[L] = [h + g for h, g in zip(have, groups)]
-                    col(f"ikeys{L}", torch.tensor([st.index_keys[L].data_ptr() if g else 0
-                                                   for st, g in zip(states, groups)],
+                    col(f"ikeys{L}", torch.tensor([_addr(st.index_keys[L]) for st in states],
                                                   dtype=torch.long, device=cpu).repeat_interleave(n))
                     for b, g in enumerate(groups):
                         if self.index_keys == "intended" or g > 0:
@@ -779,7 +777,7 @@ class Model:
                 col(f"limit{L}", torch.minimum(vis, crow))
                 col(f"kcount{L}", crow)
                 # each row's keys: its sequence's publishing owner's index keys (reserved above: no move)
-                col(f"ikey{L}", torch.tensor([states[b].index_keys[o].data_ptr() if c else 0
+                col(f"ikey{L}", torch.tensor([_addr(states[b].index_keys[o]) if c else 0
                                               for b, (o, c) in enumerate(zip(owner, cnt))],
                                              dtype=torch.long, device=cpu).repeat_interleave(n))
                 if r.candidate_source:
@@ -1008,6 +1006,12 @@ def _append_rows(rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     out, dst = _grow_rows(rows, new.shape[0])
     dst.copy_(new)
     return out
+
+
+def _addr(rows: torch.Tensor) -> int:
+    """The address of rows' first row, also when it has none yet (a buffer reserved for this round's appends:
+    data_ptr() of an empty tensor is 0)."""
+    return rows.untyped_storage().data_ptr() + rows.storage_offset() * rows.element_size()
 
 
 def _reserve_rows(rows: torch.Tensor, g: int, add: int = 0) -> torch.Tensor:
