@@ -478,9 +478,10 @@ def ring_write(rings: list[torch.Tensor], rows: torch.Tensor, slots: torch.Tenso
     per sequence (rows past B*n are a graph's padding, copies of row 0: nothing to write). A slot < 0 writes nothing
     (a graph's dry run, graphs.py), written as putting the slot's own row back (no host sync on a GPU). `table` is
     the kernels'."""
+    masked = slots.device.type != "cpu" or bool((slots < 0).any())
     for b, ring in enumerate(rings):
         s, r = slots[b * n:(b + 1) * n], rows[b * n:(b + 1) * n]
-        if s.device.type != "cpu" or bool((s < 0).any()):
+        if masked:
             at = s.clamp(min=0)
             s, r = at, torch.where((s >= 0)[:, None], r, ring[at])
         ring.index_copy_(0, s, r)
