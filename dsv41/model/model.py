@@ -794,9 +794,9 @@ class Model:
         for L, sp in srcs.items():
             if sp.ratio == 1:
                 for st in states:
-                    st.compressed[L] = _reserve_rows(st.compressed[L], 0, n)
+                    st.compressed[L] = _extend_rows(st.compressed[L], n)
                     if self.blocks[L].role.owns_index_keys:
-                        st.index_keys[L] = _reserve_rows(st.index_keys[L], 0, n)
+                        st.index_keys[L] = _extend_rows(st.index_keys[L], n)
                 for st, pk in zip(states, pub):
                     st.published_keys = pk
             kvs[L] = [st.compressed[L] for st in states]
@@ -1014,11 +1014,25 @@ def _addr(rows: torch.Tensor) -> int:
     return rows.untyped_storage().data_ptr() + rows.storage_offset() * rows.element_size()
 
 
-def _reserve_rows(rows: torch.Tensor, g: int, add: int = 0) -> torch.Tensor:
-    """rows and `add` rows after them (to be written), as a view of a buffer with room for g more after those (rows'
-    own, or a larger copy): a round reserves its appends before it starts, so the addresses in its table hold for
-    the whole round."""
-    return _grow_rows(rows, g + add)[0][:rows.shape[0] + add]
+def _reserve_rows(rows: torch.Tensor, g: int) -> torch.Tensor:
+    """rows itself when its buffer has room for g more rows after it, else rows copied into a larger buffer (a
+    quarter more, as _append_rows grows): a round reserves its appends before it starts, so the addresses in its
+    table hold for the whole round. No new tensor in the common case (a round reserves for every sequence)."""
+    n, d = rows.shape
+    cap = 0
+    if rows.is_contiguous() and rows.storage_offset() == 0:
+        cap = rows.untyped_storage().nbytes() // (rows.element_size() * d)
+    if n + g <= cap:
+        return rows
+    buf = rows.new_empty(((n + g) * 5 // 4 + 16, d))
+    buf[:n] = rows
+    return buf[:n]
+
+
+def _extend_rows(rows: torch.Tensor, add: int) -> torch.Tensor:
+    """rows and the `add` rows after them in its buffer (reserved: _reserve_rows), the new ones to be written."""
+    d = rows.shape[1]
+    return rows.as_strided((rows.shape[0] + add, d), (d, 1), 0)
 
 
 def _grow_rows(rows: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
