@@ -4,8 +4,10 @@ A decode round on the GPU is host-bound: each layer dispatches a few hundred sma
 of microseconds, while the GPU work of the whole layer takes well under a millisecond. A layer's dense pieces (mHC
 mixing, norms, the projections, attention over gathered keys, the output projection, the MoE) have shapes that
 depend only on the round's row count, so each is captured once per (piece, layer, row bucket) and replayed.
-Between them the history work (window ring, compressor, indexer, top-k, key gather) stays eager: its shapes change
-with every sequence's context.
+On one rank the history work (window ring, compressor, indexer, top-k, key gather) goes inside: it reads and writes
+each sequence's tensors through the round's table of addresses, with shapes fixed by the row count (and an index
+layer's key bucket), so a whole layer is one piece (Model._layer_round); with tensor parallelism it runs eagerly
+between the pieces.
 
 Rows are padded up to a bucket (ROW_BUCKETS) by repeating row 0, so a piece has a handful of graphs whatever the
 number of live sequences, and padded rows touch the same experts as a real one (no extra weight bytes). A real row's

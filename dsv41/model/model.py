@@ -90,10 +90,6 @@ class _RoundSource:
     first: list[int]
     pend: list[int]
     groups: list[int]
-    block: list[int] = field(default_factory=list)   # where each sequence's rows start in the round's row order
-    gpos: torch.Tensor | None = None                  # [G] first position of each closing group (device)
-    order: torch.Tensor | None = None                 # open rows of all sequences, then the new rows -> per sequence
-    group_rows: torch.Tensor | None = None            # [G * ratio] rows of the closing groups in that order
 
 
 @dataclass
@@ -112,13 +108,12 @@ class _Round:
     """What Model._prepare_round precomputed for a round of sequences with n rows each, and what its layers
     publish (the round's compressed KV per sequence, top-k, candidate mask).
 
-    Its per-row metadata `meta` holds everything a layer whose history is table-only needs (window-only layers and
-    the layers that reuse a KV source's compressed KV and the latest top-k): the window's ring slots and new rows,
-    the ring-write slot, and per row the address of its sequence's ring of every layer and compressed KV of every
-    source (`_prepare_round` creates the rings and reserves the round's appends first, so no address changes inside
-    the round). Such a layer is one CUDA graph (`_layer_round`). Still eager between the graphed pieces: the KV
-    sources' compressors (the number of closing ratio-2 groups and open rows changes per round) and the indexers
-    (the padded key count changes with the context)."""
+    Its per-row metadata `meta` holds everything a layer's history needs: the window's ring slots and new rows, the
+    ring-write slot, each compressor's masked groups (members, entry slot, open-group slot) and each index layer's
+    key counts and limits, and per row the address of its sequence's ring of every layer, compressed KV, index keys
+    and open group of every source (`_prepare_round` creates and reserves them first and sets their lengths after
+    the round, so nothing moves inside it). So every layer of a round is one piece (`_layer_round`, one CUDA graph
+    per layer and row bucket); the index layers' score width is bucketed (key_bucket)."""
     n: int
     starts: list[int]
     states: list[SeqState]
@@ -127,7 +122,12 @@ class _Round:
     rings: dict[int, list[torch.Tensor]]   # per layer: the sequences' window rings (the reference ops' lists)
     srcs: dict[int, _RoundSource]
     idx: dict[int, _RoundIndex]
-    kvs: dict[int, list[torch.Tensor]] = field(default_factory=dict)   # per source: the sequences' compressed KV
+    # per source, the reference op set's lists (views with room for the round's masked writes): compressed KV,
+    # index keys, the open group's kv and gate buffers; and the marked states' open rows before the round
+    kvs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    ikeys: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    partials: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    marked: dict[int, list[tuple]] = field(default_factory=dict)
     topk: torch.Tensor | None = None
     cand: torch.Tensor | None = None
 
@@ -451,9 +451,11 @@ class Model:
                     topk = rd.topk if G is None else shared_rows("round.topk", rd.topk)
                 args = (streams, pre, cos, sin, *cs["compress"], meta, topk)
                 fn = functools.partial(self._layer_round, blk, rd, image, trace)
-                dry = functools.partial(self._dry_layer, [rd.cols[k] for k in ("wslot", f"cslot{r.index}")
-                                                          if k in rd.cols])
-                streams, pre, own, cand = fn(*args) if G is None else G.run(key, fn, args, dry=dry)
+                dry = functools.partial(self._dry_layer, [rd.cols[k] for k in ("wslot", f"cslot{r.index}",
+                                                                               f"pslot{r.index}") if k in rd.cols])
+                streams, pre, own, cand, ckv, cgate = fn(*args) if G is None else G.run(key, fn, args, dry=dry)
+                if ckv is not None and rd.marked.get(r.index):
+                    self._note_groups(r.index, rd, ckv, cgate)
                 if own is not None:
                     rd.topk = own
                 if cand is not None:
@@ -728,37 +730,48 @@ class Model:
                     return None
                 groups = [(pe + n) // q for pe in pend]
                 sp = _RoundSource(ratio=q, first=[c * q for c in comp], pend=pend, groups=groups)
+                # row i of a sequence carries its i-th group that may close (at most n of them: (q-1+n)//q <= n),
+                # masked (slot -1) when it does not; its entry lands at comp + i
+                j = torch.arange(n, device=cpu)
+                C = torch.tensor(comp, dtype=torch.long, device=cpu)[:, None]                  # [B, 1]
+                gb = torch.tensor(groups, dtype=torch.long, device=cpu)[:, None]
+                col(f"cslot{L}", torch.where(j < gb, C + j, -1))
                 if q > 1:
-                    gpos = [c * q + q * g for c, gb in zip(comp, groups) for g in range(gb)]
-                    parts[f"gpos{L}"] = torch.tensor(gpos, dtype=torch.long, device=cpu)
-                else:      # ratio 1: every row closes its group; row i's entry lands at comp + i (_append_round)
-                    col(f"cslot{L}", torch.tensor(comp, dtype=torch.long, device=cpu)[:, None]
-                        + torch.arange(n, device=cpu))
-                if q > 1:
-                    ptot = sum(pend)
-                    order, grows, o, po = [], [], 0, 0
-                    for b, (pe, gb) in enumerate(zip(pend, groups)):
-                        order += list(range(po, po + pe)) + list(range(ptot + b * n, ptot + (b + 1) * n))
-                        grows += list(range(o, o + gb * q))
-                        sp.block.append(o)
-                        o += pe + n
-                        po += pe
-                    parts[f"order{L}"] = torch.tensor(order, dtype=torch.long, device=cpu)
-                    parts[f"grows{L}"] = torch.tensor(grows, dtype=torch.long, device=cpu)
+                    # group i's members: virtual rows i*q + t of [open group | new rows]; the open rows from the
+                    # sequence's partial buffer, the rest from the round's rows
+                    P = torch.tensor(pend, dtype=torch.long, device=cpu)[:, None, None]       # [B, 1, 1]
+                    v = (j[:, None] * q + torch.arange(q, device=cpu))[None]                  # [1, n, q]
+                    ok = (j < gb)[:, :, None]
+                    col(f"psel{L}", torch.where(ok & (v < P), v, -1))
+                    col(f"gnsel{L}", torch.where(ok & (v >= P), first + v - P, -1))
+                    col(f"gpos{L}", (C + j) * q)
+                    # new row i is virtual row pend + i: it stays open (partial slot pend + i - groups * q) or not
+                    vi = P[:, :, 0] + j
+                    col(f"pslot{L}", torch.where(vi >= gb * q, vi - gb * q, -1))
                 srcs[L] = sp
                 # the round's appends land in place (no new buffer inside the round): a source's compressed KV has
                 # one address per sequence for the whole round, the table's
                 Di = t.index_head_dim
-                for st, g in zip(states, groups):
+                gmax = (q - 1 + n) // q
+                for st in states:
                     if L not in st.compressed:
                         st.compressed[L] = torch.zeros((0, D), device=self.device)
                         st.index_keys[L] = torch.zeros((0, Di), device=self.device)
-                    if g:
-                        st.compressed[L] = _reserve_rows(st.compressed[L], g)
-                        if r.owns_index_keys:
-                            st.index_keys[L] = _reserve_rows(st.index_keys[L], g)
+                    st.compressed[L] = _reserve_rows(st.compressed[L], gmax)
+                    if r.owns_index_keys:
+                        st.index_keys[L] = _reserve_rows(st.index_keys[L], gmax)
+                    if q > 1:     # the open group: a buffer of q - 1 rows the round reads and writes in place
+                        for part in (st.partial_kv, st.partial_gate):
+                            rows = part.get(L)
+                            rows = torch.zeros((0, D), device=self.device) if rows is None else rows
+                            part[L] = _reserve_rows(rows, q - 1 - rows.shape[0])
                 col(f"kv{L}", torch.tensor([_addr(st.compressed[L]) for st in states],
                                            dtype=torch.long, device=cpu).repeat_interleave(n))
+                if q > 1:
+                    col(f"pkv{L}", torch.tensor([_addr(st.partial_kv[L]) for st in states],
+                                                dtype=torch.long, device=cpu).repeat_interleave(n))
+                    col(f"pgate{L}", torch.tensor([_addr(st.partial_gate[L]) for st in states],
+                                                  dtype=torch.long, device=cpu).repeat_interleave(n))
                 if r.owns_index_keys:
                     have = [st.index_keys[L].shape[0] if L in st.index_keys else 0 for st in states]
                     counts[L] = [h + g for h, g in zip(have, groups)]
@@ -788,18 +801,30 @@ class Model:
                 elif r.uses_candidates and cand_counts is not None and cand_counts != cnt and any(cand_counts):
                     return None   # keys changed between the candidate source and here: the per-sequence rules
                 idx[L] = _RoundIndex(owner=owner, count=cnt, tpad=tpad)
-        # ratio-1 sources: each sequence's compressed KV (and index keys) take their length after the round now; the
-        # round writes the new rows in place (_append_round), and the keys' publication is the host's replay above
-        kvs = {}
+        # every source's compressed KV, index keys and open group take their lengths after the round now (the
+        # round writes the rows in place: _compress_round), and the keys' publication is the host's replay above.
+        # The reference op set's lists: views with room for every masked group; the open groups' old rows kept for
+        # a marked state's rollback (note_group_rows, after the round)
+        kvs, ikeys, partials, marked = {}, {}, {}, {}
         for L, sp in srcs.items():
-            if sp.ratio == 1:
-                for st in states:
-                    st.compressed[L] = _extend_rows(st.compressed[L], n)
-                    if self.blocks[L].role.owns_index_keys:
-                        st.index_keys[L] = _extend_rows(st.index_keys[L], n)
-                for st, pk in zip(states, pub):
-                    st.published_keys = pk
-            kvs[L] = [st.compressed[L] for st in states]
+            q, gmax = sp.ratio, (sp.ratio - 1 + n) // sp.ratio
+            owns = self.blocks[L].role.owns_index_keys
+            kvs[L] = [_extend_rows(st.compressed[L], gmax) for st in states]
+            ikeys[L] = [_extend_rows(st.index_keys[L], gmax) for st in states] if owns else []
+            if q > 1:
+                partials[L] = ([_extend_rows(st.partial_kv[L][:0], q - 1) for st in states],
+                               [_extend_rows(st.partial_gate[L][:0], q - 1) for st in states])
+                marked[L] = [(b, sp.first[b], st.partial_kv[L].clone(), st.partial_gate[L].clone())
+                             for b, st in enumerate(states) if st.undo is not None]
+            for st, g, pe in zip(states, sp.groups, sp.pend):
+                st.compressed[L] = _extend_rows(st.compressed[L], g)
+                if owns:
+                    st.index_keys[L] = _extend_rows(st.index_keys[L], g)
+                if q > 1:
+                    st.partial_kv[L] = _extend_rows(st.partial_kv[L][:0], (pe + n) % q)
+                    st.partial_gate[L] = _extend_rows(st.partial_gate[L][:0], (pe + n) % q)
+        for st, pk in zip(states, pub):
+            st.published_keys = pk
         # one host -> device copy of every integer the layers need
         parts["meta"] = torch.cat(meta, dim=1)
         names = list(parts)
@@ -811,12 +836,8 @@ class Model:
             m = parts[k].numel()
             dev_parts[k] = flat[o:o + m].view(parts[k].shape)
             o += m
-        for L, sp in srcs.items():
-            sp.gpos = dev_parts.get(f"gpos{L}")
-            sp.order = dev_parts.get(f"order{L}")
-            sp.group_rows = dev_parts.get(f"grows{L}")
         return _Round(n=n, starts=starts, states=states, meta=dev_parts["meta"], cols=cols, rings=rings, srcs=srcs,
-                      idx=idx, kvs=kvs)
+                      idx=idx, kvs=kvs, ikeys=ikeys, partials=partials, marked=marked)
 
     def _keys_round(self, blk: Block, rd: _Round, kv, ckv, cgate, iq, iw, trace) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-sequence loop of _history for a round, each step once for all its sequences: the window keys
@@ -826,28 +847,49 @@ class Model:
         wkeys, valid = self._window_round(blk, rd, kv, rd.meta)
         if r.ratio == 0:
             return wkeys, valid
-        if blk.compressor is not None and r.ratio == 1:
-            self._append_round(blk, rd, ckv, rd.meta)
-        elif blk.compressor is not None:
-            self._compress_round(blk, rd, ckv, cgate)
+        if blk.compressor is not None:
+            self._compress_round(blk, rd, ckv, cgate, rd.meta)
+            self._note_groups(r.index, rd, ckv, cgate)
         if blk.indexer is not None:
             rd.topk = self._index_round(blk, rd, iq, iw, trace)
         return self._with_compressed(blk, rd, wkeys, valid, rd.topk, rd.meta)
 
-    def _append_round(self, blk: Block, rd: _Round, kv, meta) -> None:
-        """A ratio-1 KV source's compressor for every row of the round: each row is its own group (latent =
-        norm(kv)), its entry (and index key) written at its sequence's next row through the round's tables (the
-        lengths were set by _prepare_round). Row-wise: the bits _compress gives each sequence alone."""
+    def _compress_round(self, blk: Block, rd: _Round, kv, gate, meta) -> None:
+        """A KV source's compressor for every sequence of the round, through the round's tables: row i of a
+        sequence pools its i-th group that may close (its members from the open group's buffer and the round's rows;
+        masked when it does not close), writes the entry (and index key) at the sequence's next row, and the new
+        rows that stay open go to the open group's buffer (read before: the members). Ratio 1: every row is its own
+        group. Group by group the bits _compress gives each sequence alone (pool, norm, RoPE, quant are row-wise);
+        the lengths were set by _prepare_round."""
         comp, r = blk.compressor, blk.role
-        L, c, W = r.index, rd.cols, self.t.sliding_window
-        latent = comp.ops.rms_norm(kv, comp.norm, comp.eps)
-        gpos = meta[:, c["pos"] + W - 1]                       # each row's own position
+        L, c, q, n = r.index, rd.cols, r.ratio, rd.n
+        if q == 1:
+            latent = comp.ops.rms_norm(kv, comp.norm, comp.eps)
+            gpos = meta[:, c["pos"] + self.t.sliding_window - 1]          # each row's own position
+        else:
+            psel, nsel = meta[:, c[f"psel{L}"]:c[f"psel{L}"] + q], meta[:, c[f"gnsel{L}"]:c[f"gnsel{L}"] + q]
+            pkv, pgate = rd.partials[L]
+            take, at = (nsel >= 0)[:, :, None], nsel.clamp(min=0)
+            rows_kv = torch.where(take, kv[at], self.ops.gather_round(pkv, psel, n, meta[:, c[f"pkv{L}"]]))
+            rows_gate = torch.where(take, gate[at], self.ops.gather_round(pgate, psel, n, meta[:, c[f"pgate{L}"]]))
+            latent = comp.pool(rows_kv, rows_gate)
+            gpos = meta[:, c[f"gpos{L}"]]
+            pslot = meta[:, c[f"pslot{L}"]]
+            self.ops.ring_write(pkv, kv, pslot, n, meta[:, c[f"pkv{L}"]])
+            self.ops.ring_write(pgate, gate, pslot, n, meta[:, c[f"pgate{L}"]])
         slot = meta[:, c[f"cslot{L}"]]
-        self.ops.ring_write(rd.kvs[L], self._entries(latent, gpos), slot, rd.n, meta[:, c[f"kv{L}"]])
+        self.ops.ring_write(rd.kvs[L], self._entries(latent, gpos), slot, n, meta[:, c[f"kv{L}"]])
         if r.owns_index_keys:
-            self.ops.ring_write([st.index_keys[L] for st in rd.states], blk.indexer.keys(latent, gpos, self.rope,
-                                                                                          self.qat),
-                                slot, rd.n, meta[:, c[f"ikeys{L}"]])
+            self.ops.ring_write(rd.ikeys[L], blk.indexer.keys(latent, gpos, self.rope, self.qat), slot, n,
+                                meta[:, c[f"ikeys{L}"]])
+
+    def _note_groups(self, L: int, rd: _Round, kv, gate) -> None:
+        """A marked state's rows of a ratio > 1 source this round (its open group before, then its new rows), for a
+        rollback to reopen the groups the round closed (SeqState.note_group_rows); host work for drafts only."""
+        n = rd.n
+        for b, first, okv, ogate in rd.marked.get(L, ()):
+            rd.states[b].note_group_rows(L, first, torch.cat([okv, kv[b * n:(b + 1) * n]]),
+                                         torch.cat([ogate, gate[b * n:(b + 1) * n]]))
 
     def _window_round(self, blk: Block, rd: _Round, kv, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's window keys [N, W, D] and their validity [N, W], then the new rows written into the rings:
@@ -874,10 +916,9 @@ class Model:
 
     def one_piece(self, blk: Block) -> bool:
         """Whether a round runs this layer as one piece (`_layer_round`, one CUDA graph): one rank, and a history
-        that reads and writes only through the round's tables: window-only layers, layers that reuse a source's
-        compressed KV and the latest top-k, re-index layers, ratio-1 KV sources (every row closes its group); not
-        ratio-2 sources (their closing groups and open rows change per round)."""
-        return self.comm.world == 1 and (blk.compressor is None or blk.role.ratio == 1)
+        that reads and writes only through the round's tables (every layer kind: window-only, KV sources with their
+        masked groups, reuse, re-index). With tensor parallelism the layer splits at the reductions instead."""
+        return self.comm.world == 1
 
     def _layer_round(self, blk: Block, rd: _Round, image, trace, streams, pre, cos, sin, ccos, csin, meta,
                      topk) -> tuple:
@@ -886,17 +927,19 @@ class Model:
         (`topk`), or of this layer's own top-k (a re-index layer: `topk` holds the candidate mask then), and
         _attn_out_ffn -> (streams, pre, this layer's top-k or None). Its arguments are all row-first, so it is one
         CUDA graph per layer and row bucket; the ring writes make it run once per call (graphs.py `dry`)."""
-        pre_a, post_a, comb_a, q, kv, ckv, _, iq, iw = self._attn_in(blk, streams, pre, cos, sin, ccos, csin)
+        pre_a, post_a, comb_a, q, kv, ckv, cgate, iq, iw = self._attn_in(blk, streams, pre, cos, sin, ccos, csin)
         keys, sel = self._window_round(blk, rd, kv, meta)
         own = cand = None
         if blk.compressor is not None:
-            self._append_round(blk, rd, ckv, meta)
+            self._compress_round(blk, rd, ckv, cgate, meta)
         if blk.indexer is not None:
             own = topk = self._index_round(blk, rd, iq, iw, trace, meta, cand=topk)
             cand = rd.cand if blk.role.candidate_source else None
         if blk.role.ratio:
             keys, sel = self._with_compressed(blk, rd, keys, sel, topk, meta)
-        return *self._attn_out_ffn(blk, q, keys, sel, cos, sin, streams, pre_a, post_a, comb_a, image=image), own, cand
+        grouped = blk.compressor is not None and blk.role.ratio > 1     # its rows: a marked state's rollback
+        return (*self._attn_out_ffn(blk, q, keys, sel, cos, sin, streams, pre_a, post_a, comb_a, image=image), own,
+                cand, ckv if grouped else None, cgate if grouped else None)
 
     @staticmethod
     def _dry_layer(cols: list[int], args: tuple) -> tuple:
@@ -905,54 +948,6 @@ class Model:
         meta = args[-2].clone()
         meta[:, cols] = -1
         return args[:-2] + (meta, args[-1])
-
-    def _compress_round(self, blk: Block, rd: _Round, kv, gate) -> None:
-        """_compress for every sequence of the round: the closing groups of all sequences pooled at once."""
-        comp, r = blk.compressor, blk.role
-        L = r.index
-        sp = rd.srcs[L]
-        n = rd.n
-        D, Di = self.t.head_dim, self.t.index_head_dim
-        if sp.ratio == 1:
-            latent = comp.ops.rms_norm(kv, comp.norm, comp.eps)
-        else:
-            q = sp.ratio
-            pk = [st.partial_kv[L] for st, pe in zip(rd.states, sp.pend) if pe]
-            pg = [st.partial_gate[L] for st, pe in zip(rd.states, sp.pend) if pe]
-            rows_kv = torch.cat(pk + [kv])[sp.order]           # per sequence: its open group, then its new rows
-            rows_gate = torch.cat(pg + [gate])[sp.order]
-            G = sum(sp.groups)
-            latent = (comp.pool(rows_kv[sp.group_rows].view(G, q, D), rows_gate[sp.group_rows].view(G, q, D))
-                      if G else kv.new_zeros((0, D)))
-            for b, st in enumerate(rd.states):
-                o, m, used = sp.block[b], sp.pend[b] + n, sp.groups[b] * q
-                st.note_group_rows(L, sp.first[b], rows_kv[o:o + m], rows_gate[o:o + m])
-                st.partial_kv[L] = rows_kv[o + used:o + m]
-                st.partial_gate[L] = rows_gate[o + used:o + m]
-        for st in rd.states:
-            if L not in st.compressed:
-                st.compressed[L] = kv.new_zeros((0, D))
-                st.index_keys[L] = kv.new_zeros((0, Di))
-        if latent.shape[0]:
-            k = blk.indexer.keys(latent, sp.gpos, self.rope, self.qat) if r.owns_index_keys else None
-            entry = self._entries(latent, sp.gpos)
-            dst, src, o = [], [], 0
-            for st, g in zip(rd.states, sp.groups):
-                if g:
-                    st.compressed[L], d = _grow_rows(st.compressed[L], g)
-                    dst.append(d)
-                    src.append(entry[o:o + g])
-                    if k is not None:
-                        st.index_keys[L], d = _grow_rows(st.index_keys[L], g)
-                        dst.append(d)
-                        src.append(k[o:o + g])
-                o += g
-            torch._foreach_copy_(dst, src)
-        rd.kvs[L] = [st.compressed[L] for st in rd.states]
-        if r.owns_index_keys:
-            for st, g in zip(rd.states, sp.groups):
-                if self.index_keys == "intended" or g > 0:
-                    st.published_keys = (L, st.index_keys[L].shape[0])
 
     def _index_round(self, blk: Block, rd: _Round, q, w, trace, meta=None, cand=None) -> torch.Tensor:
         """_index for every sequence of the round: each row against its sequence's keys (through the round's table)

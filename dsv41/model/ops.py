@@ -476,14 +476,14 @@ def ring_write(rings: list[torch.Tensor], rows: torch.Tensor, slots: torch.Tenso
                table: torch.Tensor | None = None) -> None:
     """Row r of rows [B*n, D] into slot slots[r] of its sequence's window ring rings[r // n] [W, D]: one index_copy_
     per sequence (rows past B*n are a graph's padding, copies of row 0: nothing to write). A slot < 0 writes nothing
-    (a graph's dry run, graphs.py), written as putting the slot's own row back (no host sync on a GPU). `table` is
-    the kernels'."""
+    (a group that does not close, a graph's dry run: graphs.py; on a GPU the selection waits for the host, so the
+    kernel op set takes scatter_rows). `table` is the kernels'."""
     masked = slots.device.type != "cpu" or bool((slots < 0).any())
     for b, ring in enumerate(rings):
         s, r = slots[b * n:(b + 1) * n], rows[b * n:(b + 1) * n]
         if masked:
-            at = s.clamp(min=0)
-            s, r = at, torch.where((s >= 0)[:, None], r, ring[at])
+            keep = s >= 0
+            s, r = s[keep], r[keep]
         ring.index_copy_(0, s, r)
 
 
