@@ -27,9 +27,11 @@ def _decode(model, graphs, lens, steps, rows=1):
 
 
 def _pieces(model) -> int:
-    """Graphed pieces a round replays: attn_in and attn_out_ffn around an eager history, or one whole layer; and
-    the DSpark stages' ring KV (dspark_fill) where the model has them."""
-    return sum(1 if model.one_piece(b) else 2 for b in model.blocks) + (model.dspark is not None)
+    """Graphed pieces a round replays: every layer as one piece (one rank), else per layer attn_in and
+    attn_out_ffn around the history (or the whole layer); and the DSpark stages' ring KV (dspark_fill) where the
+    model has them."""
+    layers = 1 if model.whole_round() else sum(1 if model.one_piece(b) else 2 for b in model.blocks)
+    return layers + (model.dspark is not None)
 
 
 def test_row_bucket():

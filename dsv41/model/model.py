@@ -422,7 +422,25 @@ class Model:
             if in_place.get(name, (None,))[0] is not t:
                 in_place[name] = t, G.rows(name, t)
             return in_place[name][1]
-        for blk in self.blocks:
+        whole = rd is not None and trace is None and self.whole_round()
+        if whole:    # every layer of the round as one piece: one CUDA graph per row bucket and key buckets
+            erows = [blk.engram.table_rows(hash_ids[:, blk.role.engram], dv) for blk in self.blocks
+                     if blk.engram is not None]
+            args = (streams, pre, *cs["main"], *cs["compress"], meta, *erows)
+            fn = functools.partial(self._round_layers, rd, image)
+            writes = [c for k, c in rd.cols.items() if k == "wslot" or k[:5] in ("cslot", "pslot")]
+            dry = functools.partial(self._dry_layer, writes, 6)
+            key = ("round",) + tuple(ip.tpad for ip in rd.idx.values())
+            outs = fn(*args) if G is None else G.run(key, fn, args, dry=dry)
+            streams, pre = outs[0], outs[1]
+            taps = list(outs[2:2 + len(taps)])
+            notes = iter(outs[2 + len(taps):])
+            for blk in self.blocks:
+                if blk.compressor is not None and blk.role.ratio > 1:
+                    ckv, cgate = next(notes), next(notes)
+                    if rd.marked.get(blk.role.index):
+                        self._note_groups(blk.role.index, rd, ckv, cgate)
+        for blk in self.blocks if not whole else ():
             r = blk.role
 
             def piece(name, fn, *args, layer=r.index):
@@ -452,7 +470,8 @@ class Model:
                 args = (streams, pre, cos, sin, *cs["compress"], meta, topk)
                 fn = functools.partial(self._layer_round, blk, rd, image, trace)
                 dry = functools.partial(self._dry_layer, [rd.cols[k] for k in ("wslot", f"cslot{r.index}",
-                                                                               f"pslot{r.index}") if k in rd.cols])
+                                                                               f"pslot{r.index}") if k in rd.cols],
+                                        len(args) - 2)
                 streams, pre, own, cand, ckv, cgate = fn(*args) if G is None else G.run(key, fn, args, dry=dry)
                 if ckv is not None and rd.marked.get(r.index):
                     self._note_groups(r.index, rd, ckv, cgate)
@@ -942,12 +961,46 @@ class Model:
                 cand, ckv if grouped else None, cgate if grouped else None)
 
     @staticmethod
-    def _dry_layer(cols: list[int], args: tuple) -> tuple:
-        """_layer_round's arguments with every write masked (ring and compressed slots -1): a capture's extra
-        runs."""
-        meta = args[-2].clone()
+    def _dry_layer(cols: list[int], at: int, args: tuple) -> tuple:
+        """A piece's arguments with every write masked (the ring, compressed and open-group slot columns of the
+        metadata args[at] set to -1): a capture's extra runs."""
+        meta = args[at].clone()
         meta[:, cols] = -1
-        return args[:-2] + (meta, args[-1])
+        return args[:at] + (meta,) + args[at + 1:]
+
+    def whole_round(self) -> bool:
+        """Whether a round runs all its layers as one piece (`_round_layers`): one rank, and every layer finds what
+        it reads from earlier layers in every round (a layer reusing a top-k comes after an index layer)."""
+        seen = False
+        for blk in self.blocks:
+            if blk.role.ratio and blk.indexer is None and not seen:
+                return False
+            seen = seen or blk.indexer is not None
+        return self.comm.world == 1
+
+    def _round_layers(self, rd: _Round, image, streams, pre, cos, sin, ccos, csin, meta, *erows) -> tuple:
+        """Every layer of a round in order (`_layer_round` each, the Engram layers' table entries `erows` read
+        before the round) -> (streams, pre, the DSpark taps, each ratio > 1 source's rows (a marked state's
+        rollback)): one piece, so one CUDA graph per row bucket and index key buckets."""
+        t = self.t
+        taps = [None] * len(t.dspark_target_layer_ids)
+        topk = cand = None
+        notes, e = [], iter(erows)
+        for blk in self.blocks:
+            r = blk.role
+            if blk.engram is not None:
+                streams = blk.engram.apply(streams, next(e), image)
+            if r.dspark_tap is not None:
+                taps[r.dspark_tap] = _stream_mean(streams)
+            c, s_ = (cos, sin) if r.rope == "main" else (ccos, csin)
+            arg = cand if blk.indexer is not None and r.uses_candidates else None if blk.indexer is not None else topk
+            streams, pre, own, new_cand, ckv, cgate = self._layer_round(blk, rd, image, None, streams, pre, c, s_,
+                                                                         ccos, csin, meta, arg)
+            topk = own if own is not None else topk
+            cand = new_cand if new_cand is not None else cand
+            if ckv is not None:
+                notes += [ckv, cgate]
+        return (streams, pre, *taps, *notes)
 
     def _index_round(self, blk: Block, rd: _Round, q, w, trace, meta=None, cand=None) -> torch.Tensor:
         """_index for every sequence of the round: each row against its sequence's keys (through the round's table)
