@@ -67,15 +67,25 @@ def _cases():
             "TOPK": "i32", "BR": "constexpr", "BH": "constexpr", "SHARDED": "constexpr"},
            {"BR": fp4_moe.SUM_ROWS, "BH": fp4_moe.SUM_COLS, "SHARDED": True}, {}, {})
     yield from _prompt_cases(work, div)
+    consts = {"HEADS": "constexpr", "D": "constexpr", "BH": "constexpr", "BJ": "constexpr", "PRECISE": "constexpr",
+              "INTERP": "constexpr"}
+    attn_opts = {"num_warps": sparse_attn.NUM_WARPS, "num_stages": sparse_attn.NUM_STAGES}
     for t, precise in (("fp32", True), ("fp32", False), ("bf16", False)):
-        yield (f"sparse_attn {t}{' precise' if precise else ''}", sparse_attn._sparse_attn_kernel,
-               {"q_ptr": f"*{t}", "pool_ptr": f"*{t}", "idx_ptr": "*i32", "sink_ptr": "*fp32", "o_ptr": "*fp32",
-                "K": "i32", "scale_log2e": "fp32", "HEADS": "constexpr", "D": "constexpr", "BH": "constexpr",
-                "BJ": "constexpr", "PRECISE": "constexpr", "INTERP": "constexpr"},
-               {"HEADS": 64, "D": 512, "BH": sparse_attn.BLOCK_H, "BJ": sparse_attn.BLOCK_J, "PRECISE": precise,
-                "INTERP": False},
-               {(i,): div for i in range(6)},
-               {"num_warps": sparse_attn.NUM_WARPS, "num_stages": sparse_attn.NUM_STAGES})
+        c = {"HEADS": 64, "D": 512, "BH": sparse_attn.BLOCK_H, "BJ": sparse_attn.BLOCK_J, "PRECISE": precise,
+             "INTERP": False}
+        what = f"{t}{' precise' if precise else ''}"
+        ins = {"q_ptr": f"*{t}", "pool_ptr": f"*{t}", "idx_ptr": "*i32", "sink_ptr": "*fp32"}
+        yield (f"sparse_attn whole {what}", sparse_attn._whole_kernel,
+               {**ins, "o_ptr": "*fp32", "K": "i32", "scale_log2e": "fp32", **consts},
+               c, {(i,): div for i in range(5)}, attn_opts)
+        yield (f"sparse_attn split {what}", sparse_attn._split_kernel,
+               {**ins, "acc_ptr": "*fp32", "ml_ptr": "*fp32", "K": "i32", "S": "i32", "scale_log2e": "fp32",
+                **consts}, c, {(i,): div for i in range(6)}, attn_opts)
+    yield ("sparse_attn combine", sparse_attn._combine_kernel,
+           {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "sink_ptr": "*fp32", "o_ptr": "*fp32", "S": "constexpr",
+            "HEADS": "constexpr", "D": "constexpr", "BH": "constexpr"},
+           {"S": 10, "HEADS": 64, "D": 512, "BH": sparse_attn.COMBINE_H}, {(i,): div for i in range(4)},
+           {"num_warps": 4})
     for E, k in ((384, 6), (256, 8), (1024, 16)):   # V4.1's router (384 experts, top 6) and the limits
         be = 1 << (E - 1).bit_length()
         yield (f"router_topk E={E} k={k}", topk._router_topk_kernel,
