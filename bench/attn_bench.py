@@ -1,5 +1,5 @@
-"""Sparse attention (kernels/sparse_attn.py) at V4.1 shapes against its byte floor, beside the session-9 kernel it
-replaced, on the GPU (issue 24).
+"""Sparse attention (kernels/sparse_attn.py) and the indexer's round scores (kernels/indexer.py) at V4.1 shapes
+against their byte floors, beside the session-9 kernels they replaced, on the GPU (issue 24).
 
 Shapes: 64 heads (two TP shards of 32), D 512, 640 keys a row (the 128 window + 512 top-k), the sink. Decode rows
 1, 8, 32, 64 in the decode round's form (each row's keys gathered, [n, 640, D] as the pool, float32 as the round
@@ -11,6 +11,10 @@ layer ran it (a launch per shard of 32 heads, then torch.cat) and at 64 heads in
 keys, the indices and the output read/written once, at the copy bandwidth measured in the same run. Times:
 median CUDA-graph replay per call, the graph cycling through copies of the inputs totalling >= 256 MB (5x the L2),
 so the keys come from HBM.
+
+Indexer: 32 heads x 128, a round of n sequences with one row each, 1024 keys a sequence (a ratio-2 layer after
+2048 tokens) read through the table of addresses; byte floor: the keys, q, w and the scores once. Prompt: 2048
+rows of one sequence against 2048 keys.
 
   python3 bench/attn_bench.py [--out bench/results/attn.md] [--rows 1,8,32,64] [--commit C]
 """
@@ -32,6 +36,7 @@ import triton.testing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kernels import indexer as X                              # noqa: E402
 from kernels import sparse_attn as A                          # noqa: E402
 from kernels.fp8_linear import bf16_operand, mma              # noqa: E402
 
@@ -81,6 +86,49 @@ def old_layer(q, pool, idx, sink, scale):
     h = HEADS // SHARDS
     return torch.cat([old_attn(q[:, i * h:(i + 1) * h], pool, idx, sink[i * h:(i + 1) * h], scale)
                       for i in range(SHARDS)], dim=1)
+
+
+@triton.jit
+def _old_round_scores(tab_ptr, q_ptr, w_ptr, cnt_ptr, out_ptr, n, T, RB, scale, H, D: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr):
+    """The session-9 round kernel (d4003fd), kept here only as this bench's old column: 16 rows in the product, a
+    loop over the heads."""
+    b = tl.program_id(0) // RB
+    local = (tl.program_id(0) % RB) * BM + tl.arange(0, BM)
+    rows = b * n + local
+    keys = tl.program_id(1) * BN + tl.arange(0, BN)
+    d = tl.arange(0, D)
+    rmask = local < n
+    base = tl.load(tab_ptr + b).to(tl.pointer_type(tl.float32))
+    kmask = keys < tl.load(cnt_ptr + b)
+    kt = tl.load(base + keys[None, :] * D + d[:, None], mask=kmask[None, :], other=0.0)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for h in range(H):
+        q = tl.load(q_ptr + rows[:, None] * (H * D) + h * D + d[None, :], mask=rmask[:, None], other=0.0)
+        s = tl.dot(q, kt, input_precision="tf32x3")
+        w = tl.load(w_ptr + rows * H + h, mask=rmask, other=0.0)
+        acc = acc + (tl.maximum(s, 0.0) * scale) * w[:, None]
+    tl.store(out_ptr + rows[:, None] * T + keys[None, :], acc, mask=rmask[:, None] & (keys < T)[None, :])
+
+
+def old_index_table(q, w, table, counts, T, scale):
+    N, H, D = q.shape
+    B = table.shape[0]
+    out = torch.empty((N, T), dtype=torch.float32, device=q.device)
+    n = N // B
+    rb = triton.cdiv(n, 16)
+    _old_round_scores[(B * rb, triton.cdiv(T, 64))](table, q, w, counts, out, n, T, rb, scale, H, D=D, BM=16, BN=64,
+                                                    num_warps=4)
+    return out
+
+
+def index_case(n_seq, rows, T, g, H=32, Di=128):
+    keys = [torch.randn(T, Di, generator=g, device="cuda") for _ in range(n_seq)]
+    q = torch.randn(n_seq * rows, H, Di, generator=g, device="cuda")
+    w = torch.randn(n_seq * rows, H, generator=g, device="cuda") * H ** -0.5
+    table = torch.tensor([k.data_ptr() for k in keys], dtype=torch.int64, device="cuda")
+    counts = torch.full((n_seq,), T, dtype=torch.int64, device="cuda")
+    return q, w, table, counts, keys
 
 
 def copy_bandwidth() -> float:
@@ -206,6 +254,34 @@ def main() -> int:
         t = time_graph(fn, cases)
         emit(f"| {n} (prompt, pool form) | float32 | {name} | {t * 1e6:.1f} | | | {flops / t / 1e12:.0f} TFLOP/s | "
              f"{check if name == 'new auto' else ''} |")
+    # the indexer's round scores: n sequences of one row, and a prompt chunk of one sequence
+    T, scale_i = 1024, 128 ** -0.5
+    icalls = [("new table", lambda q, w, t, c, k: X.index_scores_table(q, w, t, c, T, scale_i)),
+              ("old table", lambda q, w, t, c, k: old_index_table(q, w, t, c, T, scale_i))]
+    for n in [int(r) for r in args.rows.split(",")]:
+        nbytes = n * T * 128 * 4 + n * 32 * 129 * 4 + n * T * 4
+        copies = max(2, min(64, -(-STREAM_BYTES // nbytes)))
+        cases = [index_case(n, 1, T, g) for _ in range(copies)]
+        q, w, t, c, keys = cases[0]
+        new = X.index_scores_table(q, w, t, c, T, scale_i)
+        alone = all(torch.equal(X.index_scores(q[b:b + 1], w[b:b + 1], keys[b], scale_i), new[b:b + 1])
+                    for b in range(n))
+        rel = ((new - old_index_table(q, w, t, c, T, scale_i)).abs().max() / new.abs().max()).item()
+        check = f"table==per sequence {alone}, max|new-old|/max {rel:.1e}"
+        floor = nbytes / bw
+        for name, fn in icalls:
+            tm = time_graph(fn, cases)
+            emit(f"| {n} | indexer, {T} keys | {name} | {tm * 1e6:.1f} | {nbytes / 1e6:.2f} | {floor * 1e6:.2f} | "
+                 f"{floor / tm * 100:.0f}% | {check if name == 'new table' else ''} |")
+        del cases
+    n, T = args.prompt_rows, 2048
+    q, w, t, c, keys = index_case(1, n, T, g)
+    flops = 2 * 3 * n * 32 * 128 * T
+    for name, fn in (("new", lambda: X.index_scores(q, w, keys[0], scale_i)),
+                     ("old", lambda: old_index_table(q, w, t, c, T, scale_i))):
+        tm = time_graph(lambda *_: fn(), [()])
+        emit(f"| {n} (prompt) | indexer, {T} keys | {name} | {tm * 1e6:.1f} | | | {flops / tm / 1e12:.0f} TFLOP/s "
+             "(3xTF32) | |")
     return 0
 
 

@@ -1,7 +1,7 @@
-"""Compile every kernel of fp8_linear, fp4_moe, sparse_attn, router and topk for a CUDA target without a GPU (Triton's own ptxas),
-in the configurations the wrappers launch. The interpreter runs kernels as Python, so it misses what only the
-compiler rejects (non-constexpr globals, unsupported casts, shared memory over the limit); this catches those on a
-CPU machine. Run with TRITON_INTERPRET unset (the kernels must be real JIT functions):
+"""Compile every kernel of fp8_linear, fp4_moe, sparse_attn, indexer, router and topk for a CUDA target without a
+GPU (Triton's own ptxas), in the configurations the wrappers launch. The interpreter runs kernels as Python, so it
+misses what only the compiler rejects (non-constexpr globals, unsupported casts, shared memory over the limit); this
+catches those on a CPU machine. Run with TRITON_INTERPRET unset (the kernels must be real JIT functions):
 
   python -m kernels.compile_check [--arch 90]      # prints each kernel's shared memory; exit 1 on a failure
 """
@@ -17,7 +17,7 @@ CUDA_SMEM_LIMIT = 232448   # bytes of shared memory a Hopper block may use (227 
 
 
 def _cases():
-    from kernels import fp4_moe, fp8_linear, router, sparse_attn, topk
+    from kernels import fp4_moe, fp8_linear, indexer, router, sparse_attn, topk
     div = [["tt.divisibility", 16]]
     sig8 = {"x_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32", "part_ptr": "*fp32",
             "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "KB": "i32",
@@ -86,6 +86,17 @@ def _cases():
             "HEADS": "constexpr", "D": "constexpr", "BH": "constexpr"},
            {"S": 10, "HEADS": 64, "D": 512, "BH": sparse_attn.COMBINE_H}, {(i,): div for i in range(4)},
            {"num_warps": 4})
+    for hp in (16, 32):        # the indexer's head tile: small test shapes, the release's 32 heads
+        c = {"HP": hp, "D": 128, "BM": indexer.BLOCK_M, "BN": indexer.BLOCK_N, "INTERP": False}
+        sigc = {"HP": "constexpr", "D": "constexpr", "BM": "constexpr", "BN": "constexpr", "INTERP": "constexpr"}
+        yield (f"indexer scores, {hp}-head tile", indexer._index_scores_kernel,
+               {"q_ptr": "*fp32", "w_ptr": "*fp32", "k_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "T": "i32",
+                "scale": "fp32", "H": "i32", **sigc}, c, {(i,): div for i in range(4)},
+               {"num_warps": indexer.NUM_WARPS})
+        yield (f"indexer round scores, {hp}-head tile", indexer._index_scores_round_kernel,
+               {"tab_ptr": "*i64", "q_ptr": "*fp32", "w_ptr": "*fp32", "cnt_ptr": "*i64", "out_ptr": "*fp32",
+                "n": "i32", "T": "i32", "RB": "i32", "scale": "fp32", "H": "i32", **sigc}, c,
+               {(i,): div for i in range(5)}, {"num_warps": indexer.NUM_WARPS})
     for E, k in ((384, 6), (256, 8), (1024, 16)):   # V4.1's router (384 experts, top 6) and the limits
         be = 1 << (E - 1).bit_length()
         yield (f"router_topk E={E} k={k}", topk._router_topk_kernel,

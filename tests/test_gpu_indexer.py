@@ -21,7 +21,8 @@ def _inputs(n, T, H, D, seed):
     return q, w, k
 
 
-@pytest.mark.parametrize("n,T,H,D", [(1, 5, 4, 32), (3, 64, 2, 64), (17, 130, 4, 32), (40, 70, 8, 128)])
+@pytest.mark.parametrize("n,T,H,D", [(1, 5, 4, 32), (3, 64, 2, 64), (17, 130, 4, 32), (40, 70, 8, 128), (2, 70, 20, 64),
+                                     (1, 64, 32, 128)])
 def test_index_scores_equal_the_torch_path_to_float32_rounding(n, T, H, D):
     q, w, k = _inputs(n, T, H, D, n + T)
     ix = _indexer(H, D)
