@@ -381,9 +381,9 @@ def test_attention_runs_every_shard_in_one_call_where_the_op_set_keeps_each_shar
     idx = torch.where(torch.rand(n, K, generator=g) > 0.3, torch.randint(0, P, (n, K), generator=g), -1).to(DEVICE)
     sink = torch.randn(heads, generator=g)
     wq_b = torch.empty(heads * D, 1)
-    e = torch.empty(0)
+    e, w = torch.empty(0), torch.empty(0, 1)        # the projections attend does not use
     for ops in (CUDA, REF):
-        att = Attention(e, e, wq_b, e, e, sink.to(DEVICE), e, e, head_dim=D, o_lora=1, eps=1e-20, shards=2,
+        att = Attention(w, e, wq_b, w, e, sink.to(DEVICE), e, e, head_dim=D, o_lora=1, eps=1e-20, shards=2,
                         ops=ops)
         calls = []
         real = ops.sparse_attend
