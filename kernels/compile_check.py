@@ -86,17 +86,17 @@ def _cases():
             "HEADS": "constexpr", "D": "constexpr", "BH": "constexpr"},
            {"S": 10, "HEADS": 64, "D": 512, "BH": sparse_attn.COMBINE_H}, {(i,): div for i in range(4)},
            {"num_warps": 4})
-    for hp in (16, 32):        # the indexer's head tile: small test shapes, the release's 32 heads
-        c = {"HP": hp, "D": 128, "BM": indexer.BLOCK_M, "BN": indexer.BLOCK_N, "INTERP": False}
-        sigc = {"HP": "constexpr", "D": "constexpr", "BM": "constexpr", "BN": "constexpr", "INTERP": "constexpr"}
-        yield (f"indexer scores, {hp}-head tile", indexer._index_scores_kernel,
-               {"q_ptr": "*fp32", "w_ptr": "*fp32", "k_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "T": "i32",
-                "scale": "fp32", "H": "i32", **sigc}, c, {(i,): div for i in range(4)},
-               {"num_warps": indexer.NUM_WARPS})
+
+    isig = {"D": "constexpr", "BM": "constexpr", "BN": "constexpr", "INTERP": "constexpr"}
+    ic = {"D": 128, "BM": indexer.BLOCK_M, "BN": indexer.BLOCK_N, "INTERP": False}
+    yield ("indexer scores", indexer._index_scores_kernel,
+           {"q_ptr": "*fp32", "w_ptr": "*fp32", "k_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "T": "i32",
+            "scale": "fp32", "H": "i32", **isig}, ic, {(i,): div for i in range(4)}, {"num_warps": indexer.NUM_WARPS})
+    for hp in (16, 32):        # the round kernel's head tile: small test shapes, the release's 32 heads
         yield (f"indexer round scores, {hp}-head tile", indexer._index_scores_round_kernel,
                {"tab_ptr": "*i64", "q_ptr": "*fp32", "w_ptr": "*fp32", "cnt_ptr": "*i64", "out_ptr": "*fp32",
-                "n": "i32", "T": "i32", "RB": "i32", "scale": "fp32", "H": "i32", **sigc}, c,
-               {(i,): div for i in range(5)}, {"num_warps": indexer.NUM_WARPS})
+                "n": "i32", "T": "i32", "RB": "i32", "scale": "fp32", "H": "i32", "HP": "constexpr", **isig},
+               {"HP": hp, **ic}, {(i,): div for i in range(5)}, {"num_warps": indexer.ROUND_WARPS})
     for E, k in ((384, 6), (256, 8), (1024, 16)):   # V4.1's router (384 experts, top 6) and the limits
         be = 1 << (E - 1).bit_length()
         yield (f"router_topk E={E} k={k}", topk._router_topk_kernel,

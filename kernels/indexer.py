@@ -3,22 +3,22 @@
 Reference: `dsv41.model.indexer.Indexer.scores` before its visibility mask (the torch path cuts the keys into tiles
 of 64 and the rows into fixed row tiles, with a Python loop over heads: thousands of launches per call on a GPU).
 
-Layout: a row's heads are the rows of its product (q[t] [H, D] · the key tile [D, 64], heads padded to 16 with
-zeros), so a decode round's one row a sequence fills the tensor cores' rows instead of 1 of 16 (the earlier
-kernel put 16 rows in the product and looped over the heads: 32 dependent products a program, 15/16 of them on
-masked rows at decode); a program takes one key tile and up to BLOCK_M rows one after another.
-
-Numerics: float32 in and out. The q·k products run on the tensor cores as 3xTF32 (`input_precision="tf32x3"`:
-each operand split into a TF32 high part and a TF32 remainder, three products, fp32 accumulation), about float32's
-accuracy (~1e-6 relative) at several times the rate of IEEE fp32 dots (which ran at ~13 TFLOP/s on the H200 and
-bound long prompts: 2026-12-03 gpu.md). Under QAT the indexer's q and k are FP4 values times a power of two, exact
-in TF32, so the remainders are zero and every product is exact. The sums over the head dim and over the heads
-(tl.sum's tree, fixed by the tile and the warps) are the kernel's own fixed orders, so values differ from the torch
-path (heads in order 0..H-1) by float32-level rounding.
-Exactness: one configuration (one row's heads x BLOCK_N keys per product, the whole head dim in one product), so a
+Numerics: float32 in and out, heads added in order 0..H-1 as the reference does. The q·k products run on the tensor
+cores as 3xTF32 (`input_precision="tf32x3"`: each operand split into a TF32 high part and a TF32 remainder, three
+products, fp32 accumulation), about float32's accuracy (~1e-6 relative) at several times the rate of IEEE fp32 dots
+(which ran at ~13 TFLOP/s on the H200 and bound long prompts: 2026-12-03 gpu.md). Under QAT the indexer's q and k
+are FP4 values times a power of two, exact in TF32, so the remainders are zero and every product is exact. The sum
+over the head dim is the kernel's own fixed order, so values differ from the torch path by float32-level rounding.
+Exactness: one configuration (BLOCK_M rows x BLOCK_N keys per program, the whole head dim in one product), so a
 (row, key) value depends only on that row and that key: not on the other rows of the call, nor on how many keys
-the sequence has (chunked prompt == one pass, a row alone == among many), nor on the kernel (a round's table
-kernel runs the same per-row function).
+the sequence has (chunked prompt == one pass, a row alone == among many).
+
+A decode round (`index_scores_table`: one or a few rows a sequence) arranges the same arithmetic differently: a
+row's heads are the rows of its product (q[t] [H, D] · the key tile, heads padded to 16 with zeros) instead of 16
+rows of which a round fills one, then the heads' terms are taken out one by one and added in order 0..H-1 as the
+per-sequence kernel adds them (acc + (relu(s)·scale)·w, the same fused multiply-add). A product's element depends
+only on its own row and column of the operands (the same MMA instruction and k order whichever rows share it),
+so the round's values are the per-sequence kernel's bits (tests/test_model_round.py, on CUDA at V4.1 shapes).
 """
 from __future__ import annotations
 
@@ -28,47 +28,31 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M, BLOCK_N, NUM_WARPS = 16, 64, 8   # rows a program (one after another), keys a program, warps (8: the
-#                                          32-head tile's 3xTF32 operands fit the registers; 4 spill)
+BLOCK_M, BLOCK_N, NUM_WARPS = 16, 64, 4
+ROUND_WARPS = 8   # the round kernel: its 32-head tile's 3xTF32 operands spill at 4
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _heads_tile(H: int) -> int:
-    """The product's row count for H heads: a power of two, >= 16 (tl.dot's least); heads past H read zero."""
-    return max(16, triton.next_power_of_2(H))
-
-
-@triton.jit
-def _row_scores(q_ptr, w_ptr, row, kt, scale, H, HP: tl.constexpr, D: tl.constexpr, INTERP: tl.constexpr):
-    """One row's scores against the key tile kt [D, BN] -> [BN]: the row's heads are the rows of one product
-    q[row] [HP, D] · kt (3xTF32, fp32 accumulation), then Σ_h relu(s_h) · scale · w_h by tl.sum's tree over the
-    heads (fixed by the tile shape and warps, the same in both kernels; padded heads add +0)."""
-    h = tl.arange(0, HP)
-    d = tl.arange(0, D)
-    hm = h < H
-    q = tl.load(q_ptr + row * (H * D) + h[:, None] * D + d[None, :], mask=hm[:, None], other=0.0)   # [HP, D]
-    if INTERP:   # numpy's BLAS would round a row by its place in the tile: an explicit product-sum instead
-        s = tl.sum(q[:, :, None] * kt[None, :, :], axis=1)
-    else:
-        s = tl.dot(q, kt, input_precision="tf32x3")
-    w = tl.load(w_ptr + row * H + h, mask=hm, other=0.0)
-    return tl.sum((tl.maximum(s, 0.0) * scale) * w[:, None], axis=0)
-
-
-# N, T (rows, keys) and H are not specialised on: one compiled variant per head tile HP for every call (the first
-# H200 run spent ~70 s compiling variants per key count).
+# N, T (rows, keys) and H are not specialised on, and the head loop is a runtime loop: one compiled variant for
+# every call (the first H200 run spent ~70 s compiling unrolled variants per key count).
 @triton.jit(do_not_specialize=["N", "T", "H"])
-def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, N, T, scale, H, HP: tl.constexpr, D: tl.constexpr,
+def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, N, T, scale, H, D: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
     keys = tl.program_id(1) * BN + tl.arange(0, BN)
     d = tl.arange(0, D)
-    kmask = keys < T
+    rmask, kmask = rows < N, keys < T
     kt = tl.load(k_ptr + keys[None, :] * D + d[:, None], mask=kmask[None, :], other=0.0)     # [D, BN]
-    for i in range(0, BM):
-        row = tl.program_id(0) * BM + i
-        if row < N:
-            v = _row_scores(q_ptr, w_ptr, row, kt, scale, H, HP, D, INTERP)
-            tl.store(out_ptr + row.to(tl.int64) * T + keys, v, mask=kmask)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for h in range(H):
+        q = tl.load(q_ptr + rows[:, None] * (H * D) + h * D + d[None, :], mask=rmask[:, None], other=0.0)
+        if INTERP:   # numpy's BLAS would round a row by its place in the tile: an explicit product-sum instead
+            s = tl.sum(q[:, :, None] * kt[None, :, :], axis=1)
+        else:
+            s = tl.dot(q, kt, input_precision="tf32x3")
+        w = tl.load(w_ptr + rows * H + h, mask=rmask, other=0.0)
+        acc = acc + (tl.maximum(s, 0.0) * scale) * w[:, None]
+    tl.store(out_ptr + rows[:, None] * T + keys[None, :], acc, mask=rmask[:, None] & kmask[None, :])
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -83,15 +67,14 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: fl
         return out
     q, w, keys = (t.float().contiguous() for t in (q, w, keys))
     grid = (triton.cdiv(n, BLOCK_M), triton.cdiv(T, BLOCK_N))
-    _index_scores_kernel[grid](q, w, keys, out, n, T, float(scale), H, HP=_heads_tile(H), D=D, BM=BLOCK_M,
-                               BN=BLOCK_N, INTERP=INTERPRET, num_warps=NUM_WARPS)
+    _index_scores_kernel[grid](q, w, keys, out, n, T, float(scale), H, D=D, BM=BLOCK_M, BN=BLOCK_N,
+                               INTERP=INTERPRET, num_warps=NUM_WARPS)
     return out
 
 
-# A round of B sequences with n rows each against their own keys: the same per-row function, tile and warps as
-# _index_scores_kernel, so a (row, key) value is the bits the per-sequence launch gives. Each sequence's keys are
-# reached through a table of its key tensor's address with its key count (no padded copy of every sequence's keys
-# per layer); keys past a sequence's count read 0.
+# A round of B sequences with n rows each against their own keys, each (row, key) value the bits the per-sequence
+# launch gives. Each sequence's keys are reached through a table of its key tensor's address with its key count
+# (no padded copy of every sequence's keys per layer); keys past a sequence's count read 0.
 @triton.jit(do_not_specialize=["n", "T", "RB", "H"])
 def _index_scores_round_kernel(tab_ptr, q_ptr, w_ptr, cnt_ptr, out_ptr, n, T, RB, scale, H, HP: tl.constexpr,
                                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
@@ -99,14 +82,29 @@ def _index_scores_round_kernel(tab_ptr, q_ptr, w_ptr, cnt_ptr, out_ptr, n, T, RB
     first = (tl.program_id(0) % RB) * BM
     keys = tl.program_id(1) * BN + tl.arange(0, BN)
     d = tl.arange(0, D)
+    hh = tl.arange(0, HP)
     base = tl.load(tab_ptr + b).to(tl.pointer_type(tl.float32))
     kmask = keys < tl.load(cnt_ptr + b)
     kt = tl.load(base + keys[None, :] * D + d[:, None], mask=kmask[None, :], other=0.0)
     for i in range(0, BM):
         if first + i < n:
             row = b * n + first + i
-            v = _row_scores(q_ptr, w_ptr, row, kt, scale, H, HP, D, INTERP)
-            tl.store(out_ptr + row.to(tl.int64) * T + keys, v, mask=keys < T)
+            q = tl.load(q_ptr + row * (H * D) + hh[:, None] * D + d[None, :], mask=(hh < H)[:, None], other=0.0)
+            if INTERP:
+                s = tl.sum(q[:, :, None] * kt[None, :, :], axis=1)
+            else:
+                s = tl.dot(q, kt, input_precision="tf32x3")                                    # [HP, BN]
+            g = tl.maximum(s, 0.0) * scale
+            acc = tl.zeros((BN,), dtype=tl.float32)
+            for h in range(H):     # head h's row of g, exactly (the others add zeros), then its term in order
+                g_h = tl.sum(tl.where((hh == h)[:, None], g, 0.0), axis=0)
+                acc = acc + g_h * tl.load(w_ptr + row * H + h)
+            tl.store(out_ptr + row.to(tl.int64) * T + keys, acc, mask=keys < T)
+
+
+def _heads_tile(H: int) -> int:
+    """The round kernel's product rows for H heads: a power of two, >= 16 (tl.dot's least); heads past H read 0."""
+    return max(16, triton.next_power_of_2(H))
 
 
 def index_scores_table(q: torch.Tensor, w: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, T: int,
@@ -127,5 +125,5 @@ def index_scores_table(q: torch.Tensor, w: torch.Tensor, table: torch.Tensor, co
     rb = triton.cdiv(n, BLOCK_M)
     grid = (B * rb, triton.cdiv(T, BLOCK_N))
     _index_scores_round_kernel[grid](table, q, w, counts, out, n, T, rb, float(scale), H, HP=_heads_tile(H), D=D,
-                                     BM=BLOCK_M, BN=BLOCK_N, INTERP=INTERPRET, num_warps=NUM_WARPS)
+                                     BM=BLOCK_M, BN=BLOCK_N, INTERP=INTERPRET, num_warps=ROUND_WARPS)
     return out
