@@ -73,6 +73,19 @@ def _old_kernel(q_ptr, pool_ptr, idx_ptr, sink_ptr, o_ptr, K, scale_log2e, HEADS
     tl.store(o_ptr + (r * HEADS + h)[:, None] * D + d[None, :], acc / den[:, None])
 
 
+def split_only(q, pool, idx, sink, scale):
+    """The split form's first kernel alone (its states to scratch, no fold): where the split form's time goes."""
+    n, heads, dim = q.shape
+    K = idx.shape[1]
+    S = triton.cdiv(K, A.BLOCK_J)
+    acc = torch.empty((n, S, heads, dim), dtype=torch.float32, device=q.device)
+    ml = torch.empty((n, S, 2, heads), dtype=torch.float32, device=q.device)
+    A._split_kernel[(n * S * heads // A.BLOCK_H,)](
+        q, pool, idx, sink, acc, ml, K, S, scale * 1.4426950408889634, HEADS=heads, D=dim, BH=A.BLOCK_H,
+        BJ=A.BLOCK_J, PRECISE=False, INTERP=A.INTERPRET, num_warps=A.NUM_WARPS, num_stages=A.NUM_STAGES)
+    return acc
+
+
 def old_attn(q, pool, idx, sink, scale):
     n, heads, dim = q.shape
     o = torch.empty((n, heads, dim), dtype=torch.float32, device=q.device)
@@ -217,6 +230,7 @@ def main() -> int:
     calls = [("new auto", lambda q, p, i, s: A.sparse_attn(q, p, i, s, scale)),
              ("new split", lambda q, p, i, s: A.sparse_attn(q, p, i, s, scale, form="split")),
              ("new whole", lambda q, p, i, s: A.sparse_attn(q, p, i, s, scale, form="whole")),
+             ("new split, 1st kernel only", lambda q, p, i, s: split_only(q, p, i, s, scale)),
              ("old layer", lambda q, p, i, s: old_layer(q, p, i, s, scale)),
              ("old 64h", lambda q, p, i, s: old_attn(q, p, i, s, scale))]
     for dtype in (torch.float32, torch.bfloat16):
@@ -277,8 +291,8 @@ def main() -> int:
     n, T = args.prompt_rows, 2048
     q, w, t, c, keys = index_case(1, n, T, g)
     flops = 2 * 3 * n * 32 * 128 * T
-    for name, fn in (("new", lambda: X.index_scores(q, w, keys[0], scale_i)),
-                     ("old", lambda: old_index_table(q, w, t, c, T, scale_i))):
+    for name, fn in (("index_scores (the prompt's kernel, as before)", lambda: X.index_scores(q, w, keys[0], scale_i)),
+                     ("old table", lambda: old_index_table(q, w, t, c, T, scale_i))):
         tm = time_graph(lambda *_: fn(), [()])
         emit(f"| {n} (prompt) | indexer, {T} keys | {name} | {tm * 1e6:.1f} | | | {flops / tm / 1e12:.0f} TFLOP/s "
              "(3xTF32) | |")

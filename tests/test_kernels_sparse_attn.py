@@ -133,9 +133,8 @@ def test_bf16_inputs_and_bad_input():
 @pytest.mark.gpu
 @pytest.mark.parametrize("precise", [True, False])
 def test_v41_shapes_on_gpu(precise):
-    """V4.1 shapes (64 heads = 2 TP shards of 32, D 512, 128 window + 512 top-k keys): 2048 rows (the whole form)
-    against the reference, and rows 1..64 (the split form) == the same rows among 2048, each form and each shard's
-    launch bit for bit."""
+    """V4.1 shapes (64 heads = 2 TP shards of 32, D 512, 128 window + 512 top-k keys): 2048 rows against the
+    reference, and rows 1..64 == the same rows among 2048, in each form and each shard's own launch, bit for bit."""
     heads, dim, window, topk = 64, 512, 128, 512
     q, pool, idx, sink = (t.cuda() for t in _case(2048, heads, dim, 8192, window, topk, seed=4))
     idx[5] = -1
