@@ -1,7 +1,7 @@
-"""Compile every kernel of fp8_linear, fp4_moe, sparse_attn, router and topk for a CUDA target without a GPU (Triton's own ptxas),
-in the configurations the wrappers launch. The interpreter runs kernels as Python, so it misses what only the
-compiler rejects (non-constexpr globals, unsupported casts, shared memory over the limit); this catches those on a
-CPU machine. Run with TRITON_INTERPRET unset (the kernels must be real JIT functions):
+"""Compile every kernel of fp8_linear, fp4_moe, sparse_attn, indexer, router and topk for a CUDA target without a
+GPU (Triton's own ptxas), in the configurations the wrappers launch. The interpreter runs kernels as Python, so it
+misses what only the compiler rejects (non-constexpr globals, unsupported casts, shared memory over the limit); this
+catches those on a CPU machine. Run with TRITON_INTERPRET unset (the kernels must be real JIT functions):
 
   python -m kernels.compile_check [--arch 90]      # prints each kernel's shared memory; exit 1 on a failure
 """
@@ -17,7 +17,7 @@ CUDA_SMEM_LIMIT = 232448   # bytes of shared memory a Hopper block may use (227 
 
 
 def _cases():
-    from kernels import fp4_moe, fp8_linear, router, sparse_attn, topk
+    from kernels import fp4_moe, fp8_linear, indexer, router, sparse_attn, topk
     div = [["tt.divisibility", 16]]
     sig8 = {"x_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32", "part_ptr": "*fp32",
             "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "KB": "i32",
@@ -67,15 +67,36 @@ def _cases():
             "TOPK": "i32", "BR": "constexpr", "BH": "constexpr", "SHARDED": "constexpr"},
            {"BR": fp4_moe.SUM_ROWS, "BH": fp4_moe.SUM_COLS, "SHARDED": True}, {}, {})
     yield from _prompt_cases(work, div)
+    consts = {"HEADS": "constexpr", "D": "constexpr", "BH": "constexpr", "BJ": "constexpr", "PRECISE": "constexpr",
+              "INTERP": "constexpr"}
+    attn_opts = {"num_warps": sparse_attn.NUM_WARPS, "num_stages": sparse_attn.NUM_STAGES}
     for t, precise in (("fp32", True), ("fp32", False), ("bf16", False)):
-        yield (f"sparse_attn {t}{' precise' if precise else ''}", sparse_attn._sparse_attn_kernel,
-               {"q_ptr": f"*{t}", "pool_ptr": f"*{t}", "idx_ptr": "*i32", "sink_ptr": "*fp32", "o_ptr": "*fp32",
-                "K": "i32", "scale_log2e": "fp32", "HEADS": "constexpr", "D": "constexpr", "BH": "constexpr",
-                "BJ": "constexpr", "PRECISE": "constexpr", "INTERP": "constexpr"},
-               {"HEADS": 64, "D": 512, "BH": sparse_attn.BLOCK_H, "BJ": sparse_attn.BLOCK_J, "PRECISE": precise,
-                "INTERP": False},
-               {(i,): div for i in range(6)},
-               {"num_warps": sparse_attn.NUM_WARPS, "num_stages": sparse_attn.NUM_STAGES})
+        c = {"HEADS": 64, "D": 512, "BH": sparse_attn.BLOCK_H, "BJ": sparse_attn.BLOCK_J, "PRECISE": precise,
+             "INTERP": False}
+        what = f"{t}{' precise' if precise else ''}"
+        ins = {"q_ptr": f"*{t}", "pool_ptr": f"*{t}", "idx_ptr": "*i32", "sink_ptr": "*fp32"}
+        yield (f"sparse_attn whole {what}", sparse_attn._whole_kernel,
+               {**ins, "o_ptr": "*fp32", "K": "i32", "scale_log2e": "fp32", **consts},
+               c, {(i,): div for i in range(5)}, attn_opts)
+        yield (f"sparse_attn split {what}", sparse_attn._split_kernel,
+               {**ins, "acc_ptr": "*fp32", "ml_ptr": "*fp32", "K": "i32", "S": "i32", "scale_log2e": "fp32",
+                **consts}, c, {(i,): div for i in range(6)}, attn_opts)
+    yield ("sparse_attn combine", sparse_attn._combine_kernel,
+           {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "sink_ptr": "*fp32", "o_ptr": "*fp32", "S": "constexpr",
+            "HEADS": "constexpr", "D": "constexpr", "BH": "constexpr"},
+           {"S": 10, "HEADS": 64, "D": 512, "BH": sparse_attn.COMBINE_H}, {(i,): div for i in range(4)},
+           {"num_warps": 4})
+
+    isig = {"D": "constexpr", "BM": "constexpr", "BN": "constexpr", "INTERP": "constexpr"}
+    ic = {"D": 128, "BM": indexer.BLOCK_M, "BN": indexer.BLOCK_N, "INTERP": False}
+    yield ("indexer scores", indexer._index_scores_kernel,
+           {"q_ptr": "*fp32", "w_ptr": "*fp32", "k_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "T": "i32",
+            "scale": "fp32", "H": "i32", **isig}, ic, {(i,): div for i in range(4)}, {"num_warps": indexer.NUM_WARPS})
+    for hp in (16, 32):        # the round kernel's head tile: small test shapes, the release's 32 heads
+        yield (f"indexer round scores, {hp}-head tile", indexer._index_scores_round_kernel,
+               {"tab_ptr": "*i64", "q_ptr": "*fp32", "w_ptr": "*fp32", "cnt_ptr": "*i64", "out_ptr": "*fp32",
+                "n": "i32", "T": "i32", "RB": "i32", "scale": "fp32", "H": "i32", "HP": "constexpr", **isig},
+               {"HP": hp, **ic}, {(i,): div for i in range(5)}, {"num_warps": indexer.ROUND_WARPS})
     for E, k in ((384, 6), (256, 8), (1024, 16)):   # V4.1's router (384 experts, top 6) and the limits
         be = 1 << (E - 1).bit_length()
         yield (f"router_topk E={E} k={k}", topk._router_topk_kernel,

@@ -12,6 +12,13 @@ over the head dim is the kernel's own fixed order, so values differ from the tor
 Exactness: one configuration (BLOCK_M rows x BLOCK_N keys per program, the whole head dim in one product), so a
 (row, key) value depends only on that row and that key: not on the other rows of the call, nor on how many keys
 the sequence has (chunked prompt == one pass, a row alone == among many).
+
+A decode round (`index_scores_table`: one or a few rows a sequence) arranges the same arithmetic differently: a
+row's heads are the rows of its product (q[t] [H, D] · the key tile, heads padded to 16 with zeros) instead of 16
+rows of which a round fills one, then the heads' terms are taken out one by one and added in order 0..H-1 as the
+per-sequence kernel adds them (acc + (relu(s)·scale)·w, the same fused multiply-add). A product's element depends
+only on its own row and column of the operands (the same MMA instruction and k order whichever rows share it),
+so the round's values are the per-sequence kernel's bits (tests/test_model_round.py, on CUDA at V4.1 shapes).
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import triton
 import triton.language as tl
 
 BLOCK_M, BLOCK_N, NUM_WARPS = 16, 64, 4
+ROUND_WARPS = 8   # the round kernel: its 32-head tile's 3xTF32 operands spill at 4
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -64,32 +72,39 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: fl
     return out
 
 
-# A round of B sequences with n rows each against their own keys: the same program shape and arithmetic as
-# _index_scores_kernel, so a (row, key) value is the bits the per-sequence launch gives. Each sequence's keys are
-# reached through a table of its key tensor's address with its key count (no padded copy of every sequence's keys
-# per layer); keys past a sequence's count read 0.
+# A round of B sequences with n rows each against their own keys, each (row, key) value the bits the per-sequence
+# launch gives. Each sequence's keys are reached through a table of its key tensor's address with its key count
+# (no padded copy of every sequence's keys per layer); keys past a sequence's count read 0.
 @triton.jit(do_not_specialize=["n", "T", "RB", "H"])
-def _index_scores_round_kernel(tab_ptr, q_ptr, w_ptr, cnt_ptr, out_ptr, n, T, RB, scale, H, D: tl.constexpr,
-                               BM: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
+def _index_scores_round_kernel(tab_ptr, q_ptr, w_ptr, cnt_ptr, out_ptr, n, T, RB, scale, H, HP: tl.constexpr,
+                               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
     b = tl.program_id(0) // RB
-    local = (tl.program_id(0) % RB) * BM + tl.arange(0, BM)
-    rows = b * n + local
+    first = (tl.program_id(0) % RB) * BM
     keys = tl.program_id(1) * BN + tl.arange(0, BN)
     d = tl.arange(0, D)
-    rmask = local < n
+    hh = tl.arange(0, HP)
     base = tl.load(tab_ptr + b).to(tl.pointer_type(tl.float32))
     kmask = keys < tl.load(cnt_ptr + b)
     kt = tl.load(base + keys[None, :] * D + d[:, None], mask=kmask[None, :], other=0.0)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for h in range(H):
-        q = tl.load(q_ptr + rows[:, None] * (H * D) + h * D + d[None, :], mask=rmask[:, None], other=0.0)
-        if INTERP:
-            s = tl.sum(q[:, :, None] * kt[None, :, :], axis=1)
-        else:
-            s = tl.dot(q, kt, input_precision="tf32x3")
-        w = tl.load(w_ptr + rows * H + h, mask=rmask, other=0.0)
-        acc = acc + (tl.maximum(s, 0.0) * scale) * w[:, None]
-    tl.store(out_ptr + rows[:, None] * T + keys[None, :], acc, mask=rmask[:, None] & (keys < T)[None, :])
+    for i in range(0, BM):
+        if first + i < n:
+            row = b * n + first + i
+            q = tl.load(q_ptr + row * (H * D) + hh[:, None] * D + d[None, :], mask=(hh < H)[:, None], other=0.0)
+            if INTERP:
+                s = tl.sum(q[:, :, None] * kt[None, :, :], axis=1)
+            else:
+                s = tl.dot(q, kt, input_precision="tf32x3")                                    # [HP, BN]
+            g = tl.maximum(s, 0.0) * scale
+            acc = tl.zeros((BN,), dtype=tl.float32)
+            for h in range(H):     # head h's row of g, exactly (the others add zeros), then its term in order
+                g_h = tl.sum(tl.where((hh == h)[:, None], g, 0.0), axis=0)
+                acc = acc + g_h * tl.load(w_ptr + row * H + h)
+            tl.store(out_ptr + row.to(tl.int64) * T + keys, acc, mask=keys < T)
+
+
+def _heads_tile(H: int) -> int:
+    """The round kernel's product rows for H heads: a power of two, >= 16 (tl.dot's least); heads past H read 0."""
+    return max(16, triton.next_power_of_2(H))
 
 
 def index_scores_table(q: torch.Tensor, w: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, T: int,
@@ -109,6 +124,6 @@ def index_scores_table(q: torch.Tensor, w: torch.Tensor, table: torch.Tensor, co
     q, w = (t.float().contiguous() for t in (q, w))
     rb = triton.cdiv(n, BLOCK_M)
     grid = (B * rb, triton.cdiv(T, BLOCK_N))
-    _index_scores_round_kernel[grid](table, q, w, counts, out, n, T, rb, float(scale), H, D=D, BM=BLOCK_M,
-                                     BN=BLOCK_N, INTERP=INTERPRET, num_warps=NUM_WARPS)
+    _index_scores_round_kernel[grid](table, q, w, counts, out, n, T, rb, float(scale), H, HP=_heads_tile(H), D=D,
+                                     BM=BLOCK_M, BN=BLOCK_N, INTERP=INTERPRET, num_warps=ROUND_WARPS)
     return out

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dsv41.model.indexer import Indexer
-from kernels.indexer import index_scores
+from kernels.indexer import index_scores, index_scores_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -41,3 +41,30 @@ def test_index_scores_row_and_key_invariant():
     alone = index_scores(q[17:18], w[17:18], k[:50], 0.1)
     assert torch.equal(alone[0], full[17, :50])
     assert torch.equal(index_scores(q[3:9], w[3:9], k, 0.1), full[3:9])
+
+
+def _round_equals_per_sequence(H, D, n, counts, seed):
+    """index_scores_table over sequences of n rows (each reaching its own keys through the table) == index_scores
+    per sequence, bit for bit: the round kernel's heads-as-rows product and in-order head sum against the
+    per-sequence kernel's rows-as-rows product and head loop."""
+    g = torch.Generator().manual_seed(seed)
+    srcs = [torch.randn(c, D, generator=g).to(DEVICE) for c in counts]
+    q = torch.randn(len(srcs) * n, H, D, generator=g).to(DEVICE)
+    w = (torch.randn(len(srcs) * n, H, generator=g) * H ** -0.5).to(DEVICE)
+    table = torch.tensor([k.data_ptr() for k in srcs], dtype=torch.int64, device=DEVICE)
+    T = max(counts)
+    got = index_scores_table(q, w, table, torch.tensor(counts, device=DEVICE), T, D ** -0.5)
+    for b, k in enumerate(srcs):
+        ref = index_scores(q[b * n:(b + 1) * n], w[b * n:(b + 1) * n], k, D ** -0.5)
+        assert torch.equal(got[b * n:(b + 1) * n, :k.shape[0]], ref), b
+
+
+@pytest.mark.parametrize("H,n", [(20, 1), (32, 3)])
+def test_round_kernel_equals_per_sequence_kernel(H, n):
+    _round_equals_per_sequence(H, 32, n, [70, 5, 128], seed=H + n)
+
+
+@pytest.mark.gpu
+def test_round_kernel_equals_per_sequence_kernel_at_v41_shapes():
+    for n in (1, 2):
+        _round_equals_per_sequence(32, 128, n, [1024, 700, 2048, 64, 1000, 1024, 512, 333], seed=n)

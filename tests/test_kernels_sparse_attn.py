@@ -8,7 +8,9 @@ errors are stated against max|pool|:
 - precise=False (the release's bf16 numerics): against the reference on bf16-rounded q and pool only P's bf16
   rounding (2^-9 relative per weight) and the fp32 order differ, <= 2e-3 · max|pool|; against the plain float32
   reference q·k also sees the rounding of q and k, <= 1e-2 · max|pool|.
-Batch invariance: a row's output is bit-identical alone and among other rows.
+Batch invariance: a row's output is bit-identical alone and among other rows, in either form (split: a program per
+64-key split and a fold kernel; whole: a program per row folding its splits as it goes), and a head's output is
+bit-identical whichever heads share the launch (one launch over every TP shard == a launch per shard).
 """
 from __future__ import annotations
 
@@ -79,6 +81,41 @@ def test_all_masked_row_is_zero_and_rows_are_batch_invariant():
         assert torch.equal(alone[0], o[r])
 
 
+@pytest.mark.parametrize("precise", [False, True])
+def test_forms_heads_and_rows_give_the_same_bits(precise):
+    """Rows 1..64 (10 in the precise mode, the interpreter's time) with random non-zero inputs, masked slots,
+    whole splits masked (the first split of a row, all but the first of another) and an all-masked row: the split
+    form == the whole form bit for bit, rows alone == among the others, and the two 16-head halves launched apart
+    == the 32 heads in one launch."""
+    n = 10 if precise else 64
+    q, pool, idx, sink = _case(n, 32, 16, 300, 40, 96, seed=11 + precise)    # 136 keys: 3 splits, the last 8 wide
+    idx[3] = -1
+    idx[7, :64] = -1
+    idx[9, 64:] = -1
+    q, pool, idx, sink = q.to(DEV), pool.to(DEV), idx.to(DEV), sink.to(DEV)
+    sc = 16 ** -0.5
+    whole = sparse_attn(q, pool, idx, sink, sc, precise=precise, form="whole")
+    split = sparse_attn(q, pool, idx, sink, sc, precise=precise, form="split")
+    assert torch.equal(whole, split)
+    assert torch.equal((whole == 0).all(-1).all(-1), (idx < 0).all(-1)) and bool((idx[3] < 0).all())
+    _close(whole, q, pool, idx, sink, precise)
+    for r0, r1 in ((0, 1), (7, 10), (n - 5, n)):
+        for form in ("whole", "split"):
+            part = sparse_attn(q[r0:r1], pool, idx[r0:r1], sink, sc, precise=precise, form=form)
+            assert torch.equal(part, whole[r0:r1]), (r0, r1, form)
+    for i in (0, 1):
+        hs = slice(16 * i, 16 * i + 16)
+        for form in ("whole", "split"):
+            shard = sparse_attn(q[:10, hs].contiguous(), pool, idx[:10], sink[hs], sc, precise=precise, form=form)
+            assert torch.equal(shard, whole[:10, hs]), (i, form)
+
+
+def test_empty_key_set_gives_zeros():
+    q, pool, idx, sink = _case(3, 16, 16, 40, 4, 4, seed=3)
+    o = sparse_attn(q.to(DEV), pool.to(DEV), idx[:, :0].to(DEV), sink.to(DEV), 0.25)
+    assert o.shape == q.shape and bool((o == 0).all())
+
+
 def test_bf16_inputs_and_bad_input():
     q, pool, idx, sink = _case(2, 16, 32, 64, 8, 8, seed=2)
     q, pool, idx, sink = q.to(DEV), pool.to(DEV), idx.to(DEV), sink.to(DEV)
@@ -89,16 +126,31 @@ def test_bf16_inputs_and_bad_input():
         sparse_attn(q, pool, idx.float(), sink, 0.1)
     with pytest.raises(ValueError):
         sparse_attn(q, pool[:, :16], idx, sink, 0.1)
+    with pytest.raises(ValueError):
+        sparse_attn(q, pool, idx, sink, 0.1, form="tiled")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precise", [True, False])
 def test_v41_shapes_on_gpu(precise):
+    """V4.1 shapes (64 heads = 2 TP shards of 32, D 512, 128 window + 512 top-k keys): 2048 rows against the
+    reference, and rows 1..64 == the same rows among 2048, in each form and each shard's own launch, bit for bit."""
     heads, dim, window, topk = 64, 512, 128, 512
     q, pool, idx, sink = (t.cuda() for t in _case(2048, heads, dim, 8192, window, topk, seed=4))
-    big = sparse_attn(q, pool, idx, sink, dim ** -0.5, precise=precise)
-    pick = [0, 1, 1000, 2047]
+    idx[5] = -1
+    sc = dim ** -0.5
+    big = sparse_attn(q, pool, idx, sink, sc, precise=precise)
+    pick = [0, 1, 5, 1000, 2047]
     _close(big[pick], q[pick], pool, idx[pick], sink, precise)
-    for n in (1, 3, 16, 64):
-        o = sparse_attn(q[:n], pool, idx[:n], sink, dim ** -0.5, precise=precise)
+    assert bool((big[5] == 0).all())
+    assert torch.equal(sparse_attn(q, pool, idx, sink, sc, precise=precise, form="split"), big)
+    for n in (1, 3, 8, 16, 32, 64):
+        o = sparse_attn(q[:n], pool, idx[:n], sink, sc, precise=precise)
         assert torch.equal(o, big[:n]), f"rows 0..{n} differ from the same rows among 2048"
+        assert torch.equal(sparse_attn(q[:n], pool, idx[:n], sink, sc, precise=precise, form="whole"), o)
+        for i in (0, 1):
+            hs = slice(32 * i, 32 * i + 32)
+            shard = sparse_attn(q[:n, hs].contiguous(), pool, idx[:n], sink[hs], sc, precise=precise)
+            assert torch.equal(shard, o[:, hs]), f"shard {i} launched apart differs at {n} rows"
+    bf = sparse_attn(q[:64].bfloat16(), pool.bfloat16(), idx[:64], sink, sc, precise=precise)
+    assert torch.equal(sparse_attn(q.bfloat16(), pool.bfloat16(), idx, sink, sc, precise=precise)[:64], bf)

@@ -368,6 +368,39 @@ def test_attention_on_the_op_sets(n):
         assert torch.equal(ops.attend(q[-1:], pool, idx[-1:], sink, D ** -0.5), got[-1:])
 
 
+@pytest.mark.parametrize("n", [1, 6])
+def test_attention_runs_every_shard_in_one_call_where_the_op_set_keeps_each_shards_bits(n):
+    """`Attention.attend` with 2 TP shards of 16 heads: the CUDA op set's kernel computes every head apart, so the
+    layer makes one call over all 32 heads, bit for bit the two shards' own calls (what two ranks compute); the
+    reference keeps a call per shard (a product's bits depend on its head count), unchanged."""
+    from dsv41.model.attention import Attention
+    heads, D, K, P = 32, 16, 24, 40
+    g = _g(90 + n)
+    q = (torch.randn(n, heads, D, generator=g) * 2).to(DEVICE)
+    pool = torch.randn(P, D, generator=g).to(DEVICE)
+    idx = torch.where(torch.rand(n, K, generator=g) > 0.3, torch.randint(0, P, (n, K), generator=g), -1).to(DEVICE)
+    sink = torch.randn(heads, generator=g)
+    wq_b = torch.empty(heads * D, 1)
+    e, w = torch.empty(0), torch.empty(0, 1)        # the projections attend does not use
+    for ops in (CUDA, REF):
+        att = Attention(w, e, wq_b, w, e, sink.to(DEVICE), e, e, head_dim=D, o_lora=1, eps=1e-20, shards=2,
+                        ops=ops)
+        calls = []
+        real = ops.sparse_attend
+
+        def counted(*a, real=real, calls=calls):
+            calls.append(a[1].shape[1])
+            return real(*a)
+        att.ops = dataclasses.replace(ops, sparse_attend=counted)
+        if hasattr(real, "all_shards"):
+            counted.all_shards = real.all_shards
+        got = att.attend(q, pool, idx)
+        apart = torch.cat([ops.attend(q[:, i * 16:(i + 1) * 16].contiguous(), pool, idx,
+                                      sink[i * 16:(i + 1) * 16].to(DEVICE).float(), D ** -0.5) for i in (0, 1)], 1)
+        assert torch.equal(got, apart)
+        assert calls == ([32] if ops is CUDA else [16, 16])
+
+
 # ---- nothing inside the math reads the environment or a mutable global -----------------------------------------
 
 class _WatchedEnviron(collections.abc.MutableMapping):

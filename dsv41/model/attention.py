@@ -74,7 +74,8 @@ class Attention:
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
         """q [n, heads, D] over each row's key set (K = V) -> o [n, heads, D]; the heads of each shard in their own
-        products (a product's bits depend on its head count). Two forms of the key sets, the same function:
+        products (a product's bits depend on its head count), or in one call where the op set computes each head
+        apart (the kernel's `all_shards`). Two forms of the key sets, the same function:
         gathered, keys [n, K, D] with sel the bool validity [n, K] (a decode round's fixed shapes, its CUDA
         graphs); or a pool, keys [P, D] with sel the int64 indices [n, K] into it, -1 masked (a prompt pass: no
         [n, K, D] copy of the keys)."""
@@ -84,9 +85,10 @@ class Attention:
             keys, sel = keys.reshape(n * K, D), torch.where(sel, slots, -1)
         sink = self.attn_sink.float()
         scale = self.head_dim ** -0.5
-        if self.shards == 1:
-            return self.ops.attend(q, keys, sel, sink, scale)
         h = self.n_heads // self.shards
+        all_shards = getattr(self.ops.sparse_attend, "all_shards", None)   # the kernel: one launch, each shard's bits
+        if self.shards == 1 or (all_shards is not None and all_shards(h, self.head_dim)):
+            return self.ops.attend(q, keys, sel, sink, scale)
         return torch.cat([self.ops.attend(q[:, i * h:(i + 1) * h], keys, sel, sink[i * h:(i + 1) * h], scale)
                           for i in range(self.shards)], dim=1)
 

@@ -518,13 +518,20 @@ def attend_tiled(ops: Ops, q: torch.Tensor, pool: torch.Tensor, idx: torch.Tenso
 
 def _kernel_attend(k: Callable) -> Callable:
     """kernels/sparse_attn.py: reads each row's keys from the pool through its indices (no gathered copy; bf16 q, k
-    and P with float32 accumulation and softmax, as DeepSeek's kernel; one program per row and 16 heads). Shapes the
-    kernel does not take (heads not a multiple of 16, D not a power of two) run the reference form."""
+    and P with float32 accumulation and softmax, as DeepSeek's kernel; the keys in fixed splits of 64 folded in
+    order, so the bits do not depend on the row count). Shapes the kernel does not take (heads not a multiple of 16,
+    D not a power of two) run the reference form. Its `all_shards(heads, dim)`: whether one call over several TP
+    shards' heads gives each shard's bits, shards of `heads` heads each (the kernel computes every head apart; the
+    reference's products do not)."""
+    def takes(heads: int, dim: int) -> bool:
+        return heads % 16 == 0 and dim >= 16 and not dim & (dim - 1)
+
     def attend(ops: Ops, q, pool, idx, sink, scale):
         n, heads, dim = q.shape
-        if n == 0 or heads % 16 or dim & (dim - 1) or dim < 16:
+        if n == 0 or not takes(heads, dim):
             return attend_tiled(ops, q, pool, idx, sink, scale)
         return k(q, pool, idx, sink, scale)
+    attend.all_shards = takes
     return attend
 
 
