@@ -96,22 +96,13 @@ def host_split(model, fn, rounds: int, cuda: bool) -> dict:
         acc["_history (eager)"] += time.perf_counter() - t
         return r
 
-    def timed_run(key, f, args, **kw):
+    def timed_run(key, f, args):
         t = time.perf_counter()
-        r = run(key, f, args, **kw)
+        r = run(key, f, args)
         acc[f"piece {key[0]} (graph replay)"] += time.perf_counter() - t
         return r
 
-    prep = model._prepare_round
-
-    def timed_prep(*args, **kw):
-        t = time.perf_counter()
-        r = prep(*args, **kw)
-        acc["_prepare_round (host metadata, one copy)"] += time.perf_counter() - t
-        return r
-
     model._history = timed_hist
-    model._prepare_round = timed_prep
     if G is not None:
         G.run = timed_run
     try:
@@ -137,7 +128,7 @@ def host_split(model, fn, rounds: int, cuda: bool) -> dict:
             torch.cuda.synchronize()
         prof.disable()
     finally:
-        del model._history, model._prepare_round
+        del model._history
         if G is not None:
             del G.run
     buf = io.StringIO()
