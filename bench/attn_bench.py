@@ -24,7 +24,6 @@ import argparse
 import datetime
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -39,6 +38,9 @@ sys.path.insert(0, str(ROOT))
 from kernels import indexer as X                              # noqa: E402
 from kernels import sparse_attn as A                          # noqa: E402
 from kernels.fp8_linear import bf16_operand, mma              # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+from kernels_bench import commit_of                           # noqa: E402
 
 HEADS, SHARDS, D, WINDOW, TOPK = 64, 2, 512, 128, 512
 STREAM_BYTES = 256 << 20
@@ -185,16 +187,6 @@ def time_graph(fn, cases) -> float:
     run()
     torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(run, rep=40, return_mode="median") * 1e-3 / len(cases)
-
-
-def commit_of(given: str) -> str:
-    if given:
-        return given
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=False).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def main() -> int:
