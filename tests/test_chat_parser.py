@@ -269,6 +269,17 @@ def test_v4_spelling_gives_the_calls():
     assert final.content == "ok"
 
 
+def test_v4_reply_cut_inside_a_closer_reads_as_v41():
+    """A reply that ends inside a closer (max_tokens: `</｜DSML｜parameter` without its `>`, found by the property
+    test below): V4's spelling reads as V4.1's unfinished closer, not as part of the value."""
+    text = "aa" + _block(("other", {"n": {"x": 0}, "q": {"x": 0}}), ("get_weather", {"city": "Oslo"}))
+    for tag in ("parameter>", "invoke>"):
+        for at in (text.index(tag) + len(tag) - 1, text.rindex(tag) + len(tag) - 1):
+            cut = text[:at]
+            assert _v4(cut) != cut
+            assert _run(_v4(cut), [], False)[1] == _run(cut, [], False)[1], cut[-30:]
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reasoning=TEXT, content=TEXT, calls=st.lists(CALL, max_size=3), thinking=st.booleans(),
        cut_at_end=st.booleans(), data=st.data())

@@ -54,6 +54,16 @@ def _v41_spelling(text: str) -> str:
             text = text.replace(v4, v41)
     return text
 
+def _v41_tail(raw: str) -> str:
+    """A reply's last characters when they are an unfinished V4 tag past `<｜DSML｜` (a closer without its `>`):
+    the same unfinished V4.1 tag (as many characters short of its end), so the end of the reply reads as the same
+    reply in V4.1's spelling would (a partial closer there is the closer the model did not finish)."""
+    for v4, v41 in V4_SPELLING:
+        if len(raw) < len(v4) and v4.startswith(raw) and len(raw) > v4.index(DSML) + len(DSML):
+            return v41[:len(v41) - (len(v4) - len(raw))]
+    return raw
+
+
 _REASONING, _HELD, _CONTENT, _CALLS, _INVOKE, _PARAM = range(6)
 
 
@@ -183,7 +193,7 @@ class ReplyParser:
     def finish(self) -> tuple[list[Delta], FinalMessage]:
         if not self._done:
             self._done = True
-            self.buf += _v41_spelling(self.raw)
+            self.buf += _v41_spelling(_v41_tail(self.raw))
             self.raw = ""
             self._run(final=True)
             self._end()
