@@ -503,6 +503,13 @@ def _check(x, w13, s13, w2, s2, expert_ids, weights, cfg: Config):
     return s13, s2
 
 
+def check_shard_of(shard_of: torch.Tensor | None, n_exp: int, device: torch.device, who: str) -> None:
+    """shard_of, when given, is each stacked expert's TP shard: int32 [n_exp] on the activations' device."""
+    if shard_of is not None and (shard_of.shape != (n_exp,) or shard_of.dtype != torch.int32
+                                 or shard_of.device != device):
+        raise ValueError(f"{who}: shard_of must be int32 [{n_exp}] on {device}")
+
+
 def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
             expert_ids: torch.Tensor, weights: torch.Tensor, limit: float, cfg: Config | None = None,
             shard_of: torch.Tensor | None = None, shards: int = 1) -> torch.Tensor:
@@ -524,9 +531,7 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
     n_exp, two_i, _ = w13.shape
     inter = two_i // 2
     top_k = expert_ids.shape[1]
-    if shard_of is not None and (shard_of.shape != (n_exp,) or shard_of.dtype != torch.int32
-                                 or shard_of.device != x.device):
-        raise ValueError(f"fp4_moe: shard_of must be int32 [{n_exp}] on {x.device}")
+    check_shard_of(shard_of, n_exp, x.device, "fp4_moe")
     sharded = shard_of is not None
     out = torch.empty((shards, n, hidden) if sharded else (n, hidden), dtype=torch.float32, device=x.device)
     if n == 0 or top_k == 0:

@@ -35,7 +35,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kernels.fp4_moe import _unpack
-from kernels.fp8_linear import INTERPRET, bf16_operand, mma
+from kernels.fp8_linear import INTERPRET, _product, bf16_operand, mma
 
 PROMPT_ROWS = 64   # rows above which the op set runs the FP8 prompt product (at or below: the decode kernel)
 # The experts' prompt GEMM (prompt_fp4_moe) is not in the op set yet: its first H200 run was 2.7x slower than the
@@ -325,9 +325,9 @@ def _moe_up_kernel(xp_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_pt
     for b0 in range(0, HB, BK // 2):
         a = tl.load(x_row + 2 * b0, mask=ok[:, None], other=0.0)
         w1t = _e2m1_tile(w_base, s_base, w1, s1, b0, BN, BK, INTERP)
-        acc_g = _pair_dot(a, w1t, acc_g, SWAP, INTERP)
+        acc_g = _product(w1t, a, acc_g, SWAP, INTERP)
         w3t = _e2m1_tile(w_base, s_base, w3, s3, b0, BN, BK, INTERP)
-        acc_u = _pair_dot(a, w3t, acc_u, SWAP, INTERP)
+        acc_u = _product(w3t, a, acc_u, SWAP, INTERP)
     rw = tl.load(rw_ptr + pair, mask=ok, other=0.0)
     gate = tl.minimum(acc_g, limit)
     up = tl.minimum(tl.maximum(acc_u, -limit), limit)
@@ -342,15 +342,6 @@ def _moe_up_kernel(xp_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_pt
     else:
         h = tl.math.div_rn(gate, 1.0 + ex) * up * rw[:, None]
         tl.store(h_ptr + place[:, None].to(tl.int64) * I + col[None, :], bf16_operand(h, INTERP), mask=ok[:, None])
-
-
-@triton.jit
-def _pair_dot(a, w, acc, SWAP: tl.constexpr, INTERP: tl.constexpr):
-    """acc + a · wᵀ (pairs x weight rows), or SWAP: acc + w · aᵀ (weight rows x pairs): the same sums."""
-    if SWAP:
-        return mma(w, tl.trans(a), acc, INTERP)
-    else:
-        return mma(a, tl.trans(w), acc, INTERP)
 
 
 @triton.jit
@@ -375,7 +366,7 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_p
     for b0 in range(0, IB, BK // 2):
         a = tl.load(h_row + 2 * b0, mask=ok[:, None], other=0.0)
         wt = _e2m1_tile(w_base, s_base, w_off, s_off, b0, BN, BK, INTERP)
-        acc = _pair_dot(a, wt, acc, SWAP, INTERP)
+        acc = _product(wt, a, acc, SWAP, INTERP)
     if SWAP:
         tl.store(y_ptr + pair[None, :].to(tl.int64) * H + offs_n[:, None], acc, mask=ok[None, :])
     else:
@@ -398,9 +389,7 @@ def prompt_fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: to
     n_exp, two_i, _ = w13.shape
     inter = two_i // 2
     top_k = expert_ids.shape[1]
-    if shard_of is not None and (shard_of.shape != (n_exp,) or shard_of.dtype != torch.int32
-                                 or shard_of.device != x.device):
-        raise ValueError(f"prompt fp4_moe: shard_of must be int32 [{n_exp}] on {x.device}")
+    FM.check_shard_of(shard_of, n_exp, x.device, "prompt fp4_moe")
     out = torch.empty((shards, n, hidden) if shard_of is not None else (n, hidden), dtype=torch.float32,
                       device=x.device)
     if n == 0 or top_k == 0:
