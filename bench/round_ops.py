@@ -136,16 +136,19 @@ def main() -> None:
             finally:
                 counter.in_launch = False
         interpreter.InterpretedFunction.run = counted
-    orig_attention = model._history
+    def attention_side(orig):
+        def attention(*args, **kw):
+            prev, counter.phase = counter.phase, "attn"
+            try:
+                return orig(*args, **kw)
+            finally:
+                counter.phase = prev
+        return attention
 
-    def attention(*args, **kw):
-        prev, counter.phase = counter.phase, "attn"
-        try:
-            return orig_attention(*args, **kw)
-        finally:
-            counter.phase = prev
-
-    model._history = attention
+    # the history: the per-sequence path's _history, a round's parts (inside its one piece since issue 25)
+    for name in ("_history", "_window_round", "_compress_round", "_index_round", "_with_compressed"):
+        if hasattr(model, name):
+            setattr(model, name, attention_side(getattr(model, name)))
     prepare = getattr(model, "_prepare_round", None)
     if prepare is not None:            # the batched round's once-per-round host work (host tensors, one copy)
         def prep(*args, **kw):

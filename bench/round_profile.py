@@ -96,13 +96,22 @@ def host_split(model, fn, rounds: int, cuda: bool) -> dict:
         acc["_history (eager)"] += time.perf_counter() - t
         return r
 
-    def timed_run(key, f, args):
+    def timed_run(key, f, args, **kw):
         t = time.perf_counter()
-        r = run(key, f, args)
+        r = run(key, f, args, **kw)
         acc[f"piece {key[0]} (graph replay)"] += time.perf_counter() - t
         return r
 
+    prep = model._prepare_round
+
+    def timed_prep(*args, **kw):
+        t = time.perf_counter()
+        r = prep(*args, **kw)
+        acc["_prepare_round (host metadata, one copy)"] += time.perf_counter() - t
+        return r
+
     model._history = timed_hist
+    model._prepare_round = timed_prep
     if G is not None:
         G.run = timed_run
     try:
@@ -128,7 +137,7 @@ def host_split(model, fn, rounds: int, cuda: bool) -> dict:
             torch.cuda.synchronize()
         prof.disable()
     finally:
-        del model._history
+        del model._history, model._prepare_round
         if G is not None:
             del G.run
     buf = io.StringIO()

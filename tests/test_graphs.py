@@ -26,6 +26,14 @@ def _decode(model, graphs, lens, steps, rows=1):
         model.graphs = None
 
 
+def _pieces(model) -> int:
+    """Graphed pieces a round replays: every layer as one piece (one rank), else per layer attn_in and
+    attn_out_ffn around the history (or the whole layer); and the DSpark stages' ring KV (dspark_fill) where the
+    model has them."""
+    layers = 1 if model.whole_round() else sum(1 if model.one_piece(b) else 2 for b in model.blocks)
+    return layers + (model.dspark is not None)
+
+
 def test_row_bucket():
     assert [row_bucket(n) for n in (1, 2, 3, 5, 17, 24, 25, 64, 65, 160, 192)] == [1, 2, 4, 8, 24, 24, 32, 64, 96,
                                                                                       160, 192]
@@ -43,8 +51,7 @@ def test_emulated_graphs_give_the_eager_bits(model, lens, rows):
     assert len(got) == len(eager)
     for a, b in zip(got, eager):
         assert torch.equal(a, b)
-    # attn_in and attn_out_ffn per layer, and the DSpark stages' ring KV (dspark_fill) where the model has them
-    per_round = 2 * len(model.blocks) + (model.dspark is not None)
+    per_round = _pieces(model)        # attn_in and attn_out_ffn per layer, or the whole layer; the DSpark ring fill
     assert G.stats["replays"] == 4 * per_round and G.stats["eager"] == 0
     assert G.stats["captures"] == per_round             # one bucket: captured in the first round only
     assert not G.failed
@@ -136,8 +143,7 @@ def test_cuda_graphs_give_the_eager_bits(shared):
         G = PieceGraphs("cuda")
         got = _decode(m, G, lens, 4)
         assert not G.failed, G.failed
-        per_round = 2 * len(m.blocks) + (m.dspark is not None)      # + the DSpark ring fill piece
-        assert G.stats["replays"] == 4 * per_round and G.stats["eager"] == 0
+        assert G.stats["replays"] == 4 * _pieces(m) and G.stats["eager"] == 0
         for a, b in zip(got, eager):
             assert torch.equal(a, b)
 

@@ -28,12 +28,12 @@ def _tokens(n, seed):
 
 def _count_rounds(monkeypatch):
     calls = []
-    orig = Model._keys_round
+    orig = Model._window_round           # every layer of a round, eager history or whole-layer piece, reads it
 
     def spy(self, *a, **k):
         calls.append(1)
         return orig(self, *a, **k)
-    monkeypatch.setattr(Model, "_keys_round", spy)
+    monkeypatch.setattr(Model, "_window_round", spy)
     return calls
 
 
@@ -123,9 +123,8 @@ def test_round_sends_its_integers_once(model):
     st = model.new_state()
     model.forward([SeqInput(st, _tokens(13, 4))])
     rd = model._prepare_round([(0, 1, st.length, st)])
-    bases = {t.untyped_storage().data_ptr() for t in [rd.win_src] +
-             [sp.gpos for sp in rd.srcs.values()] + [ip.limit for ip in rd.idx.values()]}
-    assert len(bases) == 1
+    assert rd.meta.shape[0] == 1 and rd.meta.dtype == torch.long       # one row-first table, one copy
+    assert {f"limit{L}" for L in rd.idx} | {f"cslot{L}" for L in rd.srcs} <= set(rd.cols)
 
 
 def test_index_scores_table_kernel_equals_per_sequence_launches():
@@ -202,15 +201,45 @@ def test_round_with_the_gather_kernel_equals_each_alone(model, monkeypatch):
     ref = [model.forward([SeqInput(model.new_state(), s)])[0] for s in seqs]
     states = [model.new_state() for _ in lens]
     model.forward([SeqInput(st, s[:n]) for st, s, n in zip(states, seqs, lens)])
-    used = []
+    used, wrote = [], []
     kernel = cuda_ops().gather_round         # the CUDA op set's gather, in the reference op set's model
+    write = cuda_ops().ring_write            # and its ring writes through the round's table
+    assert "scatter_rows" in cuda_ops().kernels
+    scored = []
+    score = cuda_ops().round_scores          # and the index scores through the round's per-row key addresses
     monkeypatch.setattr(model, "ops", dataclasses.replace(
-        model.ops, gather_round=lambda *a: used.append(True) or kernel(*a)))
+        model.ops, gather_round=lambda *a: used.append(len(a) == 4) or kernel(*a),
+        ring_write=lambda *a: wrote.append(len(a) == 5) or write(*a)))
+    for blk in model.blocks:
+        if blk.indexer is not None:
+            monkeypatch.setattr(blk.indexer, "ops", dataclasses.replace(
+                blk.indexer.ops, round_scores=lambda *a: scored.append(a[-1] is not None) or score(*a)))
     for k in range(3):
         outs = model.forward([SeqInput(st, s[n + k:n + k + 1]) for st, s, n in zip(states, seqs, lens)])
         for o, r, n in zip(outs, ref, lens):
             assert torch.equal(o[0], r[n + k]), (n, k)
-    assert used and all(used)
+    outs = model.forward([SeqInput(st, s[n + 3:n + 6]) for st, s, n in zip(states, seqs, lens)])  # verify rows
+    for o, r, n in zip(outs, ref, lens):
+        assert torch.equal(o, r[n + 3:n + 6]), n
+    assert used and all(used) and wrote and all(wrote) and scored and all(scored)   # all through the round's tables
+
+
+def test_ring_write_kernel_equals_index_copy():
+    """kernels/round_gather.scatter_rows (each row to its own ring through a per-row, strided table) == the
+    reference's index_copy_ per sequence; a slot of -1 writes nothing."""
+    g = torch.Generator().manual_seed(7)
+    W, D, n = 8, 32, 3
+    rings = [torch.randn(W, D, generator=g).to(DEVICE) for _ in range(4)]
+    want = [r.clone() for r in rings]
+    rows = torch.randn(len(rings) * n, D, generator=g).to(DEVICE)
+    slots = torch.tensor([(5 + b + i) % W for b in range(len(rings)) for i in range(n)], device=DEVICE)
+    ops_mod.ring_write(want, rows, slots, n)
+    meta = torch.stack([torch.tensor([r.data_ptr() for r in rings]).repeat_interleave(n).to(DEVICE), slots], 1)
+    meta[n, 1] = -1                                          # sequence 1's first row: masked
+    want[1][slots[n]] = rings[1][slots[n]]
+    cuda_ops().ring_write(rings, rows, meta[:, 1], n, meta[:, 0])
+    for a, b in zip(rings, want):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("mode", ["intended", "quirk"])

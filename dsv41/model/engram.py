@@ -26,10 +26,18 @@ class Engram:
     ops: Ops = field(default_factory=reference_ops)   # the model's op set (given at load)
 
     def __call__(self, streams: torch.Tensor, hash_ids: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
-        n, hc, H = streams.shape
+        return self.apply(streams, self.table_rows(hash_ids, streams.device), image)
+
+    def table_rows(self, hash_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The rows' table entries [n, cols * head_dim] float32 on `device`: read on the host (a decode round reads
+        them before its layers, so the layers can be one CUDA graph)."""
         with torch.device("cpu"):   # table rows are read on the host
             e = self.rows(hash_ids.cpu())
-        e = e.reshape(n, -1).float().to(streams.device)
+        return e.reshape(hash_ids.shape[0], -1).float().to(device)
+
+    def apply(self, streams: torch.Tensor, e: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
+        """The streams with the table entries e (table_rows) written in."""
+        n, hc, H = streams.shape
         ops = self.ops
         kv = ops.linear(e, self.wkv)
         key = kv[:, : hc * H].view(n, hc, H)

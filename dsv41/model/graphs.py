@@ -4,8 +4,10 @@ A decode round on the GPU is host-bound: each layer dispatches a few hundred sma
 of microseconds, while the GPU work of the whole layer takes well under a millisecond. A layer's dense pieces (mHC
 mixing, norms, the projections, attention over gathered keys, the output projection, the MoE) have shapes that
 depend only on the round's row count, so each is captured once per (piece, layer, row bucket) and replayed.
-Between them the history work (window ring, compressor, indexer, top-k, key gather) stays eager: its shapes change
-with every sequence's context.
+On one rank the history work (window ring, compressor, indexer, top-k, key gather) goes inside: it reads and writes
+each sequence's tensors through the round's table of addresses, with shapes fixed by the row count (and an index
+layer's key bucket), so a whole layer is one piece (Model._layer_round); with tensor parallelism it runs eagerly
+between the pieces.
 
 Rows are padded up to a bucket (ROW_BUCKETS) by repeating row 0, so a piece has a handful of graphs whatever the
 number of live sequences, and padded rows touch the same experts as a real one (no extra weight bytes). A real row's
@@ -15,7 +17,11 @@ the padded rows hold cannot reach it.
 Contract for a piece (checked by tests/test_graphs.py, on the CPU through the emulation below):
 - a pure function of its tensor arguments (weights are constant); every argument and result has the rows as dim 0;
 - its results are views of static buffers that the next call of the same piece overwrites, so a caller copies what
-  it keeps (the state writes already do) and uses the rest before it runs that piece again.
+  it keeps (the state writes already do) and uses the rest before it runs that piece again;
+- a piece that writes state (a whole decode layer: its window-ring writes through the round's address table) runs
+  exactly once per call: capture's extra executions (CUDA: two warm-up runs; emulation: the run that allocates the
+  outputs) take `dry(args)`, the same arguments with every write masked, since a second run would read rows the
+  first one wrote.
 
 `PieceGraphs(mode="emulate")` runs the same bookkeeping on any device without capture (static input buffers,
 padding, results copied into static outputs), so the CPU suite checks padding and aliasing; the GPU tests compare
@@ -89,8 +95,10 @@ class PieceGraphs:
         _fill([buf], (t,), n)
         return buf[:n]
 
-    def run(self, key, fn: Callable[..., tuple], args: Args) -> tuple:
-        """fn(*args) through the piece's graph for the bucket of args[0]'s rows (captured on first use)."""
+    def run(self, key, fn: Callable[..., tuple], args: Args,
+            dry: Callable[[Args], Args] | None = None) -> tuple:
+        """fn(*args) through the piece's graph for the bucket of args[0]'s rows (captured on first use). dry: for a
+        piece that writes state, args -> the arguments of a run that writes nothing (capture's extra runs)."""
         n = args[0].shape[0]
         b = row_bucket(n)
         if b is None or key in self.failed:
@@ -98,7 +106,7 @@ class PieceGraphs:
             return fn(*args)
         e = self.entries.get((key, b))
         if e is None:
-            e = self._capture(key, b, fn, args)
+            e = self._capture(key, b, fn, args, dry or (lambda a: a))
             if e is None:
                 self.stats["eager"] += 1
                 return fn(*args)
@@ -114,21 +122,22 @@ class PieceGraphs:
         self.stats["replays"] += 1
         return tuple(None if o is None else o[:n] for o in e.outputs)
 
-    def _capture(self, key, b: int, fn, args: Args) -> _Entry | None:
+    def _capture(self, key, b: int, fn, args: Args, dry: Callable[[Args], Args]) -> _Entry | None:
         n = args[0].shape[0]
         name = key[0] if isinstance(key, tuple) else key
         inputs = [None if a is None else self._static_for(a, b, (name, i)) for i, a in enumerate(args)]
         _fill(inputs, args, n)
         if self.mode == "emulate":
-            outputs = tuple(None if r is None else r.clone() for r in fn(*inputs))
+            outputs = tuple(None if r is None else r.clone() for r in fn(*dry(tuple(inputs))))
             e = _Entry(inputs, outputs, None)
         else:
             try:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):   # first calls: Triton compiles, cuBLAS workspaces
-                    fn(*inputs)
-                    fn(*inputs)
+                    warm = dry(tuple(inputs))
+                    fn(*warm)
+                    fn(*warm)
                 torch.cuda.current_stream().wait_stream(side)
                 g = torch.cuda.CUDAGraph()
                 # thread_local: only this thread's unsafe calls break the capture (the server's other threads

@@ -72,7 +72,8 @@ class Indexer:
         return self.ops.index_scores(q, w, keys, self.head_dim ** -0.5)
 
     def round_scores(self, q: torch.Tensor, w: torch.Tensor, keys: list[torch.Tensor], tpad: int,
-                     limit: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+                     limit: torch.Tensor, counts: torch.Tensor | None = None, table: torch.Tensor | None = None,
+                     n: int | None = None) -> torch.Tensor:
         """Scores of a round of B sequences with n rows each: q [B*n, heads, head_dim], w [B*n, heads], keys: per
         sequence its [T_b, head_dim] keys (T_b <= tpad, a multiple of KEY_TILE), limit [B*n]: a row sees entries
         s < limit (its visible count capped by its sequence's key count); counts: the T_b as a [B] device tensor.
@@ -80,8 +81,9 @@ class Indexer:
         set's `round_scores`: on the reference one batched product over the keys padded with zero rows, whose
         per-element result equals the 64-key tiles' (tests/test_model_round.py checks the primitive); on the CUDA
         path one launch of the round kernel reading each sequence's keys through a table of addresses, or the
-        per-sequence scores)."""
-        out = self.ops.round_scores(q, w, keys, tpad, counts, self.head_dim ** -0.5)
+        per-sequence scores). With `table` (each row's keys' address) counts are per row too, n is the rows per
+        sequence and q may hold more rows than B*n (a CUDA graph's padding, rows like row 0's)."""
+        out = self.ops.round_scores(q, w, keys, tpad, counts, self.head_dim ** -0.5, n, table)
         return out.masked_fill(torch.arange(tpad, device=out.device)[None, :] >= limit[:, None], NEG_INF)
 
 

@@ -90,10 +90,6 @@ class _RoundSource:
     first: list[int]
     pend: list[int]
     groups: list[int]
-    block: list[int] = field(default_factory=list)   # where each sequence's rows start in the round's row order
-    gpos: torch.Tensor | None = None                  # [G] first position of each closing group (device)
-    order: torch.Tensor | None = None                 # open rows of all sequences, then the new rows -> per sequence
-    group_rows: torch.Tensor | None = None            # [G * ratio] rows of the closing groups in that order
 
 
 @dataclass
@@ -101,10 +97,10 @@ class _RoundIndex:
     """An index layer's keys in a round: per sequence the publishing owner and key count, the padded count."""
     owner: list[int | None]
     count: list[int]
-    tpad: int
-    limit: torch.Tensor | None = None     # [N] a row sees entries < limit (visible, capped by its key count)
-    newest: torch.Tensor | None = None    # [N] candidate source: the block forced in, -1 for none
-    counts: torch.Tensor | None = None    # [B] the key counts (device)
+    tpad: int      # the scores' width: key_bucket of the largest count (a CUDA graph per bucket)
+    # per row in the round's metadata: f"limit{L}" (a row sees entries < limit: visible, capped by its key count),
+    # f"kcount{L}" (its sequence's key count), f"ikey{L}" (their address), f"newest{L}" (candidate source: the
+    # block forced in, -1 for none)
 
 
 @dataclass
@@ -112,20 +108,26 @@ class _Round:
     """What Model._prepare_round precomputed for a round of sequences with n rows each, and what its layers
     publish (the round's compressed KV per sequence, top-k, candidate mask).
 
-    Toward a CUDA graph of a round (not there yet): the round has no host sync and its integers arrive in one copy,
-    but its shapes and addresses still change from round to round: the padded key count (bucket it by context), the
-    number of closing ratio-2 groups and open rows (pool every sequence's group each round, mask the append), and
-    the per-sequence tensors the ring writes, appends and key reads name directly (address tables, as the key gather
-    and the indexer's keys already use, refreshed by the round's one copy, or one paged pool for all states)."""
+    Its per-row metadata `meta` holds everything a layer's history needs: the window's ring slots and new rows, the
+    ring-write slot, each compressor's masked groups (members, entry slot, open-group slot) and each index layer's
+    key counts and limits, and per row the address of its sequence's ring of every layer, compressed KV, index keys
+    and open group of every source (`_prepare_round` creates and reserves them first and sets their lengths after
+    the round, so nothing moves inside it). So every layer of a round is one piece (`_layer_round`, one CUDA graph
+    per layer and row bucket); the index layers' score width is bucketed (key_bucket)."""
     n: int
     starts: list[int]
     states: list[SeqState]
-    win_src: torch.Tensor                  # [N, W] rows of the round's [ring | new rows] blocks
-    win_valid: torch.Tensor                # [N, W] position >= 0
-    ring_segs: list[list[tuple[int, int, int]]]   # per sequence: (ring slot, row, count) runs to write
+    meta: torch.Tensor                     # [N, M] int64 per row, columns at `cols` (one copy; graphs.py pads it)
+    cols: dict[str, int]                   # "rsel", "nsel", "pos" (W each), "wslot", f"ring{L}", f"kv{L}"
+    rings: dict[int, list[torch.Tensor]]   # per layer: the sequences' window rings (the reference ops' lists)
     srcs: dict[int, _RoundSource]
     idx: dict[int, _RoundIndex]
-    kv: list[torch.Tensor] | None = None
+    # per source, the reference op set's lists (views with room for the round's masked writes): compressed KV,
+    # index keys, the open group's kv and gate buffers; and the marked states' open rows before the round
+    kvs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    ikeys: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    partials: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    marked: dict[int, list[tuple]] = field(default_factory=dict)
     topk: torch.Tensor | None = None
     cand: torch.Tensor | None = None
 
@@ -412,7 +414,33 @@ class Model:
              else None)
         if G is not None:
             cs = {k: (G.rows(f"cos.{k}", c), G.rows(f"sin.{k}", s_)) for k, (c, s_) in cs.items()}
-        for blk in self.blocks:
+        meta = None if rd is None else rd.meta if G is None else G.rows("round.meta", rd.meta)
+        in_place: dict[str, tuple] = {}
+
+        def shared_rows(name, t):
+            """t in the round's static buffer `name`, copied once for all the layers that read it in place."""
+            if in_place.get(name, (None,))[0] is not t:
+                in_place[name] = t, G.rows(name, t)
+            return in_place[name][1]
+        whole = rd is not None and trace is None and self.whole_round()
+        if whole:    # every layer of the round as one piece: one CUDA graph per row bucket and key buckets
+            erows = [blk.engram.table_rows(hash_ids[:, blk.role.engram], dv) for blk in self.blocks
+                     if blk.engram is not None]
+            args = (streams, pre, *cs["main"], *cs["compress"], meta, *erows)
+            fn = functools.partial(self._round_layers, rd, image)
+            writes = [c for k, c in rd.cols.items() if k == "wslot" or k[:5] in ("cslot", "pslot")]
+            dry = functools.partial(self._dry_layer, writes, 6)
+            key = ("round",) + tuple(ip.tpad for ip in rd.idx.values())
+            outs = fn(*args) if G is None else G.run(key, fn, args, dry=dry)
+            streams, pre = outs[0], outs[1]
+            taps = list(outs[2:2 + len(taps)])
+            notes = iter(outs[2 + len(taps):])
+            for blk in self.blocks:
+                if blk.compressor is not None and blk.role.ratio > 1:
+                    ckv, cgate = next(notes), next(notes)
+                    if rd.marked.get(blk.role.index):
+                        self._note_groups(blk.role.index, rd, ckv, cgate)
+        for blk in self.blocks if not whole else ():
             r = blk.role
 
             def piece(name, fn, *args, layer=r.index):
@@ -425,6 +453,35 @@ class Model:
             if r.dspark_tap is not None:
                 taps[r.dspark_tap] = _stream_mean(streams)
             cos, sin = cs[r.rope]
+            reindex = blk.indexer is not None and r.uses_candidates
+            # what the piece reads from earlier layers: a re-index layer the candidates, a layer without an indexer
+            # the latest top-k (both absent: the eager history's per-round rules)
+            ready = (rd is not None and (rd.cand is not None if reindex else
+                                         blk.indexer is not None or r.ratio == 0 or rd.topk is not None))
+            if ready and self.one_piece(blk):
+                # the whole layer as one piece: its history reads and writes only through the round's tables
+                key, topk = ("layer", r.index), None
+                if blk.indexer is not None:     # its own top-k: a graph per key bucket (re-index: the candidates)
+                    key += (rd.idx[r.index].tpad,)
+                    if reindex:
+                        topk = rd.cand if G is None else shared_rows("round.cand", rd.cand)
+                elif r.ratio:    # the latest top-k, in one static buffer that the following layers read in place
+                    topk = rd.topk if G is None else shared_rows("round.topk", rd.topk)
+                args = (streams, pre, cos, sin, *cs["compress"], meta, topk)
+                fn = functools.partial(self._layer_round, blk, rd, image, trace)
+                dry = functools.partial(self._dry_layer, [rd.cols[k] for k in ("wslot", f"cslot{r.index}",
+                                                                               f"pslot{r.index}") if k in rd.cols],
+                                        len(args) - 2)
+                streams, pre, own, cand, ckv, cgate = fn(*args) if G is None else G.run(key, fn, args, dry=dry)
+                if ckv is not None and rd.marked.get(r.index):
+                    self._note_groups(r.index, rd, ckv, cgate)
+                if own is not None:
+                    rd.topk = own
+                if cand is not None:
+                    rd.cand = cand
+                if trace is not None:
+                    trace.setdefault("layer_out_streams", []).append(streams.clone())
+                continue
             pre_a, post_a, comb_a, q, kv, ckv, cgate, iq, iw = piece(
                 "attn_in", functools.partial(self._attn_in, blk), streams, pre, cos, sin, *cs["compress"])
             keys, sel = self._history(blk, kv, ckv, cgate, iq, iw, pos, segs, shared, trace, rd)
@@ -645,19 +702,38 @@ class Model:
         states = [sg[3] for sg in segs]
         cpu = torch.device("cpu")
         parts: dict[str, torch.Tensor] = {}
-        # window: row i of sequence b (position s+i) reads positions s+i-W+1 .. s+i from [ring slots | new rows]
+        # window: row i of sequence b (position s+i) reads positions s+i-W+1 .. s+i: those before s from its ring
+        # (slot p % W, read before the round's writes), the rest from the round's new rows; it writes slot (s+i) % W
         S = torch.tensor(starts, dtype=torch.long, device=cpu)[:, None, None]           # [B, 1, 1]
         B = len(starts)
         p = S + torch.arange(n, device=cpu)[:, None] - W + 1 + torch.arange(W, device=cpu)   # [B, n, W]
-        base = (torch.arange(B, device=cpu) * (W + n))[:, None, None]
-        parts["win_src"] = (base + torch.where(p >= S, W + p - S, p % W)).view(B * n, W)
-        parts["win_pos"] = p.view(B * n, W)
-        ring_segs = []
-        for s in starts:
-            a = s % W
-            m = min(n, W - a)
-            ring_segs.append([(a, 0, m)] + ([(0, m, n - m)] if m < n else []))
+        first = (torch.arange(B, device=cpu) * n)[:, None, None]
         rowpos = (S[:, :, 0] + torch.arange(n, device=cpu)).view(B * n)                 # [N] positions
+        cols: dict[str, int] = {}
+        meta = []
+
+        def col(name, t):
+            cols[name] = sum(m.shape[1] for m in meta)
+            meta.append(t.view(B * n, -1))
+
+        col("rsel", torch.where(p < S, p % W, -1))
+        col("nsel", torch.where(p >= S, first + p - S, -1))
+        col("pos", p)
+        col("wslot", rowpos % W)
+        # every layer's ring exists before the round and stays put: its address goes in the table
+        D = t.head_dim
+        rings = {}
+        for blk in self.blocks:
+            L = blk.role.index
+            rings[L] = [st.windows.get(L) for st in states]
+            for b, ring in enumerate(rings[L]):
+                if ring is None or not ring.is_contiguous():
+                    ring = rings[L][b] = states[b].windows[L] = (
+                        torch.zeros((W, D), device=self.device) if ring is None else ring.contiguous())
+        addr = torch.tensor([[ring.data_ptr() for ring in rs] for rs in rings.values()], dtype=torch.long,
+                            device=cpu)                                                # [layers, B]
+        for j, L in enumerate(rings):
+            col(f"ring{L}", addr[j].repeat_interleave(n))
         # replay the layers' publication on the host: groups closed per source, the keys each index layer sees
         pub = [st.published_keys for st in states]
         counts: dict[int, list[int]] = {}        # index-key owner -> per-sequence key count after this round
@@ -673,23 +749,53 @@ class Model:
                     return None
                 groups = [(pe + n) // q for pe in pend]
                 sp = _RoundSource(ratio=q, first=[c * q for c in comp], pend=pend, groups=groups)
-                gpos = [c * q + q * g for c, gb in zip(comp, groups) for g in range(gb)]
-                parts[f"gpos{L}"] = torch.tensor(gpos, dtype=torch.long, device=cpu)
+                # row i of a sequence carries its i-th group that may close (at most n of them: (q-1+n)//q <= n),
+                # masked (slot -1) when it does not; its entry lands at comp + i
+                j = torch.arange(n, device=cpu)
+                C = torch.tensor(comp, dtype=torch.long, device=cpu)[:, None]                  # [B, 1]
+                gb = torch.tensor(groups, dtype=torch.long, device=cpu)[:, None]
+                col(f"cslot{L}", torch.where(j < gb, C + j, -1))
                 if q > 1:
-                    ptot = sum(pend)
-                    order, grows, o, po = [], [], 0, 0
-                    for b, (pe, gb) in enumerate(zip(pend, groups)):
-                        order += list(range(po, po + pe)) + list(range(ptot + b * n, ptot + (b + 1) * n))
-                        grows += list(range(o, o + gb * q))
-                        sp.block.append(o)
-                        o += pe + n
-                        po += pe
-                    parts[f"order{L}"] = torch.tensor(order, dtype=torch.long, device=cpu)
-                    parts[f"grows{L}"] = torch.tensor(grows, dtype=torch.long, device=cpu)
+                    # group i's members: virtual rows i*q + t of [open group | new rows]; the open rows from the
+                    # sequence's partial buffer, the rest from the round's rows
+                    P = torch.tensor(pend, dtype=torch.long, device=cpu)[:, None, None]       # [B, 1, 1]
+                    v = (j[:, None] * q + torch.arange(q, device=cpu))[None]                  # [1, n, q]
+                    ok = (j < gb)[:, :, None]
+                    col(f"psel{L}", torch.where(ok & (v < P), v, -1))
+                    col(f"gnsel{L}", torch.where(ok & (v >= P), first + v - P, -1))
+                    col(f"gpos{L}", (C + j) * q)
+                    # new row i is virtual row pend + i: it stays open (partial slot pend + i - groups * q) or not
+                    vi = P[:, :, 0] + j
+                    col(f"pslot{L}", torch.where(vi >= gb * q, vi - gb * q, -1))
                 srcs[L] = sp
+                # the round's appends land in place (no new buffer inside the round): a source's compressed KV has
+                # one address per sequence for the whole round, the table's
+                Di = t.index_head_dim
+                gmax = (q - 1 + n) // q
+                for st in states:
+                    if L not in st.compressed:
+                        st.compressed[L] = torch.zeros((0, D), device=self.device)
+                        st.index_keys[L] = torch.zeros((0, Di), device=self.device)
+                    st.compressed[L] = _reserve_rows(st.compressed[L], gmax)
+                    if r.owns_index_keys:
+                        st.index_keys[L] = _reserve_rows(st.index_keys[L], gmax)
+                    if q > 1:     # the open group: a buffer of q - 1 rows the round reads and writes in place
+                        for part in (st.partial_kv, st.partial_gate):
+                            rows = part.get(L)
+                            rows = torch.zeros((0, D), device=self.device) if rows is None else rows
+                            part[L] = _reserve_rows(rows, q - 1 - rows.shape[0])
+                col(f"kv{L}", torch.tensor([_addr(st.compressed[L]) for st in states],
+                                           dtype=torch.long, device=cpu).repeat_interleave(n))
+                if q > 1:
+                    col(f"pkv{L}", torch.tensor([_addr(st.partial_kv[L]) for st in states],
+                                                dtype=torch.long, device=cpu).repeat_interleave(n))
+                    col(f"pgate{L}", torch.tensor([_addr(st.partial_gate[L]) for st in states],
+                                                  dtype=torch.long, device=cpu).repeat_interleave(n))
                 if r.owns_index_keys:
                     have = [st.index_keys[L].shape[0] if L in st.index_keys else 0 for st in states]
                     counts[L] = [h + g for h, g in zip(have, groups)]
+                    col(f"ikeys{L}", torch.tensor([_addr(st.index_keys[L]) for st in states],
+                                                  dtype=torch.long, device=cpu).repeat_interleave(n))
                     for b, g in enumerate(groups):
                         if self.index_keys == "intended" or g > 0:
                             pub[b] = (L, counts[L][b])
@@ -697,20 +803,49 @@ class Model:
                 L = r.index
                 owner = [None if pk is None else pk[0] for pk in pub]
                 cnt = [0 if pk is None else pk[1] for pk in pub]
-                tpad = -(-max(cnt) // KEY_TILE) * KEY_TILE
+                tpad = key_bucket(max(cnt))
                 vis = (rowpos + 1) // r.ratio
                 crow = torch.tensor(cnt, dtype=torch.long, device=cpu).repeat_interleave(n)
-                parts[f"limit{L}"] = torch.minimum(vis, crow)
-                parts[f"kcount{L}"] = torch.tensor(cnt, dtype=torch.long, device=cpu)
+                col(f"limit{L}", torch.minimum(vis, crow))
+                col(f"kcount{L}", crow)
+                # each row's keys: its sequence's publishing owner's index keys (reserved above: no move)
+                col(f"ikey{L}", torch.tensor([_addr(states[b].index_keys[o]) if c else 0
+                                              for b, (o, c) in enumerate(zip(owner, cnt))],
+                                             dtype=torch.long, device=cpu).repeat_interleave(n))
                 if r.candidate_source:
                     bs = t.candidate_block_size
                     nw = (vis - 1) // bs
-                    parts[f"newest{L}"] = torch.where(nw < (crow + bs - 1) // bs, nw, -1)
+                    col(f"newest{L}", torch.where(nw < (crow + bs - 1) // bs, nw, -1))
                     cand_counts = cnt
                 elif r.uses_candidates and cand_counts is not None and cand_counts != cnt and any(cand_counts):
                     return None   # keys changed between the candidate source and here: the per-sequence rules
                 idx[L] = _RoundIndex(owner=owner, count=cnt, tpad=tpad)
+        # every source's compressed KV, index keys and open group take their lengths after the round now (the
+        # round writes the rows in place: _compress_round), and the keys' publication is the host's replay above.
+        # The reference op set's lists: views with room for every masked group; the open groups' old rows kept for
+        # a marked state's rollback (note_group_rows, after the round)
+        kvs, ikeys, partials, marked = {}, {}, {}, {}
+        for L, sp in srcs.items():
+            q, gmax = sp.ratio, (sp.ratio - 1 + n) // sp.ratio
+            owns = self.blocks[L].role.owns_index_keys
+            kvs[L] = [_extend_rows(st.compressed[L], gmax) for st in states]
+            ikeys[L] = [_extend_rows(st.index_keys[L], gmax) for st in states] if owns else []
+            if q > 1:
+                partials[L] = ([_extend_rows(st.partial_kv[L][:0], q - 1) for st in states],
+                               [_extend_rows(st.partial_gate[L][:0], q - 1) for st in states])
+                marked[L] = [(b, sp.first[b], st.partial_kv[L].clone(), st.partial_gate[L].clone())
+                             for b, st in enumerate(states) if st.undo is not None]
+            for st, g, pe in zip(states, sp.groups, sp.pend):
+                st.compressed[L] = _extend_rows(st.compressed[L], g)
+                if owns:
+                    st.index_keys[L] = _extend_rows(st.index_keys[L], g)
+                if q > 1:
+                    st.partial_kv[L] = _extend_rows(st.partial_kv[L][:0], (pe + n) % q)
+                    st.partial_gate[L] = _extend_rows(st.partial_gate[L][:0], (pe + n) % q)
+        for st, pk in zip(states, pub):
+            st.published_keys = pk
         # one host -> device copy of every integer the layers need
+        parts["meta"] = torch.cat(meta, dim=1)
         names = list(parts)
         flat = torch.cat([parts[k].reshape(-1).to(torch.long) for k in names])
         if self.device.type != "cpu":
@@ -720,123 +855,195 @@ class Model:
             m = parts[k].numel()
             dev_parts[k] = flat[o:o + m].view(parts[k].shape)
             o += m
-        for L, sp in srcs.items():
-            sp.gpos = dev_parts[f"gpos{L}"]
-            sp.order = dev_parts.get(f"order{L}")
-            sp.group_rows = dev_parts.get(f"grows{L}")
-        for L, ip in idx.items():
-            ip.limit = dev_parts[f"limit{L}"]
-            ip.newest = dev_parts.get(f"newest{L}")
-            ip.counts = dev_parts[f"kcount{L}"]
-        return _Round(n=n, starts=starts, states=states, win_src=dev_parts["win_src"],
-                      win_valid=dev_parts["win_pos"] >= 0, ring_segs=ring_segs, srcs=srcs, idx=idx)
+        return _Round(n=n, starts=starts, states=states, meta=dev_parts["meta"], cols=cols, rings=rings, srcs=srcs,
+                      idx=idx, kvs=kvs, ikeys=ikeys, partials=partials, marked=marked)
 
     def _keys_round(self, blk: Block, rd: _Round, kv, ckv, cgate, iq, iw, trace) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-sequence loop of _history for a round, each step once for all its sequences: the window keys
         in one gather, the ring writes in one _foreach_copy_, the compressor's groups pooled together, one scoring
         of all rows against their own (padded) keys, one top-k; every row gets the bits the loop gives it."""
-        t, r = self.t, blk.role
-        W, n, D = t.sliding_window, rd.n, kv.shape[1]
-        rings = []
-        for st in rd.states:
-            ring = st.windows.get(r.index)
-            if ring is None:
-                ring = st.windows[r.index] = kv.new_zeros((W, D))
-            rings.append(ring)
-        pieces = []
-        for b, ring in enumerate(rings):
-            pieces += [ring, kv[b * n:(b + 1) * n]]
-        wkeys = torch.cat(pieces)[rd.win_src]                    # [N, W, D]; masked slots hold finite ring rows
-        dst, src = [], []
-        for b, ring in enumerate(rings):
-            for slot, i0, m in rd.ring_segs[b]:
-                dst.append(ring[slot:slot + m])
-                src.append(kv[b * n + i0:b * n + i0 + m])
-        torch._foreach_copy_(dst, src)
+        r = blk.role
+        wkeys, valid = self._window_round(blk, rd, kv, rd.meta)
         if r.ratio == 0:
-            return wkeys, rd.win_valid
+            return wkeys, valid
         if blk.compressor is not None:
-            self._compress_round(blk, rd, ckv, cgate)
+            self._compress_round(blk, rd, ckv, cgate, rd.meta)
+            self._note_groups(r.index, rd, ckv, cgate)
         if blk.indexer is not None:
             rd.topk = self._index_round(blk, rd, iq, iw, trace)
-        topk = rd.topk
-        ckeys = self.ops.gather_round(rd.kv, topk, n)
-        return torch.cat([wkeys, ckeys], dim=1), torch.cat([rd.win_valid, topk >= 0], dim=1)
+        return self._with_compressed(blk, rd, wkeys, valid, rd.topk, rd.meta)
 
-    def _compress_round(self, blk: Block, rd: _Round, kv, gate) -> None:
-        """_compress for every sequence of the round: the closing groups of all sequences pooled at once."""
+    def _compress_round(self, blk: Block, rd: _Round, kv, gate, meta) -> None:
+        """A KV source's compressor for every sequence of the round, through the round's tables: row i of a
+        sequence pools its i-th group that may close (its members from the open group's buffer and the round's rows;
+        masked when it does not close), writes the entry (and index key) at the sequence's next row, and the new
+        rows that stay open go to the open group's buffer (read before: the members). Ratio 1: every row is its own
+        group. Group by group the bits _compress gives each sequence alone (pool, norm, RoPE, quant are row-wise);
+        the lengths were set by _prepare_round."""
         comp, r = blk.compressor, blk.role
-        L = r.index
-        sp = rd.srcs[L]
-        n = rd.n
-        D, Di = self.t.head_dim, self.t.index_head_dim
-        if sp.ratio == 1:
+        L, c, q, n = r.index, rd.cols, r.ratio, rd.n
+        if q == 1:
             latent = comp.ops.rms_norm(kv, comp.norm, comp.eps)
+            gpos = meta[:, c["pos"] + self.t.sliding_window - 1]          # each row's own position
         else:
-            q = sp.ratio
-            pk = [st.partial_kv[L] for st, pe in zip(rd.states, sp.pend) if pe]
-            pg = [st.partial_gate[L] for st, pe in zip(rd.states, sp.pend) if pe]
-            rows_kv = torch.cat(pk + [kv])[sp.order]           # per sequence: its open group, then its new rows
-            rows_gate = torch.cat(pg + [gate])[sp.order]
-            G = sum(sp.groups)
-            latent = (comp.pool(rows_kv[sp.group_rows].view(G, q, D), rows_gate[sp.group_rows].view(G, q, D))
-                      if G else kv.new_zeros((0, D)))
-            for b, st in enumerate(rd.states):
-                o, m, used = sp.block[b], sp.pend[b] + n, sp.groups[b] * q
-                st.note_group_rows(L, sp.first[b], rows_kv[o:o + m], rows_gate[o:o + m])
-                st.partial_kv[L] = rows_kv[o + used:o + m]
-                st.partial_gate[L] = rows_gate[o + used:o + m]
-        for st in rd.states:
-            if L not in st.compressed:
-                st.compressed[L] = kv.new_zeros((0, D))
-                st.index_keys[L] = kv.new_zeros((0, Di))
-        if latent.shape[0]:
-            k = blk.indexer.keys(latent, sp.gpos, self.rope, self.qat) if r.owns_index_keys else None
-            entry = self._entries(latent, sp.gpos)
-            dst, src, o = [], [], 0
-            for st, g in zip(rd.states, sp.groups):
-                if g:
-                    st.compressed[L], d = _grow_rows(st.compressed[L], g)
-                    dst.append(d)
-                    src.append(entry[o:o + g])
-                    if k is not None:
-                        st.index_keys[L], d = _grow_rows(st.index_keys[L], g)
-                        dst.append(d)
-                        src.append(k[o:o + g])
-                o += g
-            torch._foreach_copy_(dst, src)
-        rd.kv = [st.compressed[L] for st in rd.states]
+            psel, nsel = meta[:, c[f"psel{L}"]:c[f"psel{L}"] + q], meta[:, c[f"gnsel{L}"]:c[f"gnsel{L}"] + q]
+            pkv, pgate = rd.partials[L]
+            take, at = (nsel >= 0)[:, :, None], nsel.clamp(min=0)
+            rows_kv = torch.where(take, kv[at], self.ops.gather_round(pkv, psel, n, meta[:, c[f"pkv{L}"]]))
+            rows_gate = torch.where(take, gate[at], self.ops.gather_round(pgate, psel, n, meta[:, c[f"pgate{L}"]]))
+            latent = comp.pool(rows_kv, rows_gate)
+            gpos = meta[:, c[f"gpos{L}"]]
+            pslot = meta[:, c[f"pslot{L}"]]
+            self.ops.ring_write(pkv, kv, pslot, n, meta[:, c[f"pkv{L}"]])
+            self.ops.ring_write(pgate, gate, pslot, n, meta[:, c[f"pgate{L}"]])
+        slot = meta[:, c[f"cslot{L}"]]
+        self.ops.ring_write(rd.kvs[L], self._entries(latent, gpos), slot, n, meta[:, c[f"kv{L}"]])
         if r.owns_index_keys:
-            for st, g in zip(rd.states, sp.groups):
-                if self.index_keys == "intended" or g > 0:
-                    st.published_keys = (L, st.index_keys[L].shape[0])
+            self.ops.ring_write(rd.ikeys[L], blk.indexer.keys(latent, gpos, self.rope, self.qat), slot, n,
+                                meta[:, c[f"ikeys{L}"]])
 
-    def _index_round(self, blk: Block, rd: _Round, q, w, trace) -> torch.Tensor:
-        """_index for every sequence of the round: keys padded to a common count, one scoring, one top-k."""
+    def _note_groups(self, L: int, rd: _Round, kv, gate) -> None:
+        """A marked state's rows of a ratio > 1 source this round (its open group before, then its new rows), for a
+        rollback to reopen the groups the round closed (SeqState.note_group_rows); host work for drafts only."""
+        n = rd.n
+        for b, first, okv, ogate in rd.marked.get(L, ()):
+            rd.states[b].note_group_rows(L, first, torch.cat([okv, kv[b * n:(b + 1) * n]]),
+                                         torch.cat([ogate, gate[b * n:(b + 1) * n]]))
+
+    def _window_round(self, blk: Block, rd: _Round, kv, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's window keys [N, W, D] and their validity [N, W], then the new rows written into the rings:
+        the rows before the round from the rings through the round's address table (read before the writes: a
+        verify round's later rows overwrite slots its earlier rows still read), the rest from kv; no per-sequence
+        work (the reference op set's functions loop over rd.rings). meta: the round's [rows, M] metadata (a CUDA
+        graph's padded copy)."""
+        W, L, c = self.t.sliding_window, blk.role.index, rd.cols
+        rsel = meta[:, c["rsel"]:c["rsel"] + W]
+        nsel = meta[:, c["nsel"]:c["nsel"] + W]
+        table = meta[:, c[f"ring{L}"]]
+        old = self.ops.gather_round(rd.rings[L], rsel, rd.n, table)
+        wkeys = torch.where((nsel >= 0)[:, :, None], kv[nsel.clamp(min=0)], old)
+        self.ops.ring_write(rd.rings[L], kv, meta[:, c["wslot"]], rd.n, table)
+        return wkeys, meta[:, c["pos"]:c["pos"] + W] >= 0
+
+    def _with_compressed(self, blk: Block, rd: _Round, wkeys, valid, topk, meta) -> tuple[torch.Tensor,
+                                                                                          torch.Tensor]:
+        """The window keys followed by each row's top-k compressed entries of its layer's KV source (through the
+        round's table of the sources' buffers), and their validity."""
+        table = meta[:, rd.cols[f"kv{blk.role.kv_source}"]]
+        ckeys = self.ops.gather_round(rd.kvs[blk.role.kv_source], topk, rd.n, table)
+        return torch.cat([wkeys, ckeys], dim=1), torch.cat([valid, topk >= 0], dim=1)
+
+    def one_piece(self, blk: Block) -> bool:
+        """Whether a round runs this layer as one piece (`_layer_round`, one CUDA graph): one rank, and a history
+        that reads and writes only through the round's tables (every layer kind: window-only, KV sources with their
+        masked groups, reuse, re-index). With tensor parallelism the layer splits at the reductions instead."""
+        return self.comm.world == 1
+
+    def _layer_round(self, blk: Block, rd: _Round, image, trace, streams, pre, cos, sin, ccos, csin, meta,
+                     topk) -> tuple:
+        """A whole layer of a round whose history has shapes fixed by the row count (and a re-index layer's key
+        bucket): _attn_in, the window keys through the round's tables, the compressed keys of the latest top-k
+        (`topk`), or of this layer's own top-k (a re-index layer: `topk` holds the candidate mask then), and
+        _attn_out_ffn -> (streams, pre, this layer's top-k or None). Its arguments are all row-first, so it is one
+        CUDA graph per layer and row bucket; the ring writes make it run once per call (graphs.py `dry`)."""
+        pre_a, post_a, comb_a, q, kv, ckv, cgate, iq, iw = self._attn_in(blk, streams, pre, cos, sin, ccos, csin)
+        keys, sel = self._window_round(blk, rd, kv, meta)
+        own = cand = None
+        if blk.compressor is not None:
+            self._compress_round(blk, rd, ckv, cgate, meta)
+        if blk.indexer is not None:
+            own = topk = self._index_round(blk, rd, iq, iw, trace, meta, cand=topk)
+            cand = rd.cand if blk.role.candidate_source else None
+        if blk.role.ratio:
+            keys, sel = self._with_compressed(blk, rd, keys, sel, topk, meta)
+        grouped = blk.compressor is not None and blk.role.ratio > 1     # its rows: a marked state's rollback
+        return (*self._attn_out_ffn(blk, q, keys, sel, cos, sin, streams, pre_a, post_a, comb_a, image=image), own,
+                cand, ckv if grouped else None, cgate if grouped else None)
+
+    @staticmethod
+    def _dry_layer(cols: list[int], at: int, args: tuple) -> tuple:
+        """A piece's arguments with every write masked (the ring, compressed and open-group slot columns of the
+        metadata args[at] set to -1): a capture's extra runs."""
+        meta = args[at].clone()
+        meta[:, cols] = -1
+        return args[:at] + (meta,) + args[at + 1:]
+
+    def whole_round(self) -> bool:
+        """Whether a round runs all its layers as one piece (`_round_layers`): one rank, and every layer finds what
+        it reads from earlier layers in every round (a layer reusing a top-k comes after an index layer)."""
+        seen = False
+        for blk in self.blocks:
+            if blk.role.ratio and blk.indexer is None and not seen:
+                return False
+            seen = seen or blk.indexer is not None
+        return self.comm.world == 1
+
+    def _round_layers(self, rd: _Round, image, streams, pre, cos, sin, ccos, csin, meta, *erows) -> tuple:
+        """Every layer of a round in order (`_layer_round` each, the Engram layers' table entries `erows` read
+        before the round) -> (streams, pre, the DSpark taps, each ratio > 1 source's rows (a marked state's
+        rollback)): one piece, so one CUDA graph per row bucket and index key buckets."""
+        t = self.t
+        taps = [None] * len(t.dspark_target_layer_ids)
+        topk = cand = None
+        notes, e = [], iter(erows)
+        for blk in self.blocks:
+            r = blk.role
+            if blk.engram is not None:
+                streams = blk.engram.apply(streams, next(e), image)
+            if r.dspark_tap is not None:
+                taps[r.dspark_tap] = _stream_mean(streams)
+            c, s_ = (cos, sin) if r.rope == "main" else (ccos, csin)
+            arg = cand if blk.indexer is not None and r.uses_candidates else None if blk.indexer is not None else topk
+            streams, pre, own, new_cand, ckv, cgate = self._layer_round(blk, rd, image, None, streams, pre, c, s_,
+                                                                         ccos, csin, meta, arg)
+            topk = own if own is not None else topk
+            cand = new_cand if new_cand is not None else cand
+            if ckv is not None:
+                notes += [ckv, cgate]
+        return (streams, pre, *taps, *notes)
+
+    def _index_round(self, blk: Block, rd: _Round, q, w, trace, meta=None, cand=None) -> torch.Tensor:
+        """_index for every sequence of the round: each row against its sequence's keys (through the round's table)
+        in scores of the round's bucketed width, the candidate mask or (re-index) the candidates `cand`, one top-k;
+        shapes fixed by the row count and the width. meta: the round's metadata (a graph's padded copy)."""
         t, r, ix = self.t, blk.role, blk.indexer
         ip = rd.idx[r.index]
+        L, c = r.index, rd.cols
+        meta = rd.meta if meta is None else meta
         n, B = rd.n, len(rd.states)
         if ip.tpad == 0:
-            topk = torch.full((B * n, t.index_topk), -1, dtype=torch.long, device=q.device)
+            topk = torch.full((q.shape[0], t.index_topk), -1, dtype=torch.long, device=q.device)
         else:
             none = q.new_zeros((0, t.index_head_dim))
-            keys = [st.index_keys[owner][:c] if c else none for st, owner, c in zip(rd.states, ip.owner, ip.count)]
-            scores = ix.round_scores(q, w, keys, ip.tpad, ip.limit, ip.counts)
+            keys = [st.index_keys[owner][:k] if k else none for st, owner, k in zip(rd.states, ip.owner, ip.count)]
+            scores = ix.round_scores(q, w, keys, ip.tpad, meta[:, c[f"limit{L}"]], meta[:, c[f"kcount{L}"]],
+                                     table=meta[:, c[f"ikey{L}"]], n=n)
             if r.candidate_source:
                 rd.cand = candidate_blocks(scores, None, r.ratio, t.candidate_topk_blocks, t.candidate_block_size,
-                                           newest=ip.newest)
+                                           newest=meta[:, c[f"newest{L}"]])
                 if trace is not None:
-                    for b, c in enumerate(ip.count):
-                        if c:
+                    for b, k in enumerate(ip.count):
+                        if k:
                             trace.setdefault(f"candidates.layer{r.index}", []).append(
-                                rd.cand[b * n:(b + 1) * n, :c])
-            elif r.uses_candidates and rd.cand is not None:
-                scores = scores.masked_fill(~rd.cand, float("-inf"))
+                                rd.cand[b * n:(b + 1) * n, :k])
+            elif r.uses_candidates and (cand if cand is not None else rd.cand) is not None:
+                scores = scores.masked_fill(~(cand if cand is not None else rd.cand), float("-inf"))
             topk = ix.ops.select_topk(scores, t.index_topk)
         if trace is not None:
             for b in range(B):
                 trace.setdefault(f"topk.layer{r.index}", []).append(topk[b * n:(b + 1) * n])
         return topk
+
+
+def key_bucket(count: int) -> int:
+    """The width of a round's index scores for `count` keys: KEY_TILE times the next 2^k or 3 * 2^(k-1) (a third
+    wider at most), so a layer's CUDA graphs are few as the context grows; the extra columns score -inf, which
+    changes no pick (select_topk, candidate_blocks)."""
+    tiles = -(-count // KEY_TILE)
+    if tiles <= 2:
+        return tiles * KEY_TILE
+    p = 1 << (tiles - 1).bit_length()          # the next power of two >= tiles
+    return (p * 3 // 4 if tiles <= p * 3 // 4 else p) * KEY_TILE
 
 
 def _append_rows(rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -847,6 +1054,33 @@ def _append_rows(rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     out, dst = _grow_rows(rows, new.shape[0])
     dst.copy_(new)
     return out
+
+
+def _addr(rows: torch.Tensor) -> int:
+    """The address of rows' first row, also when it has none yet (a buffer reserved for this round's appends:
+    data_ptr() of an empty tensor is 0)."""
+    return rows.untyped_storage().data_ptr() + rows.storage_offset() * rows.element_size()
+
+
+def _reserve_rows(rows: torch.Tensor, g: int) -> torch.Tensor:
+    """rows itself when its buffer has room for g more rows after it, else rows copied into a larger buffer (a
+    quarter more, as _append_rows grows): a round reserves its appends before it starts, so the addresses in its
+    table hold for the whole round. No new tensor in the common case (a round reserves for every sequence)."""
+    n, d = rows.shape
+    cap = 0
+    if rows.is_contiguous() and rows.storage_offset() == 0:
+        cap = rows.untyped_storage().nbytes() // (rows.element_size() * d)
+    if n + g <= cap:
+        return rows
+    buf = rows.new_empty(((n + g) * 5 // 4 + 16, d))
+    buf[:n] = rows
+    return buf[:n]
+
+
+def _extend_rows(rows: torch.Tensor, add: int) -> torch.Tensor:
+    """rows and the `add` rows after them in its buffer (reserved: _reserve_rows), the new ones to be written."""
+    d = rows.shape[1]
+    return rows.as_strided((rows.shape[0] + add, d), (d, 1), 0)
 
 
 def _grow_rows(rows: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,9 +54,13 @@ class Ops:
     hc_expand: Callable            # (y [n, H], residual [n, hc, H], post [n, hc], comb [n, hc, hc]) -> [n, hc, H]
     route_weights: Callable        # (scores [n, E], ids [n, k], scaling) -> [n, k] (moe.route_weights)
     index_scores: Callable         # (q [n, h, d], w [n, h], keys [T, d], scale) -> [n, T], no visibility mask
-    round_scores: Callable         # (q [B*n, h, d], w, keys: B x [T_b, d], tpad, counts [B] | None, scale)
-    #                                -> [B*n, tpad], no visibility mask
-    gather_round: Callable         # (srcs: B x [*, D], idx [B*n, K] (-1: a zero-weight row), n) -> [B*n, K, D]
+    round_scores: Callable         # (q [B*n, h, d], w, keys: B x [T_b, d], tpad, counts [B] | None, scale,
+    #                                n=None, table=None) -> [B*n, tpad], no visibility mask; with table (each row's
+    #                                keys' address [rows]) counts are per row and rows past B*n pad as row 0
+    gather_round: Callable         # (srcs: B x [*, D], idx [B*n, K] (-1: a zero-weight row), n, table [rows] | None)
+    #                                -> [rows, K, D]; table: row r's source address (rows >= B*n: padded, as row 0)
+    ring_write: Callable           # (rings: B x [W, D], rows [rows, D], slots [rows], n, table [rows] | None): row r
+    #                                into slot slots[r] of its sequence's ring (B*n real rows; the rest pad as row 0)
     sparse_attend: Callable        # (ops, q [n, h, D], pool [P, D], idx [n, K] (-1 masked), sink [h], scale)
     #                                -> [n, h, D]
     router_scores: Callable        # (logits [n, E], temp, bias [E], bias_vl [E], image [n] bool | None) ->
@@ -193,8 +197,8 @@ def reference_ops() -> Ops:
                hc_collapse=mhc.hc_collapse, hc_expand=mhc.hc_expand, route_weights=moe.route_weights,
                index_scores=functools.partial(_index_scores_tiled, rows=rows),
                round_scores=functools.partial(_round_scores_padded, rows=rows), gather_round=gather_round,
-               sparse_attend=attend_tiled, router_scores=moe.router_scores, router_topk=L.stable_topk,
-               select_topk=select_topk)
+               ring_write=ring_write, sparse_attend=attend_tiled, router_scores=moe.router_scores,
+               router_topk=L.stable_topk, select_topk=select_topk)
 
 
 # ---- the CUDA path -------------------------------------------------------------------------------------------
@@ -239,6 +243,7 @@ def _cuda_ops(kernels: bool) -> Ops:
         index_scores=index_scores,
         round_scores=_cuda_round_scores(k.get("index_scores_table"), index_scores),
         gather_round=_kernel_gather_round(k["gather_rows"]) if "gather_rows" in k else gather_round,
+        ring_write=_kernel_ring_write(k["scatter_rows"]) if "scatter_rows" in k else ring_write,
         sparse_attend=_kernel_attend(k["sparse_attn"]) if "sparse_attn" in k else attend_tiled,
         router_scores=_or_fallback(k.get("router_scores"), moe.router_scores),
         router_topk=_or_fallback(k.get("router_topk"), L.stable_topk),
@@ -260,7 +265,7 @@ def _load_kernels() -> dict:
                           ("kernels.fp4_moe", ("fp4_moe",)),
                           ("kernels.prompt_gemm", ("prompt_fp8_linear",)),
                           ("kernels.indexer", ("index_scores", "index_scores_table")),
-                          ("kernels.round_gather", ("gather_rows",)),
+                          ("kernels.round_gather", ("gather_rows", "scatter_rows")),
                           ("kernels.sparse_attn", ("sparse_attn",)),
                           ("kernels.topk", ("router_topk", "select_topk")),
                           ("kernels.router", ("router_scores",)),
@@ -398,9 +403,17 @@ def _index_scores_tiled(q, w, keys, scale, rows):
     return index_scores(q, w, keys, scale, rows=rows)
 
 
-def _round_scores_padded(q, w, keys, tpad, counts, scale, rows):
+def _round_scores_padded(q, w, keys, tpad, counts, scale, n=None, table=None, *, rows):
     from dsv41.model.indexer import round_scores_padded
-    return round_scores_padded(q, w, keys, tpad, scale, rows=rows)
+    real = len(keys) * (n or q.shape[0] // len(keys))
+    return _pad_like_row0(round_scores_padded(q[:real], w[:real], keys, tpad, scale, rows=rows), q.shape[0])
+
+
+def _pad_like_row0(out: torch.Tensor, rows: int) -> torch.Tensor:
+    """out [real, ...] followed by copies of its row 0 up to `rows` rows (a CUDA graph's padded rows)."""
+    if rows == out.shape[0]:
+        return out
+    return torch.cat([out, out[:1].expand(rows - out.shape[0], *out.shape[1:])])
 
 
 def _kernel_index_scores(k: Callable, fallback: Callable) -> Callable:
@@ -413,23 +426,28 @@ def _kernel_index_scores(k: Callable, fallback: Callable) -> Callable:
 def _cuda_round_scores(table_kernel: Callable | None, index_scores: Callable) -> Callable:
     """A round's scores on the CUDA path: one launch of the round kernel reading each sequence's keys through a
     table of addresses (no padded copy) where it applies, else each sequence's scores (`index_scores`) padded."""
-    def round_scores(q, w, keys, tpad, counts, scale):
+    def round_scores(q, w, keys, tpad, counts, scale, n=None, table=None):
         B = len(keys)
-        n = q.shape[0] // B
+        n = n or q.shape[0] // B
         Di = q.shape[2]
         if (table_kernel is not None and not Di & (Di - 1) and counts is not None
                 and all(k.dtype == torch.float32 and k.is_contiguous() for k in keys)):
+            if table is not None:      # the round's per-row table: every row its own "sequence" of the kernel
+                return table_kernel(q, w, table.contiguous(), counts.contiguous(), tpad, scale)
             return table_kernel(q, w, address_table(keys, q.device), counts, tpad, scale)
-        return torch.cat([torch.cat([index_scores(q[b * n:(b + 1) * n], w[b * n:(b + 1) * n], k, scale),
-                                     q.new_zeros((n, tpad - k.shape[0]))], dim=1) for b, k in enumerate(keys)])
+        out = torch.cat([torch.cat([index_scores(q[b * n:(b + 1) * n], w[b * n:(b + 1) * n], k, scale),
+                                    q.new_zeros((n, tpad - k.shape[0]))], dim=1) for b, k in enumerate(keys)])
+        return _pad_like_row0(out, q.shape[0])
     return round_scores
 
 
-def gather_round(srcs: list[torch.Tensor], idx: torch.Tensor, n: int) -> torch.Tensor:
+def gather_round(srcs: list[torch.Tensor], idx: torch.Tensor, n: int,
+                 table: torch.Tensor | None = None) -> torch.Tensor:
     """Rows idx [B*n, K] of each sequence's own tensor srcs[b] [*, D] -> [B*n, K, D]; -1 picks a row whose weight
-    is an exact zero (the attention masks it): one index_select per sequence."""
+    is an exact zero (the attention masks it): one index_select per sequence. Rows of idx past B*n (a CUDA graph's
+    padded rows, which repeat row 0) get row 0's result. `table` (each row's source address) is the kernels'."""
     B, K, D = len(srcs), idx.shape[1], srcs[0].shape[1]
-    out = srcs[0].new_empty((B * n, K, D))
+    out = srcs[0].new_empty((idx.shape[0], K, D))
     pick = idx.clamp_min(0)
     for b, c in enumerate(srcs):
         o = out[b * n:(b + 1) * n].view(n * K, D)
@@ -437,17 +455,48 @@ def gather_round(srcs: list[torch.Tensor], idx: torch.Tensor, n: int) -> torch.T
             torch.index_select(c, 0, pick[b * n:(b + 1) * n].reshape(-1), out=o)
         else:
             o.zero_()
+    if idx.shape[0] > B * n:
+        out[B * n:] = out[:1]
     return out
 
 
 def _kernel_gather_round(k: Callable) -> Callable:
-    """One launch through a table of the sequences' addresses (kernels/round_gather.py) where D is a power of two."""
-    def gather(srcs: list[torch.Tensor], idx: torch.Tensor, n: int) -> torch.Tensor:
+    """One launch through a table of the sequences' addresses (kernels/round_gather.py) where D is a power of two:
+    the round's per-row table when given (a CUDA graph replays it with the next round's addresses), else one made
+    from srcs (a copy to the device)."""
+    def gather(srcs: list[torch.Tensor], idx: torch.Tensor, n: int, table: torch.Tensor | None = None):
         D = srcs[0].shape[1]
         if D & (D - 1):
             return gather_round(srcs, idx, n)
-        return k(address_table(srcs, idx.device), idx, D)
+        return k(address_table(srcs, idx.device) if table is None else table, idx, D)
     return gather
+
+
+def ring_write(rings: list[torch.Tensor], rows: torch.Tensor, slots: torch.Tensor, n: int,
+               table: torch.Tensor | None = None) -> None:
+    """Row r of rows [B*n, D] into slot slots[r] of its sequence's window ring rings[r // n] [W, D]: one index_copy_
+    per sequence (rows past B*n are a graph's padding, copies of row 0: nothing to write). A slot < 0 writes nothing
+    (a group that does not close, a graph's dry run: graphs.py; on a GPU the selection waits for the host, so the
+    kernel op set takes scatter_rows). `table` is the kernels'."""
+    masked = slots.device.type != "cpu" or bool((slots < 0).any())
+    for b, ring in enumerate(rings):
+        s, r = slots[b * n:(b + 1) * n], rows[b * n:(b + 1) * n]
+        if masked:
+            keep = s >= 0
+            s, r = s[keep], r[keep]
+        ring.index_copy_(0, s, r)
+
+
+def _kernel_ring_write(k: Callable) -> Callable:
+    """kernels/round_gather.scatter_rows: one launch through the round's per-row table of ring addresses (D a power
+    of two), else the per-sequence copies."""
+    def write(rings: list[torch.Tensor], rows: torch.Tensor, slots: torch.Tensor, n: int,
+              table: torch.Tensor | None = None) -> None:
+        D = rows.shape[1]
+        if table is None or D & (D - 1) or rows.dtype != torch.float32:
+            return ring_write(rings, rows, slots, n)
+        k(table, slots, rows)
+    return write
 
 
 def attend_tiled(ops: Ops, q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,

@@ -118,7 +118,8 @@ class SeqState:
             ring_slots={k: v[slots].clone() for k, v in self.windows.items()},
             compressed_len={k: v.shape[0] for k, v in self.compressed.items()},
             index_keys_len={k: v.shape[0] for k, v in self.index_keys.items()},
-            partial={k: (self.partial_kv[k], self.partial_gate[k]) for k in self.partial_kv},
+            # copies: a decode round rewrites the open group's buffer in place (Model._compress_round)
+            partial={k: (self.partial_kv[k].clone(), self.partial_gate[k].clone()) for k in self.partial_kv},
             published_keys=self.published_keys,
         )
 
