@@ -4,7 +4,8 @@ compares the chunk's logits and every piece of the sequence's state (window ring
 open groups, published keys), printing the first differences and when graphs were captured.
 
 Variants: `cuda` (graphs kept across chunks), `fresh` (every chunk captures anew: warm-up runs, capture, replay),
-`emulate` (graphs.py's CPU-side emulation). `fresh` exact while `cuda` is not points at what a replay reads from
+`emulate` (graphs.py's emulation), `replay` (the emulation replaying each piece as captured; on CPU it needs the
+kernel op set: `--device cpu --kernels` runs it under TRITON_INTERPRET=1, slowly). `fresh` exact while `cuda` is not points at what a replay reads from
 its capture round; both wrong points at the capture's warm-up runs.
 
     python bench/chunk_diag.py [--checkpoint DIR] [--tokens 96] [--chunk 8]
@@ -12,16 +13,21 @@ its capture round; both wrong points at the capture's warm-up runs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-import torch
+if "--kernels" in sys.argv:     # the kernel op set on CPU: Triton's interpreter, set before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsv41.api.engine import builtin_checkpoint  # noqa: E402
 from dsv41.model.graphs import PieceGraphs  # noqa: E402
 from dsv41.model.model import Model, SeqInput  # noqa: E402
+from dsv41.model.ops import cuda_ops  # noqa: E402
 
 
 def state_parts(st) -> dict[str, torch.Tensor]:
@@ -58,17 +64,25 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=8)
     ap.add_argument("--variants", default="cuda,fresh,emulate")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--kernels", action="store_true", help="on CPU: the CUDA op set's kernels, interpreted")
+    ap.add_argument("--start", type=int, default=0, help="tokens fed in one eager pass first (both sides)")
     a = ap.parse_args()
-    m = Model.load(Path(a.checkpoint) if a.checkpoint else builtin_checkpoint(), device=a.device)
+    ck = Path(a.checkpoint) if a.checkpoint else builtin_checkpoint()
+    m = (Model.load(ck, keep_quant=True, ops=cuda_ops()) if a.kernels and a.device == "cpu" else
+         Model.load(ck, device=a.device))
     t = m.t
     print(f"window {t.sliding_window}, compress ratios {t.compress_ratios[:t.num_hidden_layers]}, index_topk "
           f"{t.index_topk}, whole_round {m.whole_round()}", flush=True)
     ids = torch.randint(3, min(1000, t.vocab_size), (a.tokens,), generator=torch.Generator().manual_seed(1))
     for variant in a.variants.split(","):
-        G = PieceGraphs("emulate" if variant == "emulate" else "cuda")
-        ref, got = m.new_state(), m.new_state()
+        G = PieceGraphs(variant if variant in ("emulate", "replay") else "cuda")
+        ref = m.new_state()
+        if a.start:
+            m.graphs = None
+            m.forward([SeqInput(ref, ids[:a.start])])
+        got = ref.snapshot()
         shown = 0
-        for i in range(0, len(ids), a.chunk):
+        for i in range(a.start, len(ids), a.chunk):
             chunk = ids[i:i + a.chunk]
             m.graphs = None
             lr = m.forward([SeqInput(ref, chunk)])[0]

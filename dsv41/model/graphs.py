@@ -25,7 +25,10 @@ Contract for a piece (checked by tests/test_graphs.py, on the CPU through the em
 
 `PieceGraphs(mode="emulate")` runs the same bookkeeping on any device without capture (static input buffers,
 padding, results copied into static outputs), so the CPU suite checks padding and aliasing; the GPU tests compare
-real graphs with the eager round bit for bit.
+real graphs with the eager round bit for bit. `mode="replay"` also runs a capture's warm-up runs and replays the
+function AS CAPTURED (whatever Python values and objects it closed over at capture: what a CUDA graph bakes in);
+it is meaningful only with an op set that reaches the state through the round's address tables (the kernels, on
+CPU under TRITON_INTERPRET=1: bench/chunk_diag.py --device cpu --variants replay).
 """
 from __future__ import annotations
 
@@ -59,6 +62,7 @@ class _Entry:
     inputs: list[torch.Tensor | None]       # static inputs, bucket rows
     outputs: tuple[torch.Tensor | None, ...]  # static outputs, bucket rows
     graph: torch.cuda.CUDAGraph | None      # None in emulation
+    fn: Callable[..., tuple] | None = None  # "replay" emulation: the function as captured
 
 
 class PieceGraphs:
@@ -66,8 +70,8 @@ class PieceGraphs:
     same static buffers and padding, the piece run eagerly on them (tests on any device)."""
 
     def __init__(self, mode: str = "cuda"):
-        if mode not in ("cuda", "emulate"):
-            raise ValueError(f"PieceGraphs mode must be 'cuda' or 'emulate', got {mode!r}")
+        if mode not in ("cuda", "emulate", "replay"):
+            raise ValueError(f"PieceGraphs mode must be 'cuda', 'emulate' or 'replay', got {mode!r}")
         self.mode = mode
         self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.entries: dict[tuple, _Entry] = {}
@@ -115,7 +119,7 @@ class PieceGraphs:
         if e.graph is not None:
             e.graph.replay()
         else:
-            res = fn(*e.inputs)
+            res = (e.fn or fn)(*e.inputs)
             for s, r in zip(e.outputs, res):
                 if s is not None:
                     s.copy_(r)
@@ -130,6 +134,12 @@ class PieceGraphs:
         if self.mode == "emulate":
             outputs = tuple(None if r is None else r.clone() for r in fn(*dry(tuple(inputs))))
             e = _Entry(inputs, outputs, None)
+        elif self.mode == "replay":    # a capture's runs, and every replay runs the function as captured
+            warm = dry(tuple(inputs))
+            fn(*warm)
+            outputs = tuple(None if r is None else r.clone() for r in fn(*warm))
+            _fill(inputs, args, n)
+            e = _Entry(inputs, outputs, None, fn)
         else:
             try:
                 side = torch.cuda.Stream()
@@ -137,13 +147,26 @@ class PieceGraphs:
                 with torch.cuda.stream(side):   # first calls: Triton compiles, cuBLAS workspaces
                     warm = dry(tuple(inputs))
                     fn(*warm)
-                    fn(*warm)
+                    shapes = [None if r is None else (r.shape, r.dtype) for r in fn(*warm)]
                 torch.cuda.current_stream().wait_stream(side)
+                # The results live outside the graphs' shared pool, copied there inside the graph: a graph
+                # captured later may be handed the pool memory of this one's temporaries (freed when its capture
+                # ends), and this one's replay rewrites them, so a result held in the pool could be overwritten
+                # by another piece's replay before it is read (graphs sharing a pool are safe only replayed in
+                # capture order, and pieces are captured lazily, in any order). Only temporaries, dead between
+                # replays, stay in the pool.
+                outputs = tuple(None if sh is None else torch.empty(sh[0], dtype=sh[1], device=args[0].device)
+                                for sh in shapes)
+                _fill(inputs, args, n)          # as the caller gave them, whatever the warm-up runs wrote
                 g = torch.cuda.CUDAGraph()
                 # thread_local: only this thread's unsafe calls break the capture (the server's other threads
                 # may use CUDA meanwhile)
                 with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-                    outputs = tuple(fn(*inputs))
+                    for o, r in zip(outputs, fn(*inputs)):
+                        if (o is None) != (r is None):
+                            raise ValueError("a piece's results changed between its warm-up and its capture")
+                        if o is not None:
+                            o.copy_(r)
             except Exception as exc:  # noqa: BLE001 - a piece that cannot be captured runs eagerly, said once
                 torch.cuda.synchronize()
                 self.failed[key] = f"{type(exc).__name__}: {exc}"
