@@ -160,3 +160,25 @@ def test_cuda_scheduler_with_graphs_equals_eager(shared):
     assert not G.failed, G.failed
     assert _ids(plain) == _ids(serial) and _ids(drafted) == _ids(serial) and _ids(split) == _ids(serial)
     assert G.stats["replays"] > 0
+
+
+@pytest.mark.gpu
+def test_a_piece_result_survives_the_replay_of_a_piece_captured_before_it():
+    """Pieces are captured lazily, in any order, into one memory pool, and a round replays several of them. A piece
+    captured after another may be handed the memory of the other's temporaries (freed when its capture ended), which
+    the other's replay rewrites: its results must not live there (graphs.py keeps them outside the pool)."""
+    G = PieceGraphs("cuda")
+    a = torch.randn(8, 1 << 16, device="cuda")
+
+    def first(x):     # 2 MB temporaries, a small result
+        t = x * 2 + 1
+        return (t.exp().sum(-1, keepdim=True),)
+
+    def second(x):    # a result the size of first's temporaries
+        return (x * 3,)
+    G.run("first", first, (a,))
+    got, = G.run("second", second, (a,))
+    G.run("first", first, (a + 1,))
+    torch.cuda.synchronize()
+    assert G.stats["captures"] == 2 and not G.failed
+    assert torch.equal(got, a * 3)

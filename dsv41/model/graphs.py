@@ -128,13 +128,26 @@ class PieceGraphs:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):   # first calls: Triton compiles, cuBLAS workspaces
                     fn(*inputs)
-                    fn(*inputs)
+                    shapes = [None if r is None else (r.shape, r.dtype) for r in fn(*inputs)]
                 torch.cuda.current_stream().wait_stream(side)
+                # The results live outside the graphs' shared pool, copied there inside the graph: a graph
+                # captured later may be handed the pool memory of this one's temporaries (freed when its capture
+                # ends), and this one's replay rewrites them, so a result held in the pool could be overwritten
+                # by another piece's replay before it is read (graphs sharing a pool are safe only replayed in
+                # capture order, and pieces are captured lazily, in any order). Only temporaries, dead between
+                # replays, stay in the pool.
+                outputs = tuple(None if sh is None else torch.empty(sh[0], dtype=sh[1], device=args[0].device)
+                                for sh in shapes)
+                _fill(inputs, args, n)          # as the caller gave them, whatever the warm-up runs wrote
                 g = torch.cuda.CUDAGraph()
                 # thread_local: only this thread's unsafe calls break the capture (the server's other threads
                 # may use CUDA meanwhile)
                 with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-                    outputs = tuple(fn(*inputs))
+                    for o, r in zip(outputs, fn(*inputs)):
+                        if (o is None) != (r is None):
+                            raise ValueError("a piece's results changed between its warm-up and its capture")
+                        if o is not None:
+                            o.copy_(r)
             except Exception as exc:  # noqa: BLE001 - a piece that cannot be captured runs eagerly, said once
                 torch.cuda.synchronize()
                 self.failed[key] = f"{type(exc).__name__}: {exc}"
