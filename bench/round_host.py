@@ -6,7 +6,9 @@ is one host op each, at ~10-35 µs a dispatch on the H200's host. This counts, o
 ops outside the pieces (the metadata's ops run on host tensors on a GPU too: host work, no launch) (`PieceGraphs("emulate")`, the same bookkeeping as the CUDA graphs: a piece's own ops are not
 counted, its replay counts one), per layer kind, for rounds of R sequences x 1 token (and 3-row verify rounds).
 View ops and bare allocations (no kernel on a GPU) are left out. The CPU-time column is the round's wall time on
-this machine with the emulation (it runs the pieces too: not the GPU's host time).
+this machine with the emulation (it runs the pieces too: not the GPU's host time); "host ms outside the pieces" is
+that wall time less the emulated pieces' own work (the median of 5 rounds, no op counting): the host's share of a
+round, of which "_prepare_round ms" builds the round's metadata.
 
     OMP_NUM_THREADS=1 python bench/round_host.py [--checkpoint DIR] [--rows 1,8,32] [--context 64]
                                                  [--out bench/results/round-host-cpu.md] [--tag after]
@@ -20,6 +22,7 @@ import collections
 import datetime
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -62,7 +65,7 @@ def kind(model, blk) -> str:
     return "re-index" if blk.indexer is not None else "reuse"
 
 
-def measure(model, R: int, n: int, context: int, counter: Count) -> tuple[dict, float]:
+def measure(model, R: int, n: int, context: int, counter: Count, timed: int = 5) -> tuple[dict, float, dict]:
     g = torch.Generator().manual_seed(R)
     V = min(1000, model.t.vocab_size)
     states = [model.new_state() for _ in range(R)]
@@ -72,11 +75,20 @@ def measure(model, R: int, n: int, context: int, counter: Count) -> tuple[dict, 
     G = model.graphs = PieceGraphs("emulate")
     run = G.run
 
+    spent = collections.Counter()                  # seconds in the emulated pieces' own work, in _prepare_round
+
     def counted_run(key, fn, args, **kw):
         counter.ops[counter.where] += 1            # the graph launch
         counter.paused += 1                        # the piece's own ops: inside the graph
+
+        def piece(*a):
+            t = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                spent["pieces"] += time.perf_counter() - t
         try:
-            return run(key, fn, args, **kw)
+            return run(key, piece, args, **kw)
         finally:
             counter.paused -= 1
 
@@ -105,9 +117,11 @@ def measure(model, R: int, n: int, context: int, counter: Count) -> tuple[dict, 
 
     def prep_k(*a, **k):
         counter.where = "metadata (_prepare_round, host tensors)"
+        t = time.perf_counter()
         try:
             return prep(*a, **k)
         finally:
+            spent["prepare"] += time.perf_counter() - t
             counter.where = "round"
     model._history = hist_k
     model._prepare_round = prep_k
@@ -119,12 +133,22 @@ def measure(model, R: int, n: int, context: int, counter: Count) -> tuple[dict, 
             with counter:
                 model.forward([SeqInput(st, toks[i], logits="last") for i, st in enumerate(states)])
             wall = time.perf_counter() - t
+        # host time without the counter: the round's wall time less the emulated pieces' own work (what a GPU's
+        # graphs would run), and _prepare_round's share; the median of `timed` rounds
+        host, prepare = [], []
+        for _ in range(timed):
+            spent.clear()
+            toks = torch.randint(3, V, (R, n), generator=g)
+            t = time.perf_counter()
+            model.forward([SeqInput(st, toks[i], logits="last") for i, st in enumerate(states)])
+            host.append(time.perf_counter() - t - spent["pieces"])
+            prepare.append(spent["prepare"])
     finally:
         G.run = run
         gm._fill = fill
         del model._history, model._prepare_round
         model.graphs = None
-    return dict(counter.ops), wall
+    return dict(counter.ops), wall, {"host": statistics.median(host), "prepare": statistics.median(prepare)}
 
 
 def main(argv=None) -> int:
@@ -142,9 +166,10 @@ def main(argv=None) -> int:
     rows = []
     for R in [int(x) for x in a.rows.split(",")]:
         for n in (1, 3):
-            ops, wall = measure(model, R, n, a.context, counter)
-            rows.append((R, n, ops, wall))
-            print(R, n, ops, f"{wall * 1e3:.0f} ms", flush=True)
+            ops, wall, host = measure(model, R, n, a.context, counter)
+            rows.append((R, n, ops, wall, host))
+            print(R, n, ops, f"{wall * 1e3:.0f} ms", f"host {host['host'] * 1e3:.2f} ms",
+                  f"_prepare_round {host['prepare'] * 1e3:.2f} ms", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
                             check=False).stdout.strip()
     cols = ["round", "metadata (_prepare_round, host tensors)"] + sorted(kinds)
@@ -156,10 +181,11 @@ def main(argv=None) -> int:
              "| sequences x rows | ops outside the graphs | " + " | ".join(
                  "round (graph launches, input copies, embed, head)" if c == "round" else
                  c if c.startswith("metadata") else f"eager history: {c}" for c in cols)
-             + " | CPU ms (emulated) |", "|---" * (len(cols) + 3) + "|"]
-    for R, n, ops, wall in rows:
+             + " | CPU ms (emulated) | host ms outside the pieces | _prepare_round ms |",
+             "|---" * (len(cols) + 5) + "|"]
+    for R, n, ops, wall, host in rows:
         lines.append(f"| {R} x {n} | {sum(ops.values())} | " + " | ".join(str(ops.get(c, 0)) for c in cols)
-                     + f" | {wall * 1e3:.0f} |")
+                     + f" | {wall * 1e3:.0f} | {host['host'] * 1e3:.2f} | {host['prepare'] * 1e3:.2f} |")
     out = Path(a.out)
     head = ["# Host ops a graphed decode round dispatches (bench/round_host.py)", "", __doc__.split("\n\n")[1], ""]
     old = out.read_text().split("\n## ", 1)[1] if out.exists() and "\n## " in out.read_text() else ""

@@ -251,7 +251,7 @@ def test_round_equals_the_per_sequence_loop_from_fresh_states(model, monkeypatch
     seqs = [_tokens(12, 30 + i) for i in range(3)]
 
     def feed(group, n, batched):
-        monkeypatch.setattr(Model, "_prepare_round", prep if batched else (lambda self, segs: None))
+        monkeypatch.setattr(Model, "_prepare_round", prep if batched else (lambda self, segs, *a: None))
         sts = [model.new_state() for _ in group]
         outs = [model.forward([SeqInput(st, s[a:a + n]) for st, s in zip(sts, group)]) for a in range(0, 12, n)]
         monkeypatch.setattr(Model, "_prepare_round", prep)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dsv41 import REPO_ROOT
@@ -130,6 +131,7 @@ class _Round:
     marked: dict[int, list[tuple]] = field(default_factory=dict)
     topk: torch.Tensor | None = None
     cand: torch.Tensor | None = None
+    rows: torch.Tensor | None = None       # the rows that want logits (the copy's tail), on the device
 
 
 def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, n_experts: int, top_k: int,
@@ -375,46 +377,87 @@ class Model:
     def _forward(self, batch: list[SeqInput], trace: dict[str, Any] | None) -> list[torch.Tensor]:
         t = self.t
         segs = []          # (row offset, n, start position, state)
+        want, wants = [], []     # the rows that want logits; how many of them each input has
         a = 0
         for s in batch:
             n = s.ids.numel()
             segs.append((a, n, s.state.length, s.state))
+            w = range(a, a + n) if s.logits == "all" else [a + n - 1] if s.logits == "last" else ()
+            want += w
+            wants.append(len(w))
             a += n
-        ids_host = torch.cat([s.ids.long().cpu() for s in batch])    # Engram hashing and row reads are on the host
-        ids = ids_host.to(self.device)
+        # Engram hashing and row reads are on the host
+        ids_host = torch.cat([s.ids.long().cpu() for s in batch]) if len(batch) > 1 else batch[0].ids.long().cpu()
         # tensors the forward makes name their device: an ambient torch.device(...) mode would add ~7 µs of Python
         # to every torch call (a decode round's history work is thousands of small calls; tests/test_model_devices.py)
         dv = self.device
-        pos = torch.cat([torch.arange(st, st + n, device=dv) for _, n, st, _ in segs])
+        # the integers cross in one pinned, non-blocking copy (a pageable copy would wait for the GPU to drain the
+        # previous round): a round's with its metadata, a prompt pass's ids, positions and logits rows together
+        rd = self._prepare_round(segs, ids_host, want)   # None: rows differ per sequence (prompt passes)
+        if rd is not None:
+            ids, rows = rd.meta[:, rd.cols["ids"]], rd.rows
+            pos = rd.meta[:, rd.cols["pos"] + t.sliding_window - 1]
+        else:
+            N = ids_host.numel()
+            pos_host = np.concatenate([np.arange(st, st + n, dtype=np.int64) for _, n, st, _ in segs])
+            flat = _to_device(torch.cat([ids_host, torch.from_numpy(pos_host),
+                                         torch.tensor(want, dtype=torch.long)]), dv)
+            ids, pos, rows = flat[:N], flat[N:2 * N], flat[2 * N:]
         image = image_host = None
         if any(s.token_type is not None for s in batch):
             image_host = torch.cat([s.token_type.cpu() >= 0 if s.token_type is not None else
                                     torch.zeros(s.ids.numel(), dtype=torch.bool, device="cpu") for s in batch])
             image = image_host.to(self.device)
-        h = self.embed[ids].float()
-        if image is not None:
-            rows = torch.cat([s.embeds.float().to(self.device) if s.embeds is not None else
-                              h.new_zeros((s.ids.numel(), t.hidden_size)) for s in batch])
-            h = torch.where(image[:, None], rows, h)
+        whole = rd is not None and trace is None and self.whole_round()
+        h = None
+        if not whole or image is not None:   # a whole round embeds its ids inside its piece
+            h = self.embed[ids].float()
+            if image is not None:
+                embeds = torch.cat([s.embeds.float().to(self.device) if s.embeds is not None else
+                                    h.new_zeros((s.ids.numel(), t.hidden_size)) for s in batch])
+                h = torch.where(image[:, None], embeds, h)
         with torch.device("cpu"):    # Engram hashing and table reads run on the host
             hash_ids = self._engram_hashes(batch, segs, ids_host, image_host) if t.engram_layer_ids else None
             if self.engram_store is not None:
                 self.engram_store.prefetch_hashes(hash_ids)  # later Engram layers' rows load while earlier layers run
 
-        cs = {k: self.rope.cos_sin(k, pos) for k in ("main", "compress")}
-        streams = h[:, None, :].expand(-1, t.hc_mult, -1).clone()
-        pre = torch.zeros(ids.numel(), t.hc_mult, device=dv)
-        pre[:, 0] = 1.0
         taps = [None] * len(t.dspark_target_layer_ids)
         shared = [{} for _ in segs]
-        rd = self._prepare_round(segs)   # None: rows differ per sequence (prompt passes): the per-sequence loop
         # a round's dense pieces through CUDA graphs (dsv41/model/graphs.py); traced and image calls run eagerly,
         # and so does an op set whose pieces wait for the host (the CUDA torch fallbacks' per-expert MoE: ops.graphs)
         G = (self.graphs if rd is not None and trace is None and image is None and self.ops.graphs
              else None)
-        if G is not None:
-            cs = {k: (G.rows(f"cos.{k}", c), G.rows(f"sin.{k}", s_)) for k, (c, s_) in cs.items()}
-        meta = None if rd is None else rd.meta if G is None else G.rows("round.meta", rd.meta)
+        logits = None
+        if whole:    # the whole round as one piece: one CUDA graph per row bucket and key buckets (and head)
+            erows = [blk.engram.table_rows(hash_ids[:, blk.role.engram], dv) for blk in self.blocks
+                     if blk.engram is not None]
+            # the head inside when every row wants logits (decode rounds, verify rounds)
+            head = len(want) == ids_host.numel()
+            args = (rd.meta, h, *erows)
+            fn = functools.partial(self._round_piece, rd, image, head)
+            writes = [c for k, c in rd.cols.items() if k == "wslot" or k[:5] in ("cslot", "pslot")]
+            dry = functools.partial(self._dry_layer, writes, 0)
+            key = ("round", head) + tuple(ip.tpad for ip in rd.idx.values())
+            outs = fn(*args) if G is None else G.run(key, fn, args, dry=dry)
+            streams, pre, logits = outs[0], outs[1], outs[2]
+            if logits is not None and G is not None:
+                logits = logits.clone()     # the graph's static rows: the next round overwrites them
+            cs = {"main": (outs[3], outs[4])}
+            taps = list(outs[5:5 + len(taps)])
+            notes = iter(outs[5 + len(taps):])
+            for blk in self.blocks:
+                if blk.compressor is not None and blk.role.ratio > 1:
+                    ckv, cgate = next(notes), next(notes)
+                    if rd.marked.get(blk.role.index):
+                        self._note_groups(blk.role.index, rd, ckv, cgate)
+        else:
+            cs = {k: self.rope.cos_sin(k, pos) for k in ("main", "compress")}
+            streams = h[:, None, :].expand(-1, t.hc_mult, -1).clone()
+            pre = torch.zeros(ids_host.numel(), t.hc_mult, device=dv)
+            pre[:, 0] = 1.0
+            if G is not None:
+                cs = {k: (G.rows(f"cos.{k}", c), G.rows(f"sin.{k}", s_)) for k, (c, s_) in cs.items()}
+            meta = None if rd is None else rd.meta if G is None else G.rows("round.meta", rd.meta)
         in_place: dict[str, tuple] = {}
 
         def shared_rows(name, t):
@@ -422,24 +465,6 @@ class Model:
             if in_place.get(name, (None,))[0] is not t:
                 in_place[name] = t, G.rows(name, t)
             return in_place[name][1]
-        whole = rd is not None and trace is None and self.whole_round()
-        if whole:    # every layer of the round as one piece: one CUDA graph per row bucket and key buckets
-            erows = [blk.engram.table_rows(hash_ids[:, blk.role.engram], dv) for blk in self.blocks
-                     if blk.engram is not None]
-            args = (streams, pre, *cs["main"], *cs["compress"], meta, *erows)
-            fn = functools.partial(self._round_layers, rd, image)
-            writes = [c for k, c in rd.cols.items() if k == "wslot" or k[:5] in ("cslot", "pslot")]
-            dry = functools.partial(self._dry_layer, writes, 6)
-            key = ("round",) + tuple(ip.tpad for ip in rd.idx.values())
-            outs = fn(*args) if G is None else G.run(key, fn, args, dry=dry)
-            streams, pre = outs[0], outs[1]
-            taps = list(outs[2:2 + len(taps)])
-            notes = iter(outs[2 + len(taps):])
-            for blk in self.blocks:
-                if blk.compressor is not None and blk.role.ratio > 1:
-                    ckv, cgate = next(notes), next(notes)
-                    if rd.marked.get(blk.role.index):
-                        self._note_groups(blk.role.index, rd, ckv, cgate)
         for blk in self.blocks if not whole else ():
             r = blk.role
 
@@ -503,26 +528,44 @@ class Model:
                 trace["dspark_taps"] = main_hidden.clone()
             self.dspark.fill_rings(main_hidden, pos, segs, G, cs["main"] if G is not None else None)
 
-        want = []
-        for (a, n, _, _), s in zip(segs, batch):
-            want.append(torch.arange(a, a + n, device=dv) if s.logits == "all" else
-                        torch.tensor([a + n - 1], device=dv) if s.logits == "last" else
-                        torch.zeros(0, dtype=torch.long, device=dv))
-        rows = torch.cat(want)
-        if rows.numel():
-            x = self.ops.rms_norm(self.ops.hc_collapse(streams[rows], pre[rows]), self.norm, t.rms_norm_eps)
-            logits = self.gather_logits(self.head_logits(x))
+        if logits is not None:      # computed in the round's piece
+            pass
+        elif want:
+            logits = self._head(streams[rows], pre[rows])
         else:   # no row wants logits (a prompt's earlier chunks): skip the head, whose empty call still runs one
             logits = streams.new_zeros((0, t.vocab_size))    # padded row tile, a full read of its weight (~1 GB)
         for (_, n, _, st) in segs:
             st.length += n
         out, o = [], 0
-        for w in want:
-            out.append(logits[o:o + w.numel()])
-            o += w.numel()
+        for k in wants:
+            out.append(logits[o:o + k])
+            o += k
         return out
 
     __call__ = forward
+
+    def _head(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """Logits of the rows' streams: the final collapse, norm, head and (tensor parallelism) the gather."""
+        x = self.ops.rms_norm(self.ops.hc_collapse(streams, pre), self.norm, self.t.rms_norm_eps)
+        return self.gather_logits(self.head_logits(x))
+
+    def _round_piece(self, rd: _Round, image, head: bool, meta, h, *erows) -> tuple:
+        """A round's forward on the device from its metadata alone (the token ids and positions are its columns):
+        the embedding (or the rows `h` an image round brings), the RoPE rows, the streams, every layer
+        (_round_layers) and, where every row wants logits (`head`), the head -> (streams, pre, logits or None, the
+        main RoPE rows (DSpark's ring fill reads them in place), the DSpark taps, the sources' rows). One piece: the
+        host copies the metadata in and launches one graph."""
+        t, c = self.t, rd.cols
+        pos = meta[:, c["pos"] + t.sliding_window - 1]
+        if h is None:
+            h = self.embed[meta[:, c["ids"]]].float()
+        (cos, sin), (ccos, csin) = (self.rope.cos_sin(k, pos) for k in ("main", "compress"))
+        streams = h[:, None, :].expand(-1, t.hc_mult, -1).clone()
+        pre = h.new_zeros((h.shape[0], t.hc_mult))
+        pre[:, 0] = 1.0
+        outs = self._round_layers(rd, image, streams, pre, cos, sin, ccos, csin, meta, *erows)
+        logits = self._head(outs[0], outs[1]) if head else None
+        return (outs[0], outs[1], logits, cos, sin, *outs[2:])
 
     def reduce_attn(self, y: torch.Tensor) -> torch.Tensor:
         """The attention output from this rank's partial: the rank-order sum, or y itself where every rank computes
@@ -687,12 +730,15 @@ class Model:
 
     # ---- a round of sequences with the same row count (decode, drafted verify): the history work batched --------
 
-    def _prepare_round(self, segs) -> _Round | None:
+    def _prepare_round(self, segs, ids: torch.Tensor | None = None, want: list[int] | None = None) -> _Round | None:
         """The round's per-sequence integers, computed on the host once before the layers (from the states' host
         metadata: lengths, row counts of the compressed KV / index keys / open groups; never from tensor values)
-        and sent to the device in one copy: the window gather index, each KV source's group rows, each index
-        layer's key counts. None when the sequences bring different row counts (or more rows than the window):
-        the per-sequence loop runs then."""
+        and sent to the device in one pinned, non-blocking copy: the window gather index, each KV source's group
+        rows, each index layer's key counts; with them the round's token ids (column "ids") and the rows that want
+        logits (`want`: rd.rows), so nothing else crosses and the host never waits for the GPU. None when the
+        sequences bring different row counts (or more rows than the window): the per-sequence loop runs then.
+        The arithmetic is numpy over [B, n, ...] arrays written into the one buffer (a torch op on host tensors
+        costs microseconds, and a round builds dozens per layer kind)."""
         t = self.t
         W = t.sliding_window
         n = segs[0][1]
@@ -700,24 +746,21 @@ class Model:
             return None
         starts = [sg[2] for sg in segs]
         states = [sg[3] for sg in segs]
-        cpu = torch.device("cpu")
-        parts: dict[str, torch.Tensor] = {}
+        B = len(starts)
+        blocks: list[tuple[str, np.ndarray]] = []     # (column name, [B or 1, n or 1, width] int64)
+
+        def col(name, a):
+            blocks.append((name, a if a.ndim == 3 else a[..., None]))
+
         # window: row i of sequence b (position s+i) reads positions s+i-W+1 .. s+i: those before s from its ring
         # (slot p % W, read before the round's writes), the rest from the round's new rows; it writes slot (s+i) % W
-        S = torch.tensor(starts, dtype=torch.long, device=cpu)[:, None, None]           # [B, 1, 1]
-        B = len(starts)
-        p = S + torch.arange(n, device=cpu)[:, None] - W + 1 + torch.arange(W, device=cpu)   # [B, n, W]
-        first = (torch.arange(B, device=cpu) * n)[:, None, None]
-        rowpos = (S[:, :, 0] + torch.arange(n, device=cpu)).view(B * n)                 # [N] positions
-        cols: dict[str, int] = {}
-        meta = []
-
-        def col(name, t):
-            cols[name] = sum(m.shape[1] for m in meta)
-            meta.append(t.view(B * n, -1))
-
-        col("rsel", torch.where(p < S, p % W, -1))
-        col("nsel", torch.where(p >= S, first + p - S, -1))
+        S = np.asarray(starts, dtype=np.int64)[:, None, None]                          # [B, 1, 1]
+        j = np.arange(n, dtype=np.int64)
+        p = S + j[:, None] - W + 1 + np.arange(W, dtype=np.int64)                      # [B, n, W]
+        first = (np.arange(B, dtype=np.int64) * n)[:, None, None]
+        rowpos = S[:, :, 0] + j                                                        # [B, n] positions
+        col("rsel", np.where(p < S, p % W, -1))
+        col("nsel", np.where(p >= S, first + p - S, -1))
         col("pos", p)
         col("wslot", rowpos % W)
         # every layer's ring exists before the round and stays put: its address goes in the table
@@ -725,20 +768,18 @@ class Model:
         rings = {}
         for blk in self.blocks:
             L = blk.role.index
-            rings[L] = [st.windows.get(L) for st in states]
-            for b, ring in enumerate(rings[L]):
+            rs = rings[L] = [st.windows.get(L) for st in states]
+            for b, ring in enumerate(rs):
                 if ring is None or not ring.is_contiguous():
-                    ring = rings[L][b] = states[b].windows[L] = (
+                    ring = rs[b] = states[b].windows[L] = (
                         torch.zeros((W, D), device=self.device) if ring is None else ring.contiguous())
-        addr = torch.tensor([[ring.data_ptr() for ring in rs] for rs in rings.values()], dtype=torch.long,
-                            device=cpu)                                                # [layers, B]
-        for j, L in enumerate(rings):
-            col(f"ring{L}", addr[j].repeat_interleave(n))
+            col(f"ring{L}", np.array([ring.data_ptr() for ring in rs], dtype=np.int64)[:, None])
         # replay the layers' publication on the host: groups closed per source, the keys each index layer sees
         pub = [st.published_keys for st in states]
         counts: dict[int, list[int]] = {}        # index-key owner -> per-sequence key count after this round
         srcs, idx = {}, {}
         cand_counts = None
+        Di = t.index_head_dim
         for blk in self.blocks:
             r = blk.role
             if r.owns_compressor:
@@ -751,26 +792,24 @@ class Model:
                 sp = _RoundSource(ratio=q, first=[c * q for c in comp], pend=pend, groups=groups)
                 # row i of a sequence carries its i-th group that may close (at most n of them: (q-1+n)//q <= n),
                 # masked (slot -1) when it does not; its entry lands at comp + i
-                j = torch.arange(n, device=cpu)
-                C = torch.tensor(comp, dtype=torch.long, device=cpu)[:, None]                  # [B, 1]
-                gb = torch.tensor(groups, dtype=torch.long, device=cpu)[:, None]
-                col(f"cslot{L}", torch.where(j < gb, C + j, -1))
+                C = np.asarray(comp, dtype=np.int64)[:, None]                               # [B, 1]
+                gb = np.asarray(groups, dtype=np.int64)[:, None]
+                col(f"cslot{L}", np.where(j < gb, C + j, -1))
                 if q > 1:
                     # group i's members: virtual rows i*q + t of [open group | new rows]; the open rows from the
                     # sequence's partial buffer, the rest from the round's rows
-                    P = torch.tensor(pend, dtype=torch.long, device=cpu)[:, None, None]       # [B, 1, 1]
-                    v = (j[:, None] * q + torch.arange(q, device=cpu))[None]                  # [1, n, q]
+                    P = np.asarray(pend, dtype=np.int64)[:, None, None]                     # [B, 1, 1]
+                    v = (j[:, None] * q + np.arange(q, dtype=np.int64))[None]              # [1, n, q]
                     ok = (j < gb)[:, :, None]
-                    col(f"psel{L}", torch.where(ok & (v < P), v, -1))
-                    col(f"gnsel{L}", torch.where(ok & (v >= P), first + v - P, -1))
+                    col(f"psel{L}", np.where(ok & (v < P), v, -1))
+                    col(f"gnsel{L}", np.where(ok & (v >= P), first + v - P, -1))
                     col(f"gpos{L}", (C + j) * q)
                     # new row i is virtual row pend + i: it stays open (partial slot pend + i - groups * q) or not
                     vi = P[:, :, 0] + j
-                    col(f"pslot{L}", torch.where(vi >= gb * q, vi - gb * q, -1))
+                    col(f"pslot{L}", np.where(vi >= gb * q, vi - gb * q, -1))
                 srcs[L] = sp
                 # the round's appends land in place (no new buffer inside the round): a source's compressed KV has
                 # one address per sequence for the whole round, the table's
-                Di = t.index_head_dim
                 gmax = (q - 1 + n) // q
                 for st in states:
                     if L not in st.compressed:
@@ -784,18 +823,15 @@ class Model:
                             rows = part.get(L)
                             rows = torch.zeros((0, D), device=self.device) if rows is None else rows
                             part[L] = _reserve_rows(rows, q - 1 - rows.shape[0])
-                col(f"kv{L}", torch.tensor([_addr(st.compressed[L]) for st in states],
-                                           dtype=torch.long, device=cpu).repeat_interleave(n))
+                col(f"kv{L}", np.array([_addr(st.compressed[L]) for st in states], dtype=np.int64)[:, None])
                 if q > 1:
-                    col(f"pkv{L}", torch.tensor([_addr(st.partial_kv[L]) for st in states],
-                                                dtype=torch.long, device=cpu).repeat_interleave(n))
-                    col(f"pgate{L}", torch.tensor([_addr(st.partial_gate[L]) for st in states],
-                                                  dtype=torch.long, device=cpu).repeat_interleave(n))
+                    col(f"pkv{L}", np.array([_addr(st.partial_kv[L]) for st in states], dtype=np.int64)[:, None])
+                    col(f"pgate{L}", np.array([_addr(st.partial_gate[L]) for st in states],
+                                              dtype=np.int64)[:, None])
                 if r.owns_index_keys:
                     have = [st.index_keys[L].shape[0] if L in st.index_keys else 0 for st in states]
                     counts[L] = [h + g for h, g in zip(have, groups)]
-                    col(f"ikeys{L}", torch.tensor([_addr(st.index_keys[L]) for st in states],
-                                                  dtype=torch.long, device=cpu).repeat_interleave(n))
+                    col(f"ikeys{L}", np.array([_addr(st.index_keys[L]) for st in states], dtype=np.int64)[:, None])
                     for b, g in enumerate(groups):
                         if self.index_keys == "intended" or g > 0:
                             pub[b] = (L, counts[L][b])
@@ -804,18 +840,17 @@ class Model:
                 owner = [None if pk is None else pk[0] for pk in pub]
                 cnt = [0 if pk is None else pk[1] for pk in pub]
                 tpad = key_bucket(max(cnt))
-                vis = (rowpos + 1) // r.ratio
-                crow = torch.tensor(cnt, dtype=torch.long, device=cpu).repeat_interleave(n)
-                col(f"limit{L}", torch.minimum(vis, crow))
+                vis = (rowpos + 1) // r.ratio                                                # [B, n]
+                crow = np.asarray(cnt, dtype=np.int64)[:, None]                              # [B, 1]
+                col(f"limit{L}", np.minimum(vis, crow))
                 col(f"kcount{L}", crow)
                 # each row's keys: its sequence's publishing owner's index keys (reserved above: no move)
-                col(f"ikey{L}", torch.tensor([_addr(states[b].index_keys[o]) if c else 0
-                                              for b, (o, c) in enumerate(zip(owner, cnt))],
-                                             dtype=torch.long, device=cpu).repeat_interleave(n))
+                col(f"ikey{L}", np.array([_addr(states[b].index_keys[o]) if c else 0
+                                          for b, (o, c) in enumerate(zip(owner, cnt))], dtype=np.int64)[:, None])
                 if r.candidate_source:
                     bs = t.candidate_block_size
                     nw = (vis - 1) // bs
-                    col(f"newest{L}", torch.where(nw < (crow + bs - 1) // bs, nw, -1))
+                    col(f"newest{L}", np.where(nw < (crow + bs - 1) // bs, nw, -1))
                     cand_counts = cnt
                 elif r.uses_candidates and cand_counts is not None and cand_counts != cnt and any(cand_counts):
                     return None   # keys changed between the candidate source and here: the per-sequence rules
@@ -844,19 +879,28 @@ class Model:
                     st.partial_gate[L] = _extend_rows(st.partial_gate[L][:0], (pe + n) % q)
         for st, pk in zip(states, pub):
             st.published_keys = pk
-        # one host -> device copy of every integer the layers need
-        parts["meta"] = torch.cat(meta, dim=1)
-        names = list(parts)
-        flat = torch.cat([parts[k].reshape(-1).to(torch.long) for k in names])
-        if self.device.type != "cpu":
-            flat = flat.pin_memory().to(self.device, non_blocking=True)
-        dev_parts, o = {}, 0
-        for k in names:
-            m = parts[k].numel()
-            dev_parts[k] = flat[o:o + m].view(parts[k].shape)
-            o += m
-        return _Round(n=n, starts=starts, states=states, meta=dev_parts["meta"], cols=cols, rings=rings, srcs=srcs,
-                      idx=idx, kvs=kvs, ikeys=ikeys, partials=partials, marked=marked)
+        if ids is not None:
+            col("ids", ids.numpy().reshape(B, n))
+        # one host buffer (pinned on a GPU: its copy does not wait for the GPU, and the caching host allocator
+        # records the copy's event, so the buffer is not handed out again before the copy has read it), one copy
+        cols, M = {}, 0
+        for name, a in blocks:
+            cols[name] = M
+            M += a.shape[-1]
+        N = B * n
+        extra = 0 if want is None else len(want)
+        cuda = self.device.type == "cuda"
+        host = torch.empty(N * M + extra, dtype=torch.long, pin_memory=cuda)
+        flat = host.numpy()
+        table = flat[:N * M].reshape(B, n, M)
+        for name, a in blocks:
+            table[:, :, cols[name]:cols[name] + a.shape[-1]] = a
+        if extra:
+            flat[N * M:] = want
+        dev_flat = host.to(self.device, non_blocking=True) if cuda else host
+        return _Round(n=n, starts=starts, states=states, meta=dev_flat[:N * M].view(N, M), cols=cols, rings=rings,
+                      srcs=srcs, idx=idx, kvs=kvs, ikeys=ikeys, partials=partials, marked=marked,
+                      rows=None if want is None else dev_flat[N * M:])
 
     def _keys_round(self, blk: Block, rd: _Round, kv, ckv, cgate, iq, iw, trace) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-sequence loop of _history for a round, each step once for all its sequences: the window keys
@@ -1106,6 +1150,14 @@ def index_row_block(keys: int) -> int:
     """Rows of a prompt pass scored against `keys` index keys at once: every row while the scores stay under
     INDEX_BLOCK_BYTES, else fewer (a multiple of 16, at least 16)."""
     return max(16, INDEX_BLOCK_BYTES // (4 * max(1, keys)) // 16 * 16)
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the GPU: pinned, copied non-blocking (the caching host allocator
+    keeps the pinned block until the copy has read it)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _expand(ops: Ops, y, streams, post, comb) -> tuple:
