@@ -7,8 +7,8 @@ ops outside the pieces (the metadata's ops run on host tensors on a GPU too: hos
 counted, its replay counts one), per layer kind, for rounds of R sequences x 1 token (and 3-row verify rounds).
 View ops and bare allocations (no kernel on a GPU) are left out. The CPU-time column is the round's wall time on
 this machine with the emulation (it runs the pieces too: not the GPU's host time); "host ms outside the pieces" is
-that wall time less the emulated pieces' own work (the median of 5 rounds, no op counting): the host's share of a
-round, of which "_prepare_round ms" builds the round's metadata.
+the round's CPU time (this thread's: the machine may be shared) less the emulated pieces' own work (the median of
+5 rounds, no op counting): the host's share of a round, of which "_prepare_round ms" builds the round's metadata.
 
     OMP_NUM_THREADS=1 python bench/round_host.py [--checkpoint DIR] [--rows 1,8,32] [--context 64]
                                                  [--out bench/results/round-host-cpu.md] [--tag after]
@@ -82,11 +82,11 @@ def measure(model, R: int, n: int, context: int, counter: Count, timed: int = 5)
         counter.paused += 1                        # the piece's own ops: inside the graph
 
         def piece(*a):
-            t = time.perf_counter()
+            t = time.thread_time()
             try:
                 return fn(*a)
             finally:
-                spent["pieces"] += time.perf_counter() - t
+                spent["pieces"] += time.thread_time() - t
         try:
             return run(key, piece, args, **kw)
         finally:
@@ -117,11 +117,11 @@ def measure(model, R: int, n: int, context: int, counter: Count, timed: int = 5)
 
     def prep_k(*a, **k):
         counter.where = "metadata (_prepare_round, host tensors)"
-        t = time.perf_counter()
+        t = time.thread_time()
         try:
             return prep(*a, **k)
         finally:
-            spent["prepare"] += time.perf_counter() - t
+            spent["prepare"] += time.thread_time() - t
             counter.where = "round"
     model._history = hist_k
     model._prepare_round = prep_k
@@ -139,9 +139,9 @@ def measure(model, R: int, n: int, context: int, counter: Count, timed: int = 5)
         for _ in range(timed):
             spent.clear()
             toks = torch.randint(3, V, (R, n), generator=g)
-            t = time.perf_counter()
+            t = time.thread_time()
             model.forward([SeqInput(st, toks[i], logits="last") for i, st in enumerate(states)])
-            host.append(time.perf_counter() - t - spent["pieces"])
+            host.append(time.thread_time() - t - spent["pieces"])
             prepare.append(spent["prepare"])
     finally:
         G.run = run

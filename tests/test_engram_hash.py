@@ -104,6 +104,27 @@ def test_incremental_equals_one_pass(tiny, tiny_hasher):
         h.hash_new(torch.tensor([1]), 10, ids[10:12])
 
 
+def test_round_hashes_equal_each_sequence_alone(tiny, tiny_hasher):
+    """hash_round (a round's sequences at once) gives every row the bits of hash_compressed on its own history: at
+    starts 0..2 (n-grams cut at the sequence start), with DEAD positions before and inside the new rows, n 1 and 3."""
+    _, _, vec = tiny
+    h = tiny_hasher
+    k = h.ngram - 1
+    g = torch.Generator().manual_seed(5)
+    for n in (1, 3):
+        hists = [h.compress(_prompt(vec, i)[:start + n]) for i, start in enumerate([0, 1, 2, 5, 40])]
+        hists[3][3] = DEAD
+        hists[4][40 + n - 1] = DEAD
+        starts = [c.shape[0] - n for c in hists]
+        before = torch.randint(0, 50, (len(hists), k), generator=g)     # positions < 0: any value
+        for b, (c, s) in enumerate(zip(hists, starts)):
+            m = min(k, s)
+            before[b, k - m:] = c[s - m:s]
+        got = h.hash_round(before, torch.tensor(starts), torch.stack([c[s:] for c, s in zip(hists, starts)]))
+        want = torch.cat([h.hash_compressed(c, s) for c, s in zip(hists, starts)])
+        assert torch.equal(got, want), n
+
+
 def test_class_count_is_checked(tiny):
     d, cfg, _ = tiny
     tm = build_token_map(d / "checkpoint" / "tokenizer.json")

@@ -178,6 +178,12 @@ def to_device(w: Fp8Weight | Fp4Weight, device) -> Fp8Weight | Fp4Weight:
 
 # ---- helpers the op sets use ---------------------------------------------------------------------------------
 
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the GPU: pinned, copied non-blocking (a pageable copy waits for
+    the stream to drain; the caching host allocator keeps the pinned block until the copy has read it)."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 def address_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """[B] int64 data pointers of the tensors (0 for an empty one) on `device`, for kernels that reach each
     sequence's own tensor through a table (a pinned, non-blocking copy: no host sync)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv41.model.device import host_to_device
 from dsv41.model.linear import rsqrt, sigmoid
 from dsv41.model.ops import Ops, reference_ops
 
@@ -33,7 +34,7 @@ class Engram:
         them before its layers, so the layers can be one CUDA graph)."""
         with torch.device("cpu"):   # table rows are read on the host
             e = self.rows(hash_ids.cpu())
-        return e.reshape(hash_ids.shape[0], -1).float().to(device)
+        return host_to_device(e.reshape(hash_ids.shape[0], -1).float(), device)    # no wait for the GPU
 
     def apply(self, streams: torch.Tensor, e: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
         """The streams with the table entries e (table_rows) written in."""

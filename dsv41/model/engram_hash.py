@@ -172,7 +172,27 @@ class EngramHasher:
             src = comp[(pos - s).clamp_min(0)]
             alive = alive & (pos >= s) & (src != DEAD)  # once cut, every longer shift is cut too
             shifted.append(torch.where(alive, src, self.pad_class))
-        tok = torch.stack(shifted, -1)                                # [n, N]
+        return self._mix(torch.stack(shifted, -1))
+
+    def hash_round(self, before: torch.Tensor, starts: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """hash_compressed of B sequences' n new positions each at once (a decode or verify round: a few ops for the
+        round, not a few dozen per sequence). before [B, N-1]: the compressed ids of positions start-N+1 .. start-1
+        (any value where the position is < 0); starts [B]; new [B, n] the new compressed ids. -> [B * n, n_layers,
+        (N-1)*heads], row b * n + i what hash_compressed gives sequence b's position start + i."""
+        B, n = new.shape
+        k = self.ngram - 1
+        seq = torch.cat([before, new], 1)                             # column k + i: position start + i
+        pos = starts[:, None] + torch.arange(n)
+        shifted = []
+        alive = torch.ones((B, n), dtype=torch.bool)
+        for s in range(self.ngram):
+            src = seq[:, k - s:k - s + n]
+            alive = alive & (pos >= s) & (src != DEAD)
+            shifted.append(torch.where(alive, src, self.pad_class))
+        return self._mix(torch.stack(shifted, -1).view(B * n, self.ngram))
+
+    def _mix(self, tok: torch.Tensor) -> torch.Tensor:
+        """tok [n, N]: each position's N-gram of compressed ids (pad where cut) -> its hash ids."""
         prod = tok[:, None, :] * self.multipliers[None]               # [n, L, N]; < 2^63, no wrap
         r = prod[..., 0]
         out = []

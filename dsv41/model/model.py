@@ -353,8 +353,6 @@ class Model:
                 raise InputError(f"batch[{i}].ids must be a 1-D integer tensor")
             if ids.numel() == 0:
                 raise InputError(f"batch[{i}].ids is empty")
-            if int(ids.min()) < 0 or int(ids.max()) >= self.t.vocab_size:
-                raise InputError(f"batch[{i}].ids has token ids outside 0..{self.t.vocab_size - 1}")
             if s.logits not in ("all", "last", "none"):
                 raise InputError(f"batch[{i}].logits must be 'all', 'last' or 'none', got {s.logits!r}")
             if s.state.length + ids.numel() > self.t.max_position_embeddings:
@@ -366,6 +364,12 @@ class Model:
                     raise InputError(f"batch[{i}].token_type must have the shape of ids")
                 if s.embeds.shape != (ids.numel(), self.t.hidden_size):
                     raise InputError(f"batch[{i}].embeds must be [{ids.numel()}, {self.t.hidden_size}]")
+        # the ids' range once for the batch (two host ops, not two per sequence); the culprit named when one is out
+        ids = batch[0].ids if len(batch) == 1 else torch.cat([s.ids for s in batch])
+        lo, hi = torch.aminmax(ids)
+        if int(lo) < 0 or int(hi) >= self.t.vocab_size:
+            i = next(i for i, s in enumerate(batch) if int(s.ids.min()) < 0 or int(s.ids.max()) >= self.t.vocab_size)
+            raise InputError(f"batch[{i}].ids has token ids outside 0..{self.t.vocab_size - 1}")
 
     @torch.no_grad()
     def forward(self, batch: list[SeqInput], trace: dict[str, Any] | None = None) -> list[torch.Tensor]:
@@ -400,14 +404,14 @@ class Model:
         else:
             N = ids_host.numel()
             pos_host = np.concatenate([np.arange(st, st + n, dtype=np.int64) for _, n, st, _ in segs])
-            flat = _to_device(torch.cat([ids_host, torch.from_numpy(pos_host),
+            flat = dev.host_to_device(torch.cat([ids_host, torch.from_numpy(pos_host),
                                          torch.tensor(want, dtype=torch.long)]), dv)
             ids, pos, rows = flat[:N], flat[N:2 * N], flat[2 * N:]
         image = image_host = None
         if any(s.token_type is not None for s in batch):
             image_host = torch.cat([s.token_type.cpu() >= 0 if s.token_type is not None else
                                     torch.zeros(s.ids.numel(), dtype=torch.bool, device="cpu") for s in batch])
-            image = image_host.to(self.device)
+            image = dev.host_to_device(image_host, self.device)
         whole = rd is not None and trace is None and self.whole_round()
         h = None
         if not whole or image is not None:   # a whole round embeds its ids inside its piece
@@ -585,13 +589,24 @@ class Model:
     # ---- pieces -----------------------------------------------------------------------------------------------
 
     def _engram_hashes(self, batch, segs, ids, image) -> torch.Tensor:
-        """Append the new compressed ids to each history (DEAD at image rows) and hash the new positions."""
+        """Append the new compressed ids to each history (DEAD at image rows) and hash the new positions. A round
+        (every sequence n rows, no image) hashes all its rows at once (EngramHasher.hash_round)."""
+        n = segs[0][1]
+        if image is None and len(segs) > 1 and all(sg[1] == n for sg in segs):
+            comp = self.hasher.compress(ids).view(len(segs), n)
+            k = self.hasher.ngram - 1
+            before = np.full((len(segs), k), DEAD, dtype=np.int64)
+            for b, (_, _, start, st) in enumerate(segs):
+                m = min(k, start)
+                before[b, k - m:] = st.engram_history.numpy()[start - m:start]
+                st.engram_history = _append_ids(st.engram_history, start, comp[b])
+            return self.hasher.hash_round(torch.from_numpy(before), torch.tensor([sg[2] for sg in segs]), comp)
         out = []
         for (a, n, start, st), s in zip(segs, batch):
             comp = self.hasher.compress(ids[a:a + n])
             if image is not None:
                 comp = torch.where(image[a:a + n], torch.full_like(comp, DEAD), comp)
-            st.engram_history = torch.cat([st.engram_history[:start], comp])
+            st.engram_history = _append_ids(st.engram_history, start, comp)
             out.append(self.hasher.hash_compressed(st.engram_history, start))
         return torch.cat(out)
 
@@ -866,8 +881,8 @@ class Model:
             kvs[L] = [_extend_rows(st.compressed[L], gmax) for st in states]
             ikeys[L] = [_extend_rows(st.index_keys[L], gmax) for st in states] if owns else []
             if q > 1:
-                partials[L] = ([_extend_rows(st.partial_kv[L][:0], q - 1) for st in states],
-                               [_extend_rows(st.partial_gate[L][:0], q - 1) for st in states])
+                partials[L] = ([_first_rows(st.partial_kv[L], q - 1) for st in states],
+                               [_first_rows(st.partial_gate[L], q - 1) for st in states])
                 marked[L] = [(b, sp.first[b], st.partial_kv[L].clone(), st.partial_gate[L].clone())
                              for b, st in enumerate(states) if st.undo is not None]
             for st, g, pe in zip(states, sp.groups, sp.pend):
@@ -875,8 +890,8 @@ class Model:
                 if owns:
                     st.index_keys[L] = _extend_rows(st.index_keys[L], g)
                 if q > 1:
-                    st.partial_kv[L] = _extend_rows(st.partial_kv[L][:0], (pe + n) % q)
-                    st.partial_gate[L] = _extend_rows(st.partial_gate[L][:0], (pe + n) % q)
+                    st.partial_kv[L] = _first_rows(st.partial_kv[L], (pe + n) % q)
+                    st.partial_gate[L] = _first_rows(st.partial_gate[L], (pe + n) % q)
         for st, pk in zip(states, pub):
             st.published_keys = pk
         if ids is not None:
@@ -1100,6 +1115,12 @@ def _append_rows(rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _append_ids(history: torch.Tensor, start: int, new: torch.Tensor) -> torch.Tensor:
+    """history[:start] then new (1-D), in place in history's buffer when it has room (as _append_rows: a decode round
+    would otherwise copy a sequence's whole Engram history, 8 bytes a position)."""
+    return _append_rows(history[:start].view(-1, 1), new.view(-1, 1)).view(-1)
+
+
 def _addr(rows: torch.Tensor) -> int:
     """The address of rows' first row, also when it has none yet (a buffer reserved for this round's appends:
     data_ptr() of an empty tensor is 0)."""
@@ -1123,8 +1144,13 @@ def _reserve_rows(rows: torch.Tensor, g: int) -> torch.Tensor:
 
 def _extend_rows(rows: torch.Tensor, add: int) -> torch.Tensor:
     """rows and the `add` rows after them in its buffer (reserved: _reserve_rows), the new ones to be written."""
+    return _first_rows(rows, rows.shape[0] + add)
+
+
+def _first_rows(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """The first `count` rows of the buffer rows starts (reserved: _reserve_rows)."""
     d = rows.shape[1]
-    return rows.as_strided((rows.shape[0] + add, d), (d, 1), 0)
+    return rows.as_strided((count, d), (d, 1), 0)
 
 
 def _grow_rows(rows: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1150,14 +1176,6 @@ def index_row_block(keys: int) -> int:
     """Rows of a prompt pass scored against `keys` index keys at once: every row while the scores stay under
     INDEX_BLOCK_BYTES, else fewer (a multiple of 16, at least 16)."""
     return max(16, INDEX_BLOCK_BYTES // (4 * max(1, keys)) // 16 * 16)
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the GPU: pinned, copied non-blocking (the caching host allocator
-    keeps the pinned block until the copy has read it)."""
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _expand(ops: Ops, y, streams, post, comb) -> tuple:
