@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.model import quant
+from dsv41.model.device import host_to_device
 from dsv41.model.model import _expand
 from dsv41.model.rope import apply_rope
 from dsv41.model.state import SeqState
@@ -133,8 +134,15 @@ class DSpark:
             if not 0 <= int(tok) < t.vocab_size:
                 raise ValueError(f"next_token {tok} outside the vocabulary")
         dv = m.device      # tensors made here name their device (no ambient torch.device mode: see Model._forward)
-        ids = torch.tensor([[int(tok)] + [self.noise] * (S - 1) for _, tok in items], device=dv).view(-1)
-        pos = torch.cat([torch.arange(st.length, st.length + S, device=dv) for st, _ in items])
+        # the block's ids, positions and d_0 (next_token) in one pinned, non-blocking copy (no wait for the GPU)
+        with torch.device("cpu"):
+            first = torch.tensor([int(tok) for _, tok in items], dtype=torch.long)
+            lengths = torch.tensor([st.length for st, _ in items], dtype=torch.long)
+            ids = torch.full((B, S), self.noise, dtype=torch.long)
+            ids[:, 0] = first
+            host = torch.cat([ids.view(-1), (lengths[:, None] + torch.arange(S)).view(-1), first])
+        both = host_to_device(host, dv)
+        ids, pos, prev = both[:B * S], both[B * S:2 * B * S], both[2 * B * S:]
         streams = m.embed[ids].float()[:, None, :].expand(-1, t.hc_mult, -1).clone()
         pre = torch.zeros(B * S, t.hc_mult, device=dv)
         pre[:, 0] = 1.0
@@ -164,14 +172,14 @@ class DSpark:
                                                         streams, pre_a, post_a, comb_a)
                 streams, = piece("ffn_out", functools.partial(_expand, blk.ops), m.comm.all_reduce(y), streams,
                                  post_f, comb_f)
-        prev = torch.tensor([int(tok) for _, tok in items], device=dv)           # d_0 = next_token
         streams, pre = streams.view(B, S, *streams.shape[1:]), pre.view(B, S, -1)
         if m.comm.world == 1 and G is not None:     # rows = sequences here (a block's S rows stay together)
             toks, rows, logits, conf = G.run(("dspark_head", 0), self._head_markov, (streams, pre, prev))
         else:
             toks, rows, logits, conf = self._head_markov(streams, pre, prev)
-        return [Draft(tokens=toks[b].clone(), logits=rows[b].clone(), head_logits=logits[b].clone(), confidence=conf[b].clone())
-                for b in range(B)]
+        # out of the graph's static buffers: one copy each, the drafts views of it
+        toks, rows, logits, conf = toks.clone(), rows.clone(), logits.clone(), conf.clone()
+        return [Draft(tokens=toks[b], logits=rows[b], head_logits=logits[b], confidence=conf[b]) for b in range(B)]
 
     def _head_markov(self, streams: torch.Tensor, pre: torch.Tensor, prev: torch.Tensor) -> tuple:
         """The blocks' streams [B, S, hc, H] and last pre [B, S, hc] -> (tokens [B, S], Markov rows [B, S, vocab],

@@ -532,12 +532,10 @@ class Model:
                 trace["dspark_taps"] = main_hidden.clone()
             self.dspark.fill_rings(main_hidden, pos, segs, G, cs["main"] if G is not None else None)
 
-        if logits is not None:      # computed in the round's piece
-            pass
-        elif want:
+        if logits is None and want:    # not computed in the round's piece
             logits = self._head(streams[rows], pre[rows])
-        else:   # no row wants logits (a prompt's earlier chunks): skip the head, whose empty call still runs one
-            logits = streams.new_zeros((0, t.vocab_size))    # padded row tile, a full read of its weight (~1 GB)
+        elif logits is None:   # no row wants logits (a prompt's earlier chunks): skip the head, whose empty call still
+            logits = streams.new_zeros((0, t.vocab_size))    # runs one padded row tile, a full read of its weight
         for (_, n, _, st) in segs:
             st.length += n
         out, o = [], 0
