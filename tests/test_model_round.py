@@ -127,6 +127,20 @@ def test_round_sends_its_integers_once(model):
     assert {f"limit{L}" for L in rd.idx} | {f"cslot{L}" for L in rd.srcs} <= set(rd.cols)
 
 
+def test_round_ids_positions_and_logit_rows_cross_with_its_metadata(model):
+    """A round's token ids, positions and the rows that want logits are part of its one copy (no other host to
+    device copy: a pageable one waits for the GPU): columns "ids" and "pos" of the metadata, the rows its tail."""
+    a, b = model.new_state(), model.new_state()
+    model.forward([SeqInput(a, _tokens(13, 4)), SeqInput(b, _tokens(21, 5))])
+    ids = torch.tensor([7, 8, 9, 10, 11, 12])
+    rd = model._prepare_round([(0, 3, a.length, a), (3, 3, b.length, b)], ids, [2, 3, 4, 5])
+    W = model.t.sliding_window
+    assert torch.equal(rd.meta[:, rd.cols["ids"]], ids)
+    assert rd.meta[:, rd.cols["pos"] + W - 1].tolist() == [13, 14, 15, 21, 22, 23]
+    assert rd.rows.tolist() == [2, 3, 4, 5]
+    assert rd.meta.untyped_storage().data_ptr() == rd.rows.untyped_storage().data_ptr()   # one buffer
+
+
 def test_index_scores_table_kernel_equals_per_sequence_launches():
     """The round kernel reading each sequence's keys through a table of addresses (no padded copy) == index_scores
     per sequence, a sequence without keys included."""
