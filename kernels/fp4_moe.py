@@ -33,6 +33,7 @@ import triton.language as tl
 from kernels.fp8_linear import INTERPRET, bf16_operand, mma
 
 BLOCK_M = 64          # (row, slot) pairs per work-list tile: four row tiles of BP
+LEAN_WARPS = 2        # warps a block of csrc/decode.cu's moe_*_lean (its LEAN_WARPS)
 BP = 16               # pairs per tensor-core product
 SUM_ROWS, SUM_COLS = 8, 512
 
@@ -51,6 +52,7 @@ class Config:
     stages: int = 4
     asm: bool = True
     post: bool = False   # scales applied to each 16-byte (32-wide K) step's product: bkb 16, no per-weight multiply
+    lean: bool = True    # impl "cuda", up to 64 rows: the lean decode form (moe_*_lean), else moe_*_t1 (same bits)
 
 
 # The Triton kernels' configuration where the CUDA C ones cannot run: the best of the H200 sweep (2026-12-04: 10-16 %
@@ -559,9 +561,12 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
         from kernels.fp8_linear import pack_x
         xq = pack_x(x, 2)                                # bf16 fragments of the rows (the up kernel's B operand)
         hq = torch.empty((n_pairs, inter), dtype=torch.int16, device=x.device)   # bf16 h, in the same order
-        cuda.launch(cuda.function("decode.cu", f"moe_up_t{rt}", dev), (tiles, inter // 64, 1), 128,
+        # a decode round: the lean one-row-tile form (LEAN_WARPS warps a block: 6 experts at one row still fill
+        # every SM); its pairs' MMA chains are the t forms' (the same bits)
+        form, rows_b = ("lean", 16 * LEAN_WARPS) if rt == 1 and cfg.lean else (f"t{rt}", 64)
+        cuda.launch(cuda.function("decode.cu", f"moe_up_{form}", dev), (tiles, inter // rows_b, 1), 2 * rows_b,
                     [xq, w13, s13, tile_e, tile_start, tile_cnt, order, rw, hq, hidden, inter, top_k, float(limit)])
-        cuda.launch(cuda.function("decode.cu", f"moe_down_t{rt}", dev), (tiles, hidden // 64, 1), 128,
+        cuda.launch(cuda.function("decode.cu", f"moe_down_{form}", dev), (tiles, hidden // rows_b, 1), 2 * rows_b,
                     [hq, w2, s2, tile_e, tile_start, tile_cnt, order, y, hidden, inter])
         return _slot_sum(y, ids, shard_of, out)
     h = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
