@@ -33,7 +33,6 @@ import triton.language as tl
 from kernels.fp8_linear import INTERPRET, bf16_operand, mma
 
 BLOCK_M = 64          # (row, slot) pairs per work-list tile: four row tiles of BP
-LEAN_WARPS = 2        # warps a block of csrc/decode.cu's moe_*_lean (its LEAN_WARPS)
 BP = 16               # pairs per tensor-core product
 SUM_ROWS, SUM_COLS = 8, 512
 
@@ -52,7 +51,8 @@ class Config:
     stages: int = 4
     asm: bool = True
     post: bool = False   # scales applied to each 16-byte (32-wide K) step's product: bkb 16, no per-weight multiply
-    lean: bool = True    # impl "cuda", up to 64 rows: the lean decode form (moe_*_lean), else moe_*_t1 (same bits)
+    lean: int = 2        # impl "cuda", up to 64 rows: the lean decode form with this many warps a block (1, 2, 4;
+    #                      moe_*_lean_w<n>), 0: moe_*_t1 (the same bits either way)
 
 
 # The Triton kernels' configuration where the CUDA C ones cannot run: the best of the H200 sweep (2026-12-04: 10-16 %
@@ -525,6 +525,8 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
     shards' experts set to -1 (a pair's output does not depend on the other pairs of the launch, and the slot sum
     adds the same terms in the same order)."""
     cfg = cfg or config_for(x.device, x.shape[1], w13.shape[1] // 2)
+    if cfg.impl == "cuda" and cfg.lean not in (0, 1, 2, 4):
+        raise ValueError(f"fp4_moe: lean must be 0, 1, 2 or 4 warps, got {cfg.lean}")
     if cfg.post and cfg.bkb != 16:
         raise ValueError(f"fp4_moe: a post-scaled configuration steps 16 bytes, not {cfg.bkb}")
     s13, s2 = _check(x, w13, s13, w2, s2, expert_ids, weights, cfg)
@@ -561,9 +563,9 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
         from kernels.fp8_linear import pack_x
         xq = pack_x(x, 2)                                # bf16 fragments of the rows (the up kernel's B operand)
         hq = torch.empty((n_pairs, inter), dtype=torch.int16, device=x.device)   # bf16 h, in the same order
-        # a decode round: the lean one-row-tile form (LEAN_WARPS warps a block: 6 experts at one row still fill
-        # every SM); its pairs' MMA chains are the t forms' (the same bits)
-        form, rows_b = ("lean", 16 * LEAN_WARPS) if rt == 1 and cfg.lean else (f"t{rt}", 64)
+        # a decode round: the lean one-row-tile form (cfg.lean warps a block: 6 experts at one row still fill every
+        # SM); its pairs' MMA chains are the t forms' (the same bits)
+        form, rows_b = (f"lean_w{cfg.lean}", 16 * cfg.lean) if rt == 1 and cfg.lean else (f"t{rt}", 64)
         cuda.launch(cuda.function("decode.cu", f"moe_up_{form}", dev), (tiles, inter // rows_b, 1), 2 * rows_b,
                     [xq, w13, s13, tile_e, tile_start, tile_cnt, order, rw, hq, hidden, inter, top_k, float(limit)])
         cuda.launch(cuda.function("decode.cu", f"moe_down_{form}", dev), (tiles, hidden // rows_b, 1), 2 * rows_b,

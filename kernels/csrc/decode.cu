@@ -847,17 +847,20 @@ DEVI void moe_down_lean_body(const u32* h, const u8* w2, const u8* s2, const int
     }
 }
 
-constexpr int LEAN_WARPS = 2;
-extern "C" __global__ void __launch_bounds__(32 * LEAN_WARPS) moe_up_lean(
-    const u32* x, const u8* w13, const u8* s13, const int* tile_e, const int* tile_start, const int* tile_cnt,
-    const int* order, const float* rw, unsigned short* h, int H, int I, int topk, float limit) {
-    moe_up_lean_body<LEAN_WARPS>(x, w13, s13, tile_e, tile_start, tile_cnt, order, rw, h, H, I, topk, limit);
-}
-extern "C" __global__ void __launch_bounds__(32 * LEAN_WARPS) moe_down_lean(
-    const u32* h, const u8* w2, const u8* s2, const int* tile_e, const int* tile_start, const int* tile_cnt,
-    const int* order, float* y, int H, int I) {
-    moe_down_lean_body<LEAN_WARPS>(h, w2, s2, tile_e, tile_start, tile_cnt, order, y, H, I);
-}
+#define MOE_LEAN_KERNELS(NW)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * NW) moe_up_lean_w##NW(                                     \
+        const u32* x, const u8* w13, const u8* s13, const int* tile_e, const int* tile_start, const int* tile_cnt, \
+        const int* order, const float* rw, unsigned short* h, int H, int I, int topk, float limit) {            \
+        moe_up_lean_body<NW>(x, w13, s13, tile_e, tile_start, tile_cnt, order, rw, h, H, I, topk, limit);       \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * NW) moe_down_lean_w##NW(                                   \
+        const u32* h, const u8* w2, const u8* s2, const int* tile_e, const int* tile_start, const int* tile_cnt,  \
+        const int* order, float* y, int H, int I) {                                                             \
+        moe_down_lean_body<NW>(h, w2, s2, tile_e, tile_start, tile_cnt, order, y, H, I);                        \
+    }
+MOE_LEAN_KERNELS(1)
+MOE_LEAN_KERNELS(2)
+MOE_LEAN_KERNELS(4)
 
 // ---- the routed experts' work list for a decode round ---------------------------------------------------------------
 
