@@ -53,6 +53,7 @@ class Config:
     post: bool = False   # scales applied to each 16-byte (32-wide K) step's product: bkb 16, no per-weight multiply
     lean: int = 2        # impl "cuda", up to 64 rows: the lean decode form with this many warps a block (1, 2, 4;
     #                      moe_*_lean_w<n>), 0: moe_*_t1 (the same bits either way)
+    f32_rows: int = 8    # lean rounds of up to this many rows: gate/up reads float32 x (no pack_x launch; same bits)
 
 
 # The Triton kernels' configuration where the CUDA C ones cannot run: the best of the H200 sweep (2026-12-04: 10-16 %
@@ -561,12 +562,17 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
         from kernels.fp8_linear import row_tiles
         rt = 1 if n <= BLOCK_M else row_tiles(BLOCK_M)
         from kernels.fp8_linear import pack_x
-        xq = pack_x(x, 2)                                # bf16 fragments of the rows (the up kernel's B operand)
+        # bf16 fragments of the rows (the up kernel's B operand); a round of up to cfg.f32_rows rows lets the lean
+        # up kernel round float32 x itself (the same cvt.rn: the same bits, one launch fewer)
+        x32 = rt == 1 and cfg.lean > 0 and n <= cfg.f32_rows
+        xq = x if x32 else pack_x(x, 2)
         hq = torch.empty((n_pairs, inter), dtype=torch.int16, device=x.device)   # bf16 h, in the same order
         # a decode round: the lean one-row-tile form (cfg.lean warps a block: 6 experts at one row still fill every
         # SM); its pairs' MMA chains are the t forms' (the same bits)
-        form, rows_b = (f"lean_w{cfg.lean}", 16 * cfg.lean) if rt == 1 and cfg.lean else (f"t{rt}", 64)
-        cuda.launch(cuda.function("decode.cu", f"moe_up_{form}", dev), (tiles, inter // rows_b, 1), 2 * rows_b,
+        lean = rt == 1 and cfg.lean > 0
+        form, rows_b = (f"lean_w{cfg.lean}", 16 * cfg.lean) if lean else (f"t{rt}", 64)
+        up = f"moe_up_lean_x_w{cfg.lean}" if x32 else f"moe_up_{form}"
+        cuda.launch(cuda.function("decode.cu", up, dev), (tiles, inter // rows_b, 1), 2 * rows_b,
                     [xq, w13, s13, tile_e, tile_start, tile_cnt, order, rw, hq, hidden, inter, top_k, float(limit)])
         cuda.launch(cuda.function("decode.cu", f"moe_down_{form}", dev), (tiles, hidden // rows_b, 1), 2 * rows_b,
                     [hq, w2, s2, tile_e, tile_start, tile_cnt, order, y, hidden, inter])

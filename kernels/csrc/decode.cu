@@ -694,14 +694,26 @@ DEVI u32 lean_factor(u32 e) { return e * 0x00800080u + 0x3F003F00u; }   // bf16x
 
 // One 64-byte step of the lean loop: the NMAT matrices' rows (g, g + 8) against one row tile. BIG: a scale code
 // above 128 in the warp (two factors; never for trained weights), a separate straight-line path.
-template <int NMAT, bool BIG>
+// XF: xs is float32 x (the pair's row as it is: the fragments rounded here, the same cvt.rn as pack_x mode 2), so a
+// round of a few rows needs no pack_x launch; else the packed bf16 row.
+template <int NMAT, bool BIG, bool XF>
 DEVI void lean_step(const uint4* q, const u32* e, const u32* xs, float (*acc)[4]) {
     u32 f[2 * NMAT];
 #pragma unroll
     for (int k = 0; k < 2 * NMAT; ++k) f[k] = BIG ? e2m1_factor(e[k]) : lean_factor(e[k]);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        const uint4 v = ldq4(xs + 4 * j);
+        uint4 v;
+        if (XF) {
+            const float* xf = reinterpret_cast<const float*>(xs) + 8 * j;
+            const float4 u = ldx4(xf), w = ldx4(xf + 4);
+            v.x = pack_bf16(u.x, w.x);
+            v.y = pack_bf16(u.z, w.z);
+            v.z = pack_bf16(u.y, w.y);
+            v.w = pack_bf16(u.w, w.w);
+        } else {
+            v = ldq4(xs + 4 * j);
+        }
 #pragma unroll
         for (int mt = 0; mt < NMAT; ++mt) {
             u32 A0, A1, A2, A3, B0, B1, B2, B3;
@@ -713,7 +725,7 @@ DEVI void lean_step(const uint4* q, const u32* e, const u32* xs, float (*acc)[4]
     }
 }
 
-template <int NMAT, int NW>
+template <int NMAT, int NW, bool XF>
 DEVI void lean_loop(const u8* const* w, const u8* const* sc, int nsteps, const u32* xr, float (*acc)[4]) {
     constexpr int PF = LeanRing<NMAT>::PF, NS = 2 * NMAT, LANES = 32 * NW;
     constexpr int STAGE = NS * LANES * 16;
@@ -762,9 +774,9 @@ DEVI void lean_loop(const u8* const* w, const u8* const* sc, int nsteps, const u
                     }
                 }
                 cp_commit();
-                const u32* xs = xq + 64 * p;
-                if (__any_sync(0xffffffffu, emax > 128u)) lean_step<NMAT, true>(q, e, xs, acc);
-                else lean_step<NMAT, false>(q, e, xs, acc);
+                const u32* xs = xq + 64 * p * (XF ? 2 : 1);
+                if (__any_sync(0xffffffffu, emax > 128u)) lean_step<NMAT, true, XF>(q, e, xs, acc);
+                else lean_step<NMAT, false, XF>(q, e, xs, acc);
             }
         }
 #pragma unroll
@@ -772,13 +784,13 @@ DEVI void lean_loop(const u8* const* w, const u8* const* sc, int nsteps, const u
             pw[k] += 64 * PF;
             ps[k] += 4 * PF;
         }
-        xq += 64 * PF;
+        xq += 64 * PF * (XF ? 2 : 1);
     }
     cp_wait<0>();
 }
 
 // Gate/up, decode form: grid (work-list tiles, I / (16 NW)), 32 NW threads; the tile's pairs in chunks of 8.
-template <int NW>
+template <int NW, bool XF>
 DEVI void moe_up_lean_body(const u32* x, const u8* w13, const u8* s13, const int* tile_e, const int* tile_start,
                            const int* tile_cnt, const int* order, const float* rw, unsigned short* h, int H, int I,
                            int topk, float limit) {
@@ -796,9 +808,10 @@ DEVI void moe_up_lean_body(const u32* x, const u8* w13, const u8* s13, const int
 #pragma unroll 1
     for (int c0 = 0; c0 < tl.cnt; c0 += 8) {
         const int cnt = min(8, tl.cnt - c0), p0 = tl.p0 + c0;
-        const u32* xr = x + (long long)(order[p0 + min(g, cnt - 1)] / topk) * (H >> 1) + 16 * t;
+        const long long xrow = order[p0 + min(g, cnt - 1)] / topk;      // XF: float32 rows of H, else H/2 words
+        const u32* xr = x + (XF ? xrow * H + 32 * t : xrow * (H >> 1) + 16 * t);
         float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        lean_loop<2, NW>(w, sc, HB >> 6, xr, acc);
+        lean_loop<2, NW, XF>(w, sc, HB >> 6, xr, acc);
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const int q = 2 * t + (r & 1);
@@ -838,7 +851,7 @@ DEVI void moe_down_lean_body(const u32* h, const u8* w2, const u8* s2, const int
         const int cnt = min(8, tl.cnt - c0), p0 = tl.p0 + c0;
         const u32* hr = h + (long long)(p0 + min(g, cnt - 1)) * (I >> 1) + 16 * t;
         float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
-        lean_loop<1, NW>(w, sc, IB >> 6, hr, acc);
+        lean_loop<1, NW, false>(w, sc, IB >> 6, hr, acc);
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             const int q = 2 * t + (r & 1);
@@ -851,7 +864,12 @@ DEVI void moe_down_lean_body(const u32* h, const u8* w2, const u8* s2, const int
     extern "C" __global__ void __launch_bounds__(32 * NW) moe_up_lean_w##NW(                                     \
         const u32* x, const u8* w13, const u8* s13, const int* tile_e, const int* tile_start, const int* tile_cnt, \
         const int* order, const float* rw, unsigned short* h, int H, int I, int topk, float limit) {            \
-        moe_up_lean_body<NW>(x, w13, s13, tile_e, tile_start, tile_cnt, order, rw, h, H, I, topk, limit);       \
+        moe_up_lean_body<NW, false>(x, w13, s13, tile_e, tile_start, tile_cnt, order, rw, h, H, I, topk, limit); \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * NW) moe_up_lean_x_w##NW(                                   \
+        const u32* x, const u8* w13, const u8* s13, const int* tile_e, const int* tile_start, const int* tile_cnt, \
+        const int* order, const float* rw, unsigned short* h, int H, int I, int topk, float limit) {            \
+        moe_up_lean_body<NW, true>(x, w13, s13, tile_e, tile_start, tile_cnt, order, rw, h, H, I, topk, limit);  \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * NW) moe_down_lean_w##NW(                                   \
         const u32* h, const u8* w2, const u8* s2, const int* tile_e, const int* tile_start, const int* tile_cnt,  \
