@@ -18,6 +18,7 @@ times over, back to back as a layer's calls run, and the time is the graph's med
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import socket
@@ -318,6 +319,8 @@ def main() -> int:
 
     stack = experts()
     cfgs = MOE_SWEEP if args.sweep else [M.config_for(torch.device("cuda", 0))]
+    if not args.sweep and cfgs[0].impl == "cuda" and not cfgs[0].lean:
+        cfgs.append(dataclasses.replace(cfgs[0], lean=2))       # the lean decode form beside the default
     for cfg in cfgs:
         try:
             check = check_moe(stack, cfg)

@@ -51,8 +51,10 @@ class Config:
     stages: int = 4
     asm: bool = True
     post: bool = False   # scales applied to each 16-byte (32-wide K) step's product: bkb 16, no per-weight multiply
-    lean: int = 2        # impl "cuda", up to 64 rows: the lean decode form with this many warps a block (1, 2, 4;
-    #                      moe_*_lean_w<n>), 0: moe_*_t1 (the same bits either way)
+    lean: int = 0        # impl "cuda", up to 64 rows: the lean decode form with this many warps a block (1, 2, 4;
+    #                      moe_*_lean_w<n>), 0: moe_*_t1 (the same bits either way). 0 by default until the H200
+    #                      has timed the lean form (written in session 11 without a GPU: bench/kernels_bench.py
+    #                      times both)
     f32_rows: int = 8    # lean rounds of up to this many rows: gate/up reads float32 x (no pack_x launch; same bits)
 
 
