@@ -1,4 +1,4 @@
-"""Compile every kernel of fp8_linear, fp4_moe, sparse_attn, indexer, router and topk for a CUDA target without a
+"""Compile every kernel of fp8_linear, fp4_moe, sparse_attn, indexer, router, mhc and topk for a CUDA target without a
 GPU (Triton's own ptxas), in the configurations the wrappers launch. The interpreter runs kernels as Python, so it
 misses what only the compiler rejects (non-constexpr globals, unsupported casts, shared memory over the limit); this
 catches those on a CPU machine. Run with TRITON_INTERPRET unset (the kernels must be real JIT functions):
@@ -17,7 +17,7 @@ CUDA_SMEM_LIMIT = 232448   # bytes of shared memory a Hopper block may use (227 
 
 
 def _cases():
-    from kernels import fp4_moe, fp8_linear, indexer, router, sparse_attn, topk
+    from kernels import fp4_moe, fp8_linear, indexer, mhc, router, sparse_attn, topk
     div = [["tt.divisibility", 16]]
     sig8 = {"x_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32", "part_ptr": "*fp32",
             "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "KB": "i32",
@@ -110,6 +110,11 @@ def _cases():
                 "BR": "constexpr", "INTERP": "constexpr"},
                {"HAS_IMG": img, "BE": 512, "BR": router.ROWS, "INTERP": False}, {},
                {"num_warps": 4, **router.LAUNCH})
+    yield ("mhc mixes (pre, post, softmax, Sinkhorn)", mhc._hc_mix_kernel,
+           {"m_ptr": "*fp32", "s_ptr": "*fp32", "b_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32",
+            "comb_ptr": "*fp32", "n": "i32", "stride_m": "i32", "iters": "i32", "eps": "fp32", "HC": "constexpr",
+            "BR": "constexpr", "INTERP": "constexpr"},
+           {"HC": 4, "BR": mhc.ROWS, "INTERP": False}, {}, {"num_warps": 1, **mhc.LAUNCH})
     opt = {"num_warps": topk.SELECT_WARPS}
     sig = {"s_ptr": "*fp32", "hist_ptr": "*i32", "cnt_ptr": "*i32", "T": "i32", "k": "i32", "CHUNK": "i32",
            "C": "i32", "BITS": "constexpr", "BLOCK": "constexpr"}

@@ -50,6 +50,8 @@ class Ops:
     row_mean: Callable             # (x) -> mean over the last dim, keepdim
     rms_norm: Callable             # (x, weight | None, eps) -> float32, the shape of x
     sinkhorn: Callable             # (comb [n, hc, hc], iters, eps) -> comb (mhc.sinkhorn)
+    hc_mix: Callable               # (mixes m [n, (2 + hc) * hc], scale [3], base, hc, iters, eps) -> (pre, post,
+    #                                comb): an mHC site's mixes after its hc_fn product (mhc.hc_mix)
     hc_collapse: Callable          # (streams [n, hc, H], pre [n, hc]) -> [n, H]
     hc_expand: Callable            # (y [n, H], residual [n, hc, H], post [n, hc], comb [n, hc, hc]) -> [n, hc, H]
     route_weights: Callable        # (scores [n, E], ids [n, k], scaling) -> [n, k] (moe.route_weights)
@@ -190,6 +192,7 @@ def reference_ops() -> Ops:
                grouped_linear=_grouped_linear,
                fp4_linear=_dequant_linear(dense), exl3_linear=_exl3_reference_linear(rows),
                row_sum=L.row_sum, row_mean=L.row_mean, rms_norm=L.rms_norm, sinkhorn=mhc.sinkhorn,
+               hc_mix=mhc.hc_mix,
                hc_collapse=mhc.hc_collapse, hc_expand=mhc.hc_expand, route_weights=moe.route_weights,
                index_scores=functools.partial(_index_scores_tiled, rows=rows),
                round_scores=functools.partial(_round_scores_padded, rows=rows), gather_round=gather_round,
@@ -226,13 +229,15 @@ def _cuda_ops(kernels: bool) -> Ops:
         if "prompt_fp8_linear" in k:
             fp8, grouped, fused = _prompt_fp8_linear(k["prompt_fp8_linear"], fp8, grouped, fused)
     kdense = _kernel_dense_linear(k["bf16_linear"], dense) if "bf16_linear" in k else dense
+    sinkhorn = _or_fallback(k.get("sinkhorn"), mhc.sinkhorn)
     return Ops(
         name="cuda" if kernels else "cuda-fallbacks", row_tile=rows, dense_linear=kdense, fp8_linear=fp8,
         grouped_linear=grouped,
         fp4_linear=_dequant_linear(dense), exl3_linear=_exl3_reference_linear(rows),
         row_sum=tree_row_sum, row_mean=tree_row_mean,
         rms_norm=_kernel_rms_norm(k["rms_norm"]) if "rms_norm" in k else _tree_rms_norm,
-        sinkhorn=_or_fallback(k.get("sinkhorn"), mhc.sinkhorn),
+        sinkhorn=sinkhorn,
+        hc_mix=_or_fallback(k.get("hc_mix"), functools.partial(mhc.hc_mix, sinkhorn_fn=sinkhorn)),
         hc_collapse=_or_fallback(k.get("hc_collapse"), mhc.hc_collapse),
         hc_expand=_or_fallback(k.get("hc_expand"), mhc.hc_expand),
         route_weights=_or_fallback(k.get("route_weights"), moe.route_weights),
@@ -264,6 +269,7 @@ def _load_kernels() -> dict:
                           ("kernels.sparse_attn", ("sparse_attn",)),
                           ("kernels.topk", ("router_topk", "select_topk")),
                           ("kernels.router", ("router_scores",)),
+                          ("kernels.mhc", ("hc_mix",)),
                           ("kernels.rowops", ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "route_weights"))):
         try:
             mod = __import__(module, fromlist=list(names))
