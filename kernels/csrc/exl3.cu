@@ -306,7 +306,7 @@ struct Xs {
 // WR (a variant the bench compares): each warp streams its own two n-tiles through its own quarter of the ring and
 // waits for its own copies (cp.async.wait_group + __syncwarp), so the decode loop has no block barrier; the
 // barriers are left to the input rotations.
-template <int K2, int CB, int MAXT, bool WR>
+template <int K2, int CB, int MAXT, bool WR, bool ND = false>
 DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, int ew, const u16* __restrict__ suh,
                     const u16* __restrict__ svh, const u16* __restrict__ bias, const int* __restrict__ ids,
                     const int* __restrict__ rows, const int* __restrict__ xmap, float* __restrict__ y,
@@ -470,7 +470,12 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
                 u32 W[R_::NWL], frag[4];
 #pragma unroll
                 for (int q = 0; q < R_::NWL; ++q) W[q] = wl[q][t_off];
-                lane_fragment<K2, CB>(W, a_shift, frag);
+                if constexpr (ND) {                        // bench diagnostic: the words as they are, no decode
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) frag[q] = W[q % R_::NWL];
+                } else {
+                    lane_fragment<K2, CB>(W, a_shift, frag);
+                }
 #pragma unroll
                 for (int i = 0; i < MAXT; ++i)
                     if (i == 0 || i < live) mma(acc[nn][i], frag, b[i][0], b[i][1]);
@@ -506,23 +511,25 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
         __syncthreads();
         if (!last) return;
         __threadfence();
-        // sum the partials in split order into the shared output rows
-        const long long sstride = TOT * N;
-        for (int idx = threadIdx.x; idx < R * BN; idx += 128) {
-            const int m = idx / BN, n = idx % BN;
-            const float* q = part + (row0 + m) * N + col0 + n;
-            // 0 + p_0 + p_1 + ... in order; 8 loads in flight at a time (not one L2 latency a partial)
+        // sum the partials in split order into the shared output rows: thread t owns column t of every row, each
+        // element 0 + p_0 + p_1 + ... in order, the loads of PW partials in flight at a time (one L2 latency a
+        // round of PW, not one a partial)
+        // (32-bit offsets from this thread's first element: the launcher keeps the partials under 2^31 floats)
+        const int sstride = (int)(TOT * N);
+        constexpr int PW = 16;
+        for (int m = 0; m < R; ++m) {
+            const float* qm = part + (row0 + m) * N + col0 + threadIdx.x;
             float sum = 0.f;
-            for (int c = 0; c < S; c += 8) {
-                float a[8];
+            for (int c = 0; c < S; c += PW) {
+                float a[PW];
 #pragma unroll
-                for (int j = 0; j < 8; ++j)
-                    if (c + j < S) a[j] = ld_cg(q + (c + j) * sstride);
+                for (int j = 0; j < PW; ++j)
+                    if (c + j < S) a[j] = ld_cg(qm + (c + j) * sstride);
 #pragma unroll
-                for (int j = 0; j < 8; ++j)
+                for (int j = 0; j < PW; ++j)
                     if (c + j < S) sum = fadd(sum, a[j]);
             }
-            yrows[m * XS::YLD + n] = sum;
+            yrows[m * XS::YLD + threadIdx.x] = sum;
         }
     } else {
         __syncthreads();                                   // the ring and xs are done: their space holds y's rows
@@ -567,13 +574,18 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     }
 }
 
-#define EXL3_KERNEL_V(P, WR, K2, CB, T)                                                                             \
-    extern "C" __global__ void __launch_bounds__(128) P##_k##K2##_cb##CB##_t##T(                                    \
+#define EXL3_KERNEL_VB(P, WR, ND, LB, K2, CB, T)                                                                    \
+    extern "C" __global__ void __launch_bounds__ LB P##_k##K2##_cb##CB##_t##T(                                      \
         const float* x, const u32* words, int ew, const u16* suh, const u16* svh, const u16* bias, const int* ids,  \
         const int* rows, const int* xmap, float* y, float* part, int* cnt, int M, int N, int D, int hpc, int S) {   \
-        exl3_body<K2, CB, T, WR>(x, words, ew, suh, svh, bias, ids, rows, xmap, y, part, cnt, M, N, D, hpc, S);     \
+        exl3_body<K2, CB, T, WR, ND>(x, words, ew, suh, svh, bias, ids, rows, xmap, y, part, cnt, M, N, D, hpc, S); \
     }
-#define EXL3_KERNEL(K2, CB, T) EXL3_KERNEL_V(exl3, false, K2, CB, T)
+#define EXL3_KERNEL_V(P, WR, K2, CB, T) EXL3_KERNEL_VB(P, WR, false, (128), K2, CB, T)
+// one row tile: held to 80 registers (6 blocks a SM; the allocation otherwise drifts to 92 with small changes)
+#define EXL3_LB_T1 (128, 6)
+#define EXL3_LB_T4 (128)
+#define EXL3_LB_T8 (128)
+#define EXL3_KERNEL(K2, CB, T) EXL3_KERNEL_VB(exl3, false, false, EXL3_LB_T##T, K2, CB, T)
 // One row tile (up to 8 rows a block; more rows run in further blocks) for every rate and codebook exllamav3 writes:
 // integer K 1..8 with 3INST, MCG and MUL1, and 1.5, 2.5, 3.5 with MUL1. Eight row tiles (up to 64 rows a block: the
 // weight decoded once for them) for the rates the published V4.1 packs use (MUL1 at every rate, 4 bits with 3INST
@@ -596,5 +608,11 @@ EXL3_KERNEL(5, 2, 1) EXL3_KERNEL(5, 2, 8)
 EXL3_KERNEL(7, 2, 1) EXL3_KERNEL(7, 2, 8)
 // the warp-ring variant at the reference pack's main rates, one row tile (bench comparison)
 EXL3_KERNEL_V(exl3w, true, 5, 2, 1) EXL3_KERNEL_V(exl3w, true, 8, 0, 1) EXL3_KERNEL_V(exl3w, true, 8, 2, 1)
+// bench-only forms (resolved on first use, not at load; never served): exl3n streams and multiplies the words
+// without decoding them (the warp-ring structure's cost without the codebook arithmetic: where the time goes, wrong
+// values); exl3o / exl3wo are the served and warp-ring forms held to 64 registers (8 blocks a SM instead of 6)
+EXL3_KERNEL_VB(exl3n, true, true, (128), 5, 2, 1) EXL3_KERNEL_VB(exl3n, true, true, (128), 8, 0, 1)
+EXL3_KERNEL_VB(exl3o, false, false, (128, 8), 5, 2, 1) EXL3_KERNEL_VB(exl3o, false, false, (128, 8), 8, 0, 1)
+EXL3_KERNEL_VB(exl3wo, true, false, (128, 8), 5, 2, 1) EXL3_KERNEL_VB(exl3wo, true, false, (128, 8), 8, 0, 1)
 
 #endif  // !EXL3_HOST_TEST
