@@ -68,8 +68,10 @@ def ceilings():
 
 IMPLS = {"triton": (exl3_linear_triton, exl3_grouped), "cuda": (exl3_linear_cuda, exl3_grouped_cuda)}
 # CUDA C forms the bench compares at 1 (and 8) rows besides the served one (kernels/exl3.py cuda_kernel_name):
-# warp ring, both held to 64 registers, and the warp ring without the decode (wrong values: the time it leaves)
-VARIANTS = {"w": "warp ring", "o": "64 regs", "wo": "warp ring, 64 regs", "n": "warp ring, no decode"}
+# warp ring, both held to 64 registers; where the time goes (wrong values): the warp ring without the decode, and
+# no stages at all (launch, partials, reduction, output rotation)
+VARIANTS = {"w": "warp ring", "o": "64 regs", "wo": "warp ring, 64 regs", "n": "warp ring, no decode",
+            "e": "no stages"}
 ROUTED_TARGETS = (132, 792)      # split targets tried on the routed launches besides the served one
 
 
@@ -246,7 +248,7 @@ def main() -> int:
         forms = [k for k in (rows_forms[0][1] if rows_forms else {}) if k.startswith("cuda ")]
         if forms:
             lines += ["", "The same two grouped launches on the CUDA C kernel's other forms and splits (bench-only; "
-                      "\"n\" does not decode, so its values are wrong: the time left without the codebook arithmetic):",
+                      "\"n\" does not decode and \"e\" runs no stage, so their values are wrong: where the time goes):",
                       "", "| rows B | " + " | ".join(f"{k[5:]} (us, %)" for k in forms) + " |",
                       "|---|" + "---|" * len(forms)]
             for B, tr, ideal in rows_forms:

@@ -306,7 +306,7 @@ struct Xs {
 // WR (a variant the bench compares): each warp streams its own two n-tiles through its own quarter of the ring and
 // waits for its own copies (cp.async.wait_group + __syncwarp), so the decode loop has no block barrier; the
 // barriers are left to the input rotations.
-template <int K2, int CB, int MAXT, bool WR, bool ND = false>
+template <int K2, int CB, int MAXT, bool WR, int DIAG = 0>
 DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, int ew, const u16* __restrict__ suh,
                     const u16* __restrict__ svh, const u16* __restrict__ bias, const int* __restrict__ ids,
                     const int* __restrict__ rows, const int* __restrict__ xmap, float* __restrict__ y,
@@ -337,7 +337,8 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     const int nt0 = blockIdx.x * (BN / 16);
     const int HB = D >> 7;
     const int h_lo = blockIdx.y * hpc, h_hi = min(HB, h_lo + hpc);
-    const int nst = (h_hi - h_lo) * (128 / 16 / KT_STAGE);
+    // (DIAG 2, a bench diagnostic: no stages at all, the launch, the partials and the output rotation only)
+    const int nst = DIAG == 2 ? 0 : (h_hi - h_lo) * (128 / 16 / KT_STAGE);
     // rows in the flat row space of x (through xmap in run mode), y and the partials: group grp's row m is
     // grp * M + m, or in run mode (xmap given: a group is a run of consecutive rows) grp + m, x's row xmap[grp + m]
     const long long row0 = xmap ? (long long)grp + m0 : (long long)grp * M + m0;
@@ -470,7 +471,7 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
                 u32 W[R_::NWL], frag[4];
 #pragma unroll
                 for (int q = 0; q < R_::NWL; ++q) W[q] = wl[q][t_off];
-                if constexpr (ND) {                        // bench diagnostic: the words as they are, no decode
+                if constexpr (DIAG == 1) {                 // bench diagnostic: the words as they are, no decode
 #pragma unroll
                     for (int q = 0; q < 4; ++q) frag[q] = W[q % R_::NWL];
                 } else {
@@ -574,18 +575,18 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     }
 }
 
-#define EXL3_KERNEL_VB(P, WR, ND, LB, K2, CB, T)                                                                    \
+#define EXL3_KERNEL_VB(P, WR, DG, LB, K2, CB, T)                                                                    \
     extern "C" __global__ void __launch_bounds__ LB P##_k##K2##_cb##CB##_t##T(                                      \
         const float* x, const u32* words, int ew, const u16* suh, const u16* svh, const u16* bias, const int* ids,  \
         const int* rows, const int* xmap, float* y, float* part, int* cnt, int M, int N, int D, int hpc, int S) {   \
-        exl3_body<K2, CB, T, WR, ND>(x, words, ew, suh, svh, bias, ids, rows, xmap, y, part, cnt, M, N, D, hpc, S); \
+        exl3_body<K2, CB, T, WR, DG>(x, words, ew, suh, svh, bias, ids, rows, xmap, y, part, cnt, M, N, D, hpc, S); \
     }
-#define EXL3_KERNEL_V(P, WR, K2, CB, T) EXL3_KERNEL_VB(P, WR, false, (128), K2, CB, T)
+#define EXL3_KERNEL_V(P, WR, K2, CB, T) EXL3_KERNEL_VB(P, WR, 0, (128), K2, CB, T)
 // one row tile: held to 80 registers (6 blocks a SM; the allocation otherwise drifts to 92 with small changes)
 #define EXL3_LB_T1 (128, 6)
 #define EXL3_LB_T4 (128)
 #define EXL3_LB_T8 (128)
-#define EXL3_KERNEL(K2, CB, T) EXL3_KERNEL_VB(exl3, false, false, EXL3_LB_T##T, K2, CB, T)
+#define EXL3_KERNEL(K2, CB, T) EXL3_KERNEL_VB(exl3, false, 0, EXL3_LB_T##T, K2, CB, T)
 // One row tile (up to 8 rows a block; more rows run in further blocks) for every rate and codebook exllamav3 writes:
 // integer K 1..8 with 3INST, MCG and MUL1, and 1.5, 2.5, 3.5 with MUL1. Eight row tiles (up to 64 rows a block: the
 // weight decoded once for them) for the rates the published V4.1 packs use (MUL1 at every rate, 4 bits with 3INST
@@ -608,11 +609,13 @@ EXL3_KERNEL(5, 2, 1) EXL3_KERNEL(5, 2, 8)
 EXL3_KERNEL(7, 2, 1) EXL3_KERNEL(7, 2, 8)
 // the warp-ring variant at the reference pack's main rates, one row tile (bench comparison)
 EXL3_KERNEL_V(exl3w, true, 5, 2, 1) EXL3_KERNEL_V(exl3w, true, 8, 0, 1) EXL3_KERNEL_V(exl3w, true, 8, 2, 1)
-// bench-only forms (resolved on first use, not at load; never served): exl3n streams and multiplies the words
-// without decoding them (the warp-ring structure's cost without the codebook arithmetic: where the time goes, wrong
-// values); exl3o / exl3wo are the served and warp-ring forms held to 64 registers (8 blocks a SM instead of 6)
-EXL3_KERNEL_VB(exl3n, true, true, (128), 5, 2, 1) EXL3_KERNEL_VB(exl3n, true, true, (128), 8, 0, 1)
-EXL3_KERNEL_VB(exl3o, false, false, (128, 8), 5, 2, 1) EXL3_KERNEL_VB(exl3o, false, false, (128, 8), 8, 0, 1)
-EXL3_KERNEL_VB(exl3wo, true, false, (128, 8), 5, 2, 1) EXL3_KERNEL_VB(exl3wo, true, false, (128, 8), 8, 0, 1)
+// bench-only forms (resolved on first use, not at load; never served). Where the time goes, with wrong values:
+// exl3n streams and multiplies the words without decoding them (the warp ring without the codebook arithmetic),
+// exl3e runs no stage at all (launch, split partials, reduction, output rotation). Speed: exl3o / exl3wo are the
+// served and warp-ring forms held to 64 registers (8 blocks a SM instead of 6).
+EXL3_KERNEL_VB(exl3n, true, 1, (128), 5, 2, 1) EXL3_KERNEL_VB(exl3n, true, 1, (128), 8, 0, 1)
+EXL3_KERNEL_VB(exl3e, true, 2, (128), 5, 2, 1) EXL3_KERNEL_VB(exl3e, true, 2, (128), 8, 0, 1)
+EXL3_KERNEL_VB(exl3o, false, 0, (128, 8), 5, 2, 1) EXL3_KERNEL_VB(exl3o, false, 0, (128, 8), 8, 0, 1)
+EXL3_KERNEL_VB(exl3wo, true, 0, (128, 8), 5, 2, 1) EXL3_KERNEL_VB(exl3wo, true, 0, (128, 8), 8, 0, 1)
 
 #endif  // !EXL3_HOST_TEST
