@@ -70,8 +70,8 @@ IMPLS = {"triton": (exl3_linear_triton, exl3_grouped), "cuda": (exl3_linear_cuda
 # CUDA C forms the bench compares at 1 (and 8) rows besides the served one (kernels/exl3.py cuda_kernel_name):
 # warp ring, both held to 64 registers; where the time goes (wrong values): the warp ring without the decode, and
 # no stages at all (launch, partials, reduction, output rotation)
-VARIANTS = {"w": "warp ring", "o": "64 regs", "wo": "warp ring, 64 regs", "n": "warp ring, no decode",
-            "e": "no stages"}
+VARIANTS = {"w": "warp ring", "o": "64 regs", "wo": "warp ring, 64 regs", "r": "register-direct",
+            "n": "warp ring, no decode", "e": "no stages"}
 ROUTED_TARGETS = (132, 792)      # split targets tried on the routed launches besides the served one
 
 
@@ -266,10 +266,13 @@ def main() -> int:
                       "| linear | ideal (us) | " + " | ".join(f"target {tg}: S, us, %" for tg, _, _ in rows_sweep[0][2])
                       + " | " + " | ".join(f"{VARIANTS[v]}, {r} row(s): us, %" for v, r in rows_sweep[0][3]) + " |",
                       "|---|---|" + "---|" * (len(rows_sweep[0][2]) + len(rows_sweep[0][3]))]
-            for name, ideal, res, tw in rows_sweep:
+            for name, ideal, res, tw, same in rows_sweep:
                 lines.append(f"| {name} | {ideal * 1e6:.2f} | "
                              + " | ".join(f"{S}, {t * 1e6:.1f}, {ideal / t * 100:.1f}" for _, S, t in res) + " | "
                              + " | ".join(f"{t * 1e6:.1f}, {ideal / t * 100:.1f}" for t in tw.values()) + " |")
+            lines += ["", "Forms with the served kernel's bits (8 rows, each linear): "
+                      + "; ".join(f"{name}: " + ", ".join(f"{v} {ok}" for v, ok in same.items())
+                                  for name, _, _, _, same in rows_sweep), ""]
         if rows_p:
             lines += ["", f"## Prompt pass, M = {M} rows, routed expert 5120 -> 2304 @ 2.5 bpw mul1", "",
                       "| path | time (ms) | TFLOP/s | % of fp16 GEMM |", "|---|---|---|---|"]
@@ -328,12 +331,15 @@ def main() -> int:
             tw = {(v, r): time_graph(lambda v=v, r=r: exl3_linear_cuda(x1[:1].expand(r, -1).contiguous(), wt,
                                                                        variant=v))
                   for v, r in [(v, 1) for v in VARIANTS] + [("w", 8), ("o", 8)]}
+            x8 = torch.randn(8, n_in, device=DEVICE)
+            served = exl3_linear_cuda(x8, wt)
+            same = {v: torch.equal(exl3_linear_cuda(x8, wt, variant=v), served) for v in VARIANTS if v not in ("n", "e")}
             rows_sweep.append((name, nbytes(wt) / bw, [(tg, cuda_split(n_in, n_out, tg)[0], t) for tg, t in
-                                                       zip(targets, ts)], tw))
+                                                       zip(targets, ts)], tw, same))
             print(f"  split sweep {name}: " + ", ".join(f"target {tg} (S={S}) {t * 1e6:.1f} us"
                                                        for tg, S, t in rows_sweep[-1][2])
-                  + "; " + ", ".join(f"{VARIANTS[v]} rows {r}: {t * 1e6:.1f} us" for (v, r), t in tw.items()),
-                  flush=True)
+                  + "; " + ", ".join(f"{VARIANTS[v]} rows {r}: {t * 1e6:.1f} us" for (v, r), t in tw.items())
+                  + "; the served bits (8 rows): " + ", ".join(f"{v} {ok}" for v, ok in same.items()), flush=True)
         del wt
         torch.cuda.empty_cache()
 

@@ -222,6 +222,12 @@ DEVI float ld_cg(const float* p) {
     return r;
 }
 
+DEVI u32 ld_stream(const u32* p) {                                  // read once: not kept in L1
+    u32 r;
+    asm volatile("ld.global.nc.L1::no_allocate.b32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+
 // fp32 multiply and add with explicit rounding: never contracted into an fma, so the Hadamards and the scales are
 // the same operations in every instantiation (and the reference's order: butterflies, * scale, * svh, + bias)
 DEVI float fmul(float a, float b) {
@@ -306,7 +312,7 @@ struct Xs {
 // WR (a variant the bench compares): each warp streams its own two n-tiles through its own quarter of the ring and
 // waits for its own copies (cp.async.wait_group + __syncwarp), so the decode loop has no block barrier; the
 // barriers are left to the input rotations.
-template <int K2, int CB, int MAXT, bool WR, int DIAG = 0>
+template <int K2, int CB, int MAXT, bool WR, int DIAG = 0, bool RD = false>
 DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, int ew, const u16* __restrict__ suh,
                     const u16* __restrict__ svh, const u16* __restrict__ bias, const int* __restrict__ ids,
                     const int* __restrict__ rows, const int* __restrict__ xmap, float* __restrict__ y,
@@ -395,65 +401,50 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
 #pragma unroll
             for (int r = 0; r < 4; ++r) acc[nn][i][r] = 0.f;
 
-#pragma unroll
-    for (int s = 0; s < RG::PF - 1; ++s) issue(s);
-
     const int nrw = (8 * live - warp + 3) >> 2;            // rows r = warp + 4j of this warp (R <= r: zeros)
-    for (int s = 0; s < nst; ++s) {
-        if ((s & 1) == 0 && (s >> 1) % XS::XH == 0) {
-            // the next XH 128-row input blocks: rotate x's columns of them, every row of the block (warps take
-            // rows); the loads of 4 (block, row) pairs are in flight together
-            __syncthreads();                               // everyone is done with the previous ones
-            const int hg = h_lo + (s >> 1);
-            const int pairs = min(XS::XH, h_hi - hg) * nrw;
-            for (int p0 = 0; p0 < pairs; p0 += 4) {
-                float4 xv[4];
-                uint2 sv[4];
+    // rotate the next XH 128-row input blocks of x (from stage s on): x's columns of them, every row of the block
+    // (warps take rows); the loads of 4 (block, row) pairs are in flight together
+    auto rotate = [&](int s) {
+        const int hg = h_lo + (s >> 1);
+        const int pairs = min(XS::XH, h_hi - hg) * nrw;
+        for (int p0 = 0; p0 < pairs; p0 += 4) {
+            float4 xv[4];
+            uint2 sv[4];
 #pragma unroll
-                for (int b = 0; b < 4; ++b) {
-                    const int p = p0 + b, hh = p / nrw, r = warp + 4 * (p % nrw);
-                    if (p < pairs) {
-                        sv[b] = *reinterpret_cast<const uint2*>(su + (hg + hh) * 128 + lane * 4);
-                        if (r < R) {
-                            const long long xr = xmap ? (long long)xmap[row0 + r] : row0 + r;
-                            xv[b] = *reinterpret_cast<const float4*>(x + xr * D + (hg + hh) * 128 + lane * 4);
-                        }
-                    }
-                }
-#pragma unroll
-                for (int b = 0; b < 4; ++b) {
-                    const int p = p0 + b, hh = p / nrw, r = warp + 4 * (p % nrw);
-                    if (p < pairs) {
-                        uint2 out;
-                        out.x = out.y = 0u;
-                        if (r < R) {
-                            const float s0 = h2f(sv[b].x & 0xFFFF), s1 = h2f(sv[b].x >> 16);
-                            const float s2 = h2f(sv[b].y & 0xFFFF), s3 = h2f(sv[b].y >> 16);
-                            float v[4] = {fmul(xv[b].x, s0), fmul(xv[b].y, s1), fmul(xv[b].z, s2), fmul(xv[b].w, s3)};
-                            wht128(v, lane);
-                            out.x = pack_f16(fmul(v[0], HAD_SCALE), fmul(v[1], HAD_SCALE));
-                            out.y = pack_f16(fmul(v[2], HAD_SCALE), fmul(v[3], HAD_SCALE));
-                        }
-                        *reinterpret_cast<uint2*>(xs + r * XS::LD + hh * 128 + lane * 4) = out;
+            for (int b = 0; b < 4; ++b) {
+                const int p = p0 + b, hh = p / nrw, r = warp + 4 * (p % nrw);
+                if (p < pairs) {
+                    sv[b] = *reinterpret_cast<const uint2*>(su + (hg + hh) * 128 + lane * 4);
+                    if (r < R) {
+                        const long long xr = xmap ? (long long)xmap[row0 + r] : row0 + r;
+                        xv[b] = *reinterpret_cast<const float4*>(x + xr * D + (hg + hh) * 128 + lane * 4);
                     }
                 }
             }
-        }
-        if (WR) {
-            if ((s & 1) == 0 && (s >> 1) % XS::XH == 0) __syncthreads();    // the rotated x is written
-            cp_wait<RG::PF - 2>();                         // this lane's copies of stage s are in
-            __syncwarp();                                  // the warp's; its slot (s-1) % PF is free
-        } else {
-            cp_wait<RG::PF - 2>();                         // this thread's copies of stage s are in
-            __syncthreads();                               // everyone's, and the rotated x; slot (s-1) % PF is free
-        }
-        issue(s + RG::PF - 1);
-        const u32* st_base = ring_w + (s % RG::PF) * (RG::STAGE / 4) + (WR ? warp * (RG::STAGE / 16) : 0);
-        const u32* wl[R_::NWL];
 #pragma unroll
-        for (int q = 0; q < R_::NWL; ++q) wl[q] = st_base + woff[q];
-        // B fragments: rotated x rows (8i + g4), columns kx + 2t4 (+1) and kx + 2t4 + 8 (+9), kx = this stage's
-        // 64 columns + 16 kk
+            for (int b = 0; b < 4; ++b) {
+                const int p = p0 + b, hh = p / nrw, r = warp + 4 * (p % nrw);
+                if (p < pairs) {
+                    uint2 out;
+                    out.x = out.y = 0u;
+                    if (r < R) {
+                        const float s0 = h2f(sv[b].x & 0xFFFF), s1 = h2f(sv[b].x >> 16);
+                        const float s2 = h2f(sv[b].y & 0xFFFF), s3 = h2f(sv[b].y >> 16);
+                        float v[4] = {fmul(xv[b].x, s0), fmul(xv[b].y, s1), fmul(xv[b].z, s2), fmul(xv[b].w, s3)};
+                        wht128(v, lane);
+                        out.x = pack_f16(fmul(v[0], HAD_SCALE), fmul(v[1], HAD_SCALE));
+                        out.y = pack_f16(fmul(v[2], HAD_SCALE), fmul(v[3], HAD_SCALE));
+                    }
+                    *reinterpret_cast<uint2*>(xs + r * XS::LD + hh * 128 + lane * 4) = out;
+                }
+            }
+        }
+    };
+
+    // one stage's MMAs: word(kk, nn, q) gives this lane's word q of the stage's tile (kk, nn) (its k-tile kk, its
+    // warp's n-tile nn); the B fragments are the rotated x rows (8i + g4), columns kx + 2t4 (+1) and kx + 2t4 + 8
+    // (+9), kx = this stage's 64 columns + 16 kk
+    auto stage_mma = [&](int s, auto word) {
         const u32* xst = xlane + ((s >> 1) % XS::XH) * 64 + (s & 1) * (KT_STAGE * 8);
 #pragma unroll
         for (int kk = 0; kk < KT_STAGE; ++kk) {
@@ -467,10 +458,9 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
             }
 #pragma unroll
             for (int nn = 0; nn < 2; ++nn) {
-                const int t_off = (WR ? kk * 2 + nn : kk * (BN / 16) + nn) * R_::NW;   // compile-time
                 u32 W[R_::NWL], frag[4];
 #pragma unroll
-                for (int q = 0; q < R_::NWL; ++q) W[q] = wl[q][t_off];
+                for (int q = 0; q < R_::NWL; ++q) W[q] = word(kk, nn, q);
                 if constexpr (DIAG == 1) {                 // bench diagnostic: the words as they are, no decode
 #pragma unroll
                     for (int q = 0; q < 4; ++q) frag[q] = W[q % R_::NWL];
@@ -481,6 +471,65 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
                 for (int i = 0; i < MAXT; ++i)
                     if (i == 0 || i < live) mma(acc[nn][i], frag, b[i][0], b[i][1]);
             }
+        }
+    };
+
+    if constexpr (RD) {
+        // register-direct form: each warp loads its own two n-tiles' words straight from global memory into
+        // registers one stage ahead of their decode (no shared-memory ring, no copies to wait for); barriers only
+        // around the input rotations
+        const u32* lw[R_::NWL];                            // this lane's words of stage 0's tile (0, 0)
+#pragma unroll
+        for (int q = 0; q < R_::NWL; ++q)
+            lw[q] = wexp + ((long long)h_lo * 8 * NT + nt0 + 2 * warp) * R_::NW + ((st >> 5) + q) % R_::NW;
+        const long long kt_step = (long long)NT * R_::NW;  // words from one k-tile to the next
+        u32 wa[KT_STAGE][2][R_::NWL], wb[KT_STAGE][2][R_::NWL];
+        auto load = [&](int s, u32 (&buf)[KT_STAGE][2][R_::NWL]) {
+            if (s < nst) {
+#pragma unroll
+                for (int kk = 0; kk < KT_STAGE; ++kk)
+#pragma unroll
+                    for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+                        for (int q = 0; q < R_::NWL; ++q)
+                            buf[kk][nn][q] = ld_stream(lw[q] + (s * KT_STAGE + kk) * kt_step + nn * R_::NW);
+            }
+        };
+        auto step = [&](int s, u32 (&use)[KT_STAGE][2][R_::NWL], u32 (&fill)[KT_STAGE][2][R_::NWL]) {
+            if ((s & 1) == 0 && (s >> 1) % XS::XH == 0) {
+                __syncthreads();                           // everyone is done with the previous rotated x
+                rotate(s);
+                __syncthreads();                           // the rotated x is written
+            }
+            load(s + 1, fill);
+            stage_mma(s, [&](int kk, int nn, int q) { return use[kk][nn][q]; });
+        };
+        load(0, wa);
+        for (int s = 0; s < nst; s += 2) {                 // nst is even (2 stages a 128-row block)
+            step(s, wa, wb);
+            step(s + 1, wb, wa);
+        }
+    } else {
+#pragma unroll
+        for (int s = 0; s < RG::PF - 1; ++s) issue(s);
+        for (int s = 0; s < nst; ++s) {
+            if ((s & 1) == 0 && (s >> 1) % XS::XH == 0) {
+                __syncthreads();                           // everyone is done with the previous ones
+                rotate(s);
+            }
+            if (WR) {
+                if ((s & 1) == 0 && (s >> 1) % XS::XH == 0) __syncthreads();    // the rotated x is written
+                cp_wait<RG::PF - 2>();                     // this lane's copies of stage s are in
+                __syncwarp();                              // the warp's; its slot (s-1) % PF is free
+            } else {
+                cp_wait<RG::PF - 2>();                     // this thread's copies of stage s are in
+                __syncthreads();                           // everyone's, and the rotated x; slot (s-1) % PF is free
+            }
+            issue(s + RG::PF - 1);
+            const u32* st_base = ring_w + (s % RG::PF) * (RG::STAGE / 4) + (WR ? warp * (RG::STAGE / 16) : 0);
+            stage_mma(s, [&](int kk, int nn, int q) {
+                return st_base[woff[q] + (WR ? kk * 2 + nn : kk * (BN / 16) + nn) * R_::NW];   // compile-time offset
+            });
         }
     }
     cp_wait<0>();
@@ -575,18 +624,42 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     }
 }
 
-#define EXL3_KERNEL_VB(P, WR, DG, LB, K2, CB, T)                                                                    \
+#define EXL3_KERNEL_VR(P, WR, DG, RD, LB, K2, CB, T)                                                                \
     extern "C" __global__ void __launch_bounds__ LB P##_k##K2##_cb##CB##_t##T(                                      \
         const float* x, const u32* words, int ew, const u16* suh, const u16* svh, const u16* bias, const int* ids,  \
         const int* rows, const int* xmap, float* y, float* part, int* cnt, int M, int N, int D, int hpc, int S) {   \
-        exl3_body<K2, CB, T, WR, DG>(x, words, ew, suh, svh, bias, ids, rows, xmap, y, part, cnt, M, N, D, hpc, S); \
+        exl3_body<K2, CB, T, WR, DG, RD>(x, words, ew, suh, svh, bias, ids, rows, xmap, y, part, cnt, M, N, D, hpc, \
+                                         S);                                                                        \
     }
+#define EXL3_KERNEL_VB(P, WR, DG, LB, K2, CB, T) EXL3_KERNEL_VR(P, WR, DG, false, LB, K2, CB, T)
 #define EXL3_KERNEL_V(P, WR, K2, CB, T) EXL3_KERNEL_VB(P, WR, 0, (128), K2, CB, T)
-// one row tile: held to 80 registers (6 blocks a SM; the allocation otherwise drifts to 92 with small changes)
-#define EXL3_LB_T1 (128, 6)
-#define EXL3_LB_T4 (128)
-#define EXL3_LB_T8 (128)
-#define EXL3_KERNEL(K2, CB, T) EXL3_KERNEL_VB(exl3, false, 0, EXL3_LB_T##T, K2, CB, T)
+// launch bounds: one row tile up to 4 bits held to 80 registers (6 blocks a SM; the allocation otherwise drifts
+// to 92 with small changes), where that costs no spills; the rest as the compiler chooses
+#define EXL3_LB_1_2 (128, 6)
+#define EXL3_LB_1_3 (128)
+#define EXL3_LB_1_4 (128, 6)
+#define EXL3_LB_1_5 (128, 6)
+#define EXL3_LB_1_6 (128, 6)
+#define EXL3_LB_1_7 (128)
+#define EXL3_LB_1_8 (128, 6)
+#define EXL3_LB_1_10 (128)
+#define EXL3_LB_1_12 (128)
+#define EXL3_LB_1_14 (128)
+#define EXL3_LB_1_16 (128)
+#define EXL3_LB_4_5 (128)
+#define EXL3_LB_4_8 (128)
+#define EXL3_LB_8_2 (128)
+#define EXL3_LB_8_3 (128)
+#define EXL3_LB_8_4 (128)
+#define EXL3_LB_8_5 (128)
+#define EXL3_LB_8_6 (128)
+#define EXL3_LB_8_7 (128)
+#define EXL3_LB_8_8 (128)
+#define EXL3_LB_8_10 (128)
+#define EXL3_LB_8_12 (128)
+#define EXL3_LB_8_14 (128)
+#define EXL3_LB_8_16 (128)
+#define EXL3_KERNEL(K2, CB, T) EXL3_KERNEL_VB(exl3, false, 0, EXL3_LB_##T##_##K2, K2, CB, T)
 // One row tile (up to 8 rows a block; more rows run in further blocks) for every rate and codebook exllamav3 writes:
 // integer K 1..8 with 3INST, MCG and MUL1, and 1.5, 2.5, 3.5 with MUL1. Eight row tiles (up to 64 rows a block: the
 // weight decoded once for them) for the rates the published V4.1 packs use (MUL1 at every rate, 4 bits with 3INST
@@ -617,5 +690,8 @@ EXL3_KERNEL_VB(exl3n, true, 1, (128), 5, 2, 1) EXL3_KERNEL_VB(exl3n, true, 1, (1
 EXL3_KERNEL_VB(exl3e, true, 2, (128), 5, 2, 1) EXL3_KERNEL_VB(exl3e, true, 2, (128), 8, 0, 1)
 EXL3_KERNEL_VB(exl3o, false, 0, (128, 8), 5, 2, 1) EXL3_KERNEL_VB(exl3o, false, 0, (128, 8), 8, 0, 1)
 EXL3_KERNEL_VB(exl3wo, true, 0, (128, 8), 5, 2, 1) EXL3_KERNEL_VB(exl3wo, true, 0, (128, 8), 8, 0, 1)
+// exl3r: the register-direct form (each warp's words loaded from global memory into registers a stage ahead, no
+// shared-memory ring; same arithmetic, so the same bits)
+EXL3_KERNEL_VR(exl3r, true, 0, true, (128), 5, 2, 1) EXL3_KERNEL_VR(exl3r, true, 0, true, (128), 8, 0, 1)
 
 #endif  // !EXL3_HOST_TEST
