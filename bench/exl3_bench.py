@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import socket
 import sys
 from pathlib import Path
@@ -66,7 +67,10 @@ def ceilings():
             "fp16_TFLOPs": 2 * m ** 3 / t_mm / 1e12}
 
 
-IMPLS = {"triton": (exl3_linear_triton, exl3_grouped), "cuda": (exl3_linear_cuda, exl3_grouped_cuda)}
+IMPLS = {"triton": (exl3_linear_triton, exl3_grouped), "cuda": (exl3_linear_cuda, exl3_grouped_cuda),
+         # the same kernels as programmatic dependent launches (a linear streams its first weights while the
+         # previous kernel finishes)
+         "cuda pdl": (functools.partial(exl3_linear_cuda, pdl=True), functools.partial(exl3_grouped_cuda, pdl=True))}
 # CUDA C forms the bench compares at 1 (and 8) rows besides the served one (kernels/exl3.py cuda_kernel_name):
 # warp ring, both held to 64 registers; where the time goes (wrong values): the warp ring without the decode, and
 # no stages at all (launch, partials, reduction, output rotation)
@@ -126,7 +130,7 @@ def decode_layer(B: int, g: torch.Generator):
         return run, routed
 
     total = sum(nbytes(v) for v in w.values())
-    runs = {impl: make(impl) for impl in IMPLS if (impl == "triton" and TRITON) or (impl == "cuda" and HAS_CUDA)}
+    runs = {impl: make(impl) for impl in IMPLS if (TRITON if impl == "triton" else HAS_CUDA)}
     routed = {k: v[1] for k, v in runs.items()}
     if HAS_CUDA:
         # the same two grouped launches on the bench's other forms and splits (same codes and rows)
@@ -164,6 +168,44 @@ def exllamav3_time(n_in, n_out, K, cb, tp, x1) -> float | None:
     except Exception as exc:
         print(f"exllamav3 baseline unavailable: {exc!r}", flush=True)
         return None
+
+
+def pdl_chain_check(g: torch.Generator) -> bool:
+    """wq_a -> wq_b -> a 32768 -> 5120 slice as dependent launches captured in a graph (each reads what the one
+    before wrote) give the bits of plain launches."""
+    ws = [Exl3Weight.from_tensors(parts(a, b, 4, CB_3INST, g), DEVICE) for a, b in ((D, Q_RANK), (Q_RANK, 4096),
+                                                                                  (4096, D))]
+    x = torch.randn(3, D, device=DEVICE)
+
+    def chain(pdl):
+        h = x
+        for w in ws:
+            h = exl3_linear_cuda(h, w, pdl=pdl)
+        return h
+    want = chain(False)
+    chain(True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain(True)
+    ok = True
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        ok = ok and torch.equal(got, want)
+    return ok and torch.equal(chain(True), want)
+
+
+def time_all(fns: dict, what: str) -> dict:
+    """time_graph of each; a form the driver refuses in a graph (a dependent launch) is printed and left out."""
+    t = {}
+    for k, fn in fns.items():
+        try:
+            t[k] = time_graph(fn)
+        except Exception as exc:
+            print(f"{what} {k}: {exc!r}", flush=True)
+            torch.cuda.synchronize()
+    return t
 
 
 def time_graph(fn) -> float:
@@ -230,12 +272,13 @@ def main() -> int:
             "Attention (wq_a, wq_b, wkv, 8 wo_a slices grouped, wo_b) and the shared expert at 4 bpw 3INST, "
             "top-6 routed experts at 2.5 bpw mul1 in two grouped launches (w1+w3, w2), each row its own 6 experts. "
             "Compressor/indexer (4 resp. 8 of 40 layers) not included.", "",
-            "| rows B | distinct experts | bytes read (MB) | ideal at copy BW (us) | Triton (us) | % | CUDA C (us) | % |",
-            "|---|---|---|---|---|---|---|---|",
+            "| rows B | distinct experts | bytes read (MB) | ideal at copy BW (us) | Triton (us) | % | CUDA C (us) | % | "
+            "CUDA C, dependent launches (us) | % |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for B, n_used, nb, t_tr, t_cu, ideal in rows_dec:
+        for B, n_used, nb, t_tr, t_cu, ideal, t_pdl in rows_dec:
             lines.append(f"| {B} | {n_used} | {nb / 1e6:.1f} | {ideal * 1e6:.1f} | {fmt(t_tr)} | {pct(ideal, t_tr)} | "
-                         f"{fmt(t_cu)} | {pct(ideal, t_cu)} |")
+                         f"{fmt(t_cu)} | {pct(ideal, t_cu)} | {fmt(t_pdl)} | {pct(ideal, t_pdl)} |")
         lines += ["", "## The routed experts' grouped launches alone (w1+w3, then w2), and the served exl3_routed", "",
                   "The served column is the CUDA op set's exl3_routed: pairs sorted by expert on the device, the two "
                   "run-mode launches, SiLU and the slot sum (no host sync, so it is graph-timed too).", "",
@@ -290,9 +333,8 @@ def main() -> int:
     flops = 2 * M * D * INTER
     for B in (1, 8):
         runs, nb, n_used, routed, nb_r = decode_layer(B, g)
-        t = {k: time_graph(fn) for k, fn in runs.items()}
-        tr = {k: time_graph(fn) for k, fn in routed.items()}
-        rows_dec.append((B, n_used, nb, t.get("triton"), t.get("cuda"), nb / bw))
+        t, tr = time_all(runs, f"decode round B={B}"), time_all(routed, f"routed B={B}")
+        rows_dec.append((B, n_used, nb, t.get("triton"), t.get("cuda"), nb / bw, t.get("cuda pdl")))
         rows_routed.append((B, n_used, nb_r, tr.get("triton"), tr.get("cuda"), nb_r / bw,
                             tr.get("cuda, served (exl3_routed)")))
         rows_forms.append((B, tr, nb_r / bw))
@@ -302,6 +344,13 @@ def main() -> int:
               + ", ".join(f"{k} {v * 1e6:.1f} us ({nb_r / bw / v * 100:.1f}%)" for k, v in tr.items()), flush=True)
         del runs, routed
         torch.cuda.empty_cache()
+
+    if HAS_CUDA:
+        try:
+            pdl_ok = pdl_chain_check(g)
+        except Exception as exc:
+            pdl_ok = repr(exc)
+        print(f"dependent launches, a chain of 3 linears in a graph: the plain launches' bits: {pdl_ok}", flush=True)
 
     # single linears: where the time goes
     write_report()

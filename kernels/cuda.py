@@ -208,9 +208,22 @@ def function(source: str, name: str, device: int | None = None) -> ctypes.c_void
         return fn
 
 
-def launch(fn: ctypes.c_void_p, grid: tuple[int, int, int], block: int, args: list) -> None:
+class _LaunchAttribute(ctypes.Structure):          # CUlaunchAttribute: an id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):             # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("nattrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6             # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def launch(fn: ctypes.c_void_p, grid: tuple[int, int, int], block: int, args: list, pdl: bool = False) -> None:
     """Launch fn on the current torch stream. args: tensors (their data pointers), Python ints (int32) and floats
-    (float32), in the kernel's parameter order."""
+    (float32), in the kernel's parameter order. pdl: a programmatic dependent launch (the kernel may start while
+    the stream's previous kernel finishes; it must wait (griddepcontrol.wait) before reading what that wrote)."""
     vals = []
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -226,6 +239,13 @@ def launch(fn: ctypes.c_void_p, grid: tuple[int, int, int], block: int, args: li
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
     stream = torch.cuda.current_stream().cuda_stream
     cu = _cuda()
+    if pdl:
+        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value = (1).to_bytes(4, "little") + bytes(60)
+        cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(block, 1, 1), shared=0,
+                            stream=ctypes.c_void_p(stream), attrs=ctypes.pointer(attr), nattrs=1)
+        _check(cu.cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), "cuLaunchKernelEx")
+        return
     rc = cu.cuLaunchKernel(fn, grid[0], grid[1], grid[2], block, 1, 1, 0, ctypes.c_void_p(stream), params, None)
     if rc != 0:
         _ensure_context(torch.cuda.current_device())

@@ -222,6 +222,20 @@ DEVI float ld_cg(const float* p) {
     return r;
 }
 
+// Programmatic dependent launch (kernels/cuda.py launch(pdl=True)): wait for the stream's previous kernel (its
+// writes visible), and let the next one start launching. Both are no-ops for a plain launch.
+DEVI void griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+DEVI void griddep_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 DEVI u32 ld_stream(const u32* p) {                                  // read once: not kept in L1
     u32 r;
     asm volatile("ld.global.nc.L1::no_allocate.b32 %0, [%1];" : "=r"(r) : "l"(p));
@@ -331,6 +345,10 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     const int g4 = lane >> 2, t4 = lane & 3;
     const int RB = (M + 8 * MAXT - 1) / (8 * MAXT);
     const int grp = blockIdx.z / RB, rb = blockIdx.z % RB;
+    // a plain linear (no ids, rows or xmap: nothing that an earlier kernel writes picks its weights) starts
+    // streaming its weights before waiting for the previous kernel; a grouped one waits first
+    const bool early = ids == nullptr && rows == nullptr && xmap == nullptr;
+    if (!early) griddep_wait();
     const int mv = rows ? min(rows[grp], M) : M;
     const int m0 = rb * 8 * MAXT;
     if (m0 >= mv) return;                                  // every split block of this tile leaves: no arrival
@@ -505,6 +523,7 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
             stage_mma(s, [&](int kk, int nn, int q) { return use[kk][nn][q]; });
         };
         load(0, wa);
+        if (early) griddep_wait();
         for (int s = 0; s < nst; s += 2) {                 // nst is even (2 stages a 128-row block)
             step(s, wa, wb);
             step(s + 1, wb, wa);
@@ -512,6 +531,7 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     } else {
 #pragma unroll
         for (int s = 0; s < RG::PF - 1; ++s) issue(s);
+        if (early) griddep_wait();
         for (int s = 0; s < nst; ++s) {
             if ((s & 1) == 0 && (s >> 1) % XS::XH == 0) {
                 __syncthreads();                           // everyone is done with the previous ones
@@ -533,6 +553,7 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
         }
     }
     cp_wait<0>();
+    griddep_launch();                                      // the next kernel's blocks may start as this one ends
 
     // C fragment of n-tile nn, row tile i: (col n = 16(2w+nn) + g4 (+8 for r >= 2), row 8i + 2t4 + (r & 1))
     float* yrows = reinterpret_cast<float*>(smem);
