@@ -72,10 +72,10 @@ IMPLS = {"triton": (exl3_linear_triton, exl3_grouped), "cuda": (exl3_linear_cuda
          # previous kernel finishes)
          "cuda pdl": (functools.partial(exl3_linear_cuda, pdl=True), functools.partial(exl3_grouped_cuda, pdl=True))}
 # CUDA C forms the bench compares at 1 (and 8) rows besides the served one (kernels/exl3.py cuda_kernel_name):
-# warp ring, both held to 64 registers; where the time goes (wrong values): the warp ring without the decode, and
+# warp ring, the served form held to 64 registers, register-direct; where the time goes (wrong values): the warp ring without the decode, and
 # no stages at all (launch, partials, reduction, output rotation)
-VARIANTS = {"w": "warp ring", "o": "64 regs", "wo": "warp ring, 64 regs", "r": "register-direct",
-            "n": "warp ring, no decode", "e": "no stages"}
+VARIANTS = {"w": "warp ring", "o": "64 regs", "r": "register-direct", "n": "warp ring, no decode",
+            "e": "no stages"}
 ROUTED_TARGETS = (132, 792)      # split targets tried on the routed launches besides the served one
 
 
@@ -372,7 +372,7 @@ def main() -> int:
     # the split (blocks per matrix, cuda_split's target) swept at 1 row: the served default is CUDA_TARGET_BLOCKS
     write_report()
     if HAS_CUDA:
-        targets = (132, 264, CUDA_TARGET_BLOCKS, 792, 1584)
+        targets = (132, CUDA_TARGET_BLOCKS, 792)
         for name, n_in, n_out, K, cb in LINEARS[:4]:
             wt = Exl3Weight.from_tensors(parts(n_in, n_out, K, cb, g), DEVICE)
             x1 = torch.randn(1, n_in, device=DEVICE)

@@ -359,8 +359,9 @@ def cuda_row_tiles(K2: int, cb: int, rows: int, variant: str = "") -> int:
 def cuda_kernel_name(K2: int, cb: int, rows: int, variant: str = "") -> str:
     """The exl3.cu kernel for rate K2/2, codebook cb and a launch of `rows` rows a group (cuda_row_tiles). variant
     "w": the warp-ring form (rates 2.5 mul1 and 4 3inst/mul1, one row tile: the bench's comparison); bench-only
-    forms at 2.5 mul1 and 4 3inst: "o" / "wo" the served / warp-ring form held to 64 registers; where the time
-    goes (wrong values): "n" the warp ring without the decode, "e" no stages at all."""
+    forms at 2.5 mul1 and 4 3inst: "o" the served form held to 64 registers, "r" register-direct (each warp's
+    words straight into registers, no shared-memory ring); where the time goes (wrong values): "n" the warp ring
+    without the decode, "e" no stages at all."""
     return f"exl3{variant}_k{K2}_cb{cb}_t{cuda_row_tiles(K2, cb, rows, variant)}"
 
 

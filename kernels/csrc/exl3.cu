@@ -705,12 +705,11 @@ EXL3_KERNEL(7, 2, 1) EXL3_KERNEL(7, 2, 8)
 EXL3_KERNEL_V(exl3w, true, 5, 2, 1) EXL3_KERNEL_V(exl3w, true, 8, 0, 1) EXL3_KERNEL_V(exl3w, true, 8, 2, 1)
 // bench-only forms (resolved on first use, not at load; never served). Where the time goes, with wrong values:
 // exl3n streams and multiplies the words without decoding them (the warp ring without the codebook arithmetic),
-// exl3e runs no stage at all (launch, split partials, reduction, output rotation). Speed: exl3o / exl3wo are the
-// served and warp-ring forms held to 64 registers (8 blocks a SM instead of 6).
+// exl3e runs no stage at all (launch, split partials, reduction, output rotation). Speed: exl3o is the served form
+// held to 64 registers (8 blocks a SM instead of 6).
 EXL3_KERNEL_VB(exl3n, true, 1, (128), 5, 2, 1) EXL3_KERNEL_VB(exl3n, true, 1, (128), 8, 0, 1)
 EXL3_KERNEL_VB(exl3e, true, 2, (128), 5, 2, 1) EXL3_KERNEL_VB(exl3e, true, 2, (128), 8, 0, 1)
 EXL3_KERNEL_VB(exl3o, false, 0, (128, 8), 5, 2, 1) EXL3_KERNEL_VB(exl3o, false, 0, (128, 8), 8, 0, 1)
-EXL3_KERNEL_VB(exl3wo, true, 0, (128, 8), 5, 2, 1) EXL3_KERNEL_VB(exl3wo, true, 0, (128, 8), 8, 0, 1)
 // exl3r: the register-direct form (each warp's words loaded from global memory into registers a stage ahead, no
 // shared-memory ring; same arithmetic, so the same bits)
 EXL3_KERNEL_VR(exl3r, true, 0, true, (128), 5, 2, 1) EXL3_KERNEL_VR(exl3r, true, 0, true, (128), 8, 0, 1)
