@@ -465,19 +465,9 @@ def exl3_grouped_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor | None, 
     cols = N // CUDA_BLOCK_N
     if G * RB * cols > CUDA_COUNTERS:
         raise Exl3FormatError(f"a launch of {G * RB * cols} column blocks exceeds the {CUDA_COUNTERS} counters")
-    part = _partials((S, G, M, N), y)
+    part = torch.empty((S, G, M, N), dtype=torch.float32, device=dev) if S > 1 else y
     _launch(x, w, ids, rows, None, y, part, M, N, D, S, hpc, G * RB, variant, pdl)
     return y if out_dtype == torch.float32 else y.to(out_dtype)
-
-
-def _partials(shape: tuple, y: torch.Tensor) -> torch.Tensor:
-    """The split's fp32 partials [S, ...] (y itself when S = 1); the kernel's reduction indexes them with 32-bit
-    offsets."""
-    if shape[0] == 1:
-        return y
-    if torch.Size(shape).numel() >= 1 << 31:
-        raise Exl3FormatError(f"split partials {shape} exceed 2^31 elements")
-    return torch.empty(shape, dtype=torch.float32, device=y.device)
 
 
 def _launch(x, w, ids, rows, xmap, y, part, M, N, D, S, hpc, z, variant="", pdl=False):
@@ -509,7 +499,7 @@ def exl3_runs_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor, rows: torc
     RB = -(-M // (8 * cuda_row_tiles(w.K2, w.cb, M)))
     if G * RB * (N // CUDA_BLOCK_N) > CUDA_COUNTERS:
         raise Exl3FormatError(f"a launch of {G * RB * (N // CUDA_BLOCK_N)} column blocks exceeds the counters")
-    part = _partials((S, G, N), y)
+    part = torch.empty((S, G, N), dtype=torch.float32, device=dev) if S > 1 else y
     i32 = dict(device=dev, dtype=torch.int32)
     _launch(_aligned(x.float()), w, ids.to(**i32).contiguous(), rows.to(**i32).contiguous(),
             xmap.to(**i32).contiguous(), y, part, M, N, D, S, hpc, G * RB)

@@ -315,6 +315,107 @@ struct Xs {
     static constexpr int YBYTES = 8 * MAXT * YLD * 4;
 };
 
+// The register-direct form's loop (RD, a bench form): each warp loads its own two n-tiles' words from global memory
+// into registers one stage ahead of their decode (no shared-memory ring, no copies to wait for); barriers only around
+// the input rotations. The same rotation, decode and MMA chain as the ring forms in exl3_body, so the same bits.
+template <int K2, int CB, int MAXT, int DIAG>
+DEVI void exl3_rd_loop(float (&acc)[2][MAXT][4], const u32* wexp, const float* x, const u16* su, const int* xmap,
+                       u16* xs, const u32* xlane, int NT, int nt0, int h_lo, int h_hi, int nst, int nrw, int R,
+                       int live, int D, long long row0, int a_shift, int st, bool early) {
+    typedef Rate<K2> R_;
+    typedef Xs<MAXT> XS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32* lw[R_::NWL];                                // this lane's words of stage 0's tile (0, 0)
+#pragma unroll
+    for (int q = 0; q < R_::NWL; ++q)
+        lw[q] = wexp + ((long long)h_lo * 8 * NT + nt0 + 2 * warp) * R_::NW + ((st >> 5) + q) % R_::NW;
+    const long long kt_step = (long long)NT * R_::NW;      // words from one k-tile to the next
+    u32 wa[KT_STAGE][2][R_::NWL], wb[KT_STAGE][2][R_::NWL];
+    auto load = [&](int s, u32 (&buf)[KT_STAGE][2][R_::NWL]) {
+        if (s < nst) {
+#pragma unroll
+            for (int kk = 0; kk < KT_STAGE; ++kk)
+#pragma unroll
+                for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+                    for (int q = 0; q < R_::NWL; ++q)
+                        buf[kk][nn][q] = ld_stream(lw[q] + (s * KT_STAGE + kk) * kt_step + nn * R_::NW);
+        }
+    };
+    auto step = [&](int s, u32 (&use)[KT_STAGE][2][R_::NWL], u32 (&fill)[KT_STAGE][2][R_::NWL]) {
+        if ((s & 1) == 0 && (s >> 1) % XS::XH == 0) {
+            __syncthreads();                               // everyone is done with the previous rotated x
+            const int hg = h_lo + (s >> 1);
+            const int pairs = min(XS::XH, h_hi - hg) * nrw;
+            for (int p0 = 0; p0 < pairs; p0 += 4) {
+                float4 xv[4];
+                uint2 sv[4];
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const int p = p0 + b, hh = p / nrw, r = warp + 4 * (p % nrw);
+                    if (p < pairs) {
+                        sv[b] = *reinterpret_cast<const uint2*>(su + (hg + hh) * 128 + lane * 4);
+                        if (r < R) {
+                            const long long xr = xmap ? (long long)xmap[row0 + r] : row0 + r;
+                            xv[b] = *reinterpret_cast<const float4*>(x + xr * D + (hg + hh) * 128 + lane * 4);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const int p = p0 + b, hh = p / nrw, r = warp + 4 * (p % nrw);
+                    if (p < pairs) {
+                        uint2 out;
+                        out.x = out.y = 0u;
+                        if (r < R) {
+                            const float s0 = h2f(sv[b].x & 0xFFFF), s1 = h2f(sv[b].x >> 16);
+                            const float s2 = h2f(sv[b].y & 0xFFFF), s3 = h2f(sv[b].y >> 16);
+                            float v[4] = {fmul(xv[b].x, s0), fmul(xv[b].y, s1), fmul(xv[b].z, s2), fmul(xv[b].w, s3)};
+                            wht128(v, lane);
+                            out.x = pack_f16(fmul(v[0], HAD_SCALE), fmul(v[1], HAD_SCALE));
+                            out.y = pack_f16(fmul(v[2], HAD_SCALE), fmul(v[3], HAD_SCALE));
+                        }
+                        *reinterpret_cast<uint2*>(xs + r * XS::LD + hh * 128 + lane * 4) = out;
+                    }
+                }
+            }
+            __syncthreads();                               // the rotated x is written
+        }
+        load(s + 1, fill);
+        const u32* xst = xlane + ((s >> 1) % XS::XH) * 64 + (s & 1) * (KT_STAGE * 8);
+#pragma unroll
+        for (int kk = 0; kk < KT_STAGE; ++kk) {
+            u32 b[MAXT][2];
+#pragma unroll
+            for (int i = 0; i < MAXT; ++i) {
+                if (i == 0 || i < live) {
+                    b[i][0] = xst[i * 4 * XS::LD + kk * 8];
+                    b[i][1] = xst[i * 4 * XS::LD + kk * 8 + 4];
+                }
+            }
+#pragma unroll
+            for (int nn = 0; nn < 2; ++nn) {
+                u32 frag[4];
+                if constexpr (DIAG == 1) {
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) frag[q] = use[kk][nn][q % R_::NWL];
+                } else {
+                    lane_fragment<K2, CB>(use[kk][nn], a_shift, frag);
+                }
+#pragma unroll
+                for (int i = 0; i < MAXT; ++i)
+                    if (i == 0 || i < live) mma(acc[nn][i], frag, b[i][0], b[i][1]);
+            }
+        }
+    };
+    load(0, wa);
+    if (early) griddep_wait();
+    for (int s = 0; s < nst; s += 2) {                     // nst is even (2 stages a 128-row block)
+        step(s, wa, wb);
+        step(s + 1, wb, wa);
+    }
+}
+
 // ---- the kernel --------------------------------------------------------------------------------------------------
 
 // Grid (N / 128, S, G * RB), 128 threads. x [G, M, D] fp32; words: the int16 trellis of the stack as u32 words,
@@ -325,7 +426,7 @@ struct Xs {
 // row q (y [G, N], part [S, G, N]); M bounds rows[g].
 // WR (a variant the bench compares): each warp streams its own two n-tiles through its own quarter of the ring and
 // waits for its own copies (cp.async.wait_group + __syncwarp), so the decode loop has no block barrier; the
-// barriers are left to the input rotations.
+// barriers are left to the input rotations. RD, DIAG: the bench's other forms (the instantiation macros below).
 template <int K2, int CB, int MAXT, bool WR, int DIAG = 0, bool RD = false>
 DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, int ew, const u16* __restrict__ suh,
                     const u16* __restrict__ svh, const u16* __restrict__ bias, const int* __restrict__ ids,
@@ -346,7 +447,7 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     const int RB = (M + 8 * MAXT - 1) / (8 * MAXT);
     const int grp = blockIdx.z / RB, rb = blockIdx.z % RB;
     // a plain linear (no ids, rows or xmap: nothing that an earlier kernel writes picks its weights) starts
-    // streaming its weights before waiting for the previous kernel; a grouped one waits first
+    // streaming its weights before waiting for the previous kernel (a dependent launch); a grouped one waits first
     const bool early = ids == nullptr && rows == nullptr && xmap == nullptr;
     if (!early) griddep_wait();
     const int mv = rows ? min(rows[grp], M) : M;
@@ -420,49 +521,68 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
             for (int r = 0; r < 4; ++r) acc[nn][i][r] = 0.f;
 
     const int nrw = (8 * live - warp + 3) >> 2;            // rows r = warp + 4j of this warp (R <= r: zeros)
-    // rotate the next XH 128-row input blocks of x (from stage s on): x's columns of them, every row of the block
-    // (warps take rows); the loads of 4 (block, row) pairs are in flight together
-    auto rotate = [&](int s) {
-        const int hg = h_lo + (s >> 1);
-        const int pairs = min(XS::XH, h_hi - hg) * nrw;
-        for (int p0 = 0; p0 < pairs; p0 += 4) {
-            float4 xv[4];
-            uint2 sv[4];
+    if constexpr (RD) {
+        exl3_rd_loop<K2, CB, MAXT, DIAG>(acc, wexp, x, su, xmap, xs, xlane, NT, nt0, h_lo, h_hi, nst, nrw, R, live, D,
+                                         row0, a_shift, st, early);
+    } else {
 #pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                const int p = p0 + b, hh = p / nrw, r = warp + 4 * (p % nrw);
-                if (p < pairs) {
-                    sv[b] = *reinterpret_cast<const uint2*>(su + (hg + hh) * 128 + lane * 4);
-                    if (r < R) {
-                        const long long xr = xmap ? (long long)xmap[row0 + r] : row0 + r;
-                        xv[b] = *reinterpret_cast<const float4*>(x + xr * D + (hg + hh) * 128 + lane * 4);
+    for (int s = 0; s < RG::PF - 1; ++s) issue(s);
+    if (early) griddep_wait();
+    for (int s = 0; s < nst; ++s) {
+        if ((s & 1) == 0 && (s >> 1) % XS::XH == 0) {
+            // the next XH 128-row input blocks: rotate x's columns of them, every row of the block (warps take
+            // rows); the loads of 4 (block, row) pairs are in flight together
+            __syncthreads();                               // everyone is done with the previous ones
+            const int hg = h_lo + (s >> 1);
+            const int pairs = min(XS::XH, h_hi - hg) * nrw;
+            for (int p0 = 0; p0 < pairs; p0 += 4) {
+                float4 xv[4];
+                uint2 sv[4];
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const int p = p0 + b, hh = p / nrw, r = warp + 4 * (p % nrw);
+                    if (p < pairs) {
+                        sv[b] = *reinterpret_cast<const uint2*>(su + (hg + hh) * 128 + lane * 4);
+                        if (r < R) {
+                            const long long xr = xmap ? (long long)xmap[row0 + r] : row0 + r;
+                            xv[b] = *reinterpret_cast<const float4*>(x + xr * D + (hg + hh) * 128 + lane * 4);
+                        }
                     }
                 }
-            }
 #pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                const int p = p0 + b, hh = p / nrw, r = warp + 4 * (p % nrw);
-                if (p < pairs) {
-                    uint2 out;
-                    out.x = out.y = 0u;
-                    if (r < R) {
-                        const float s0 = h2f(sv[b].x & 0xFFFF), s1 = h2f(sv[b].x >> 16);
-                        const float s2 = h2f(sv[b].y & 0xFFFF), s3 = h2f(sv[b].y >> 16);
-                        float v[4] = {fmul(xv[b].x, s0), fmul(xv[b].y, s1), fmul(xv[b].z, s2), fmul(xv[b].w, s3)};
-                        wht128(v, lane);
-                        out.x = pack_f16(fmul(v[0], HAD_SCALE), fmul(v[1], HAD_SCALE));
-                        out.y = pack_f16(fmul(v[2], HAD_SCALE), fmul(v[3], HAD_SCALE));
+                for (int b = 0; b < 4; ++b) {
+                    const int p = p0 + b, hh = p / nrw, r = warp + 4 * (p % nrw);
+                    if (p < pairs) {
+                        uint2 out;
+                        out.x = out.y = 0u;
+                        if (r < R) {
+                            const float s0 = h2f(sv[b].x & 0xFFFF), s1 = h2f(sv[b].x >> 16);
+                            const float s2 = h2f(sv[b].y & 0xFFFF), s3 = h2f(sv[b].y >> 16);
+                            float v[4] = {fmul(xv[b].x, s0), fmul(xv[b].y, s1), fmul(xv[b].z, s2), fmul(xv[b].w, s3)};
+                            wht128(v, lane);
+                            out.x = pack_f16(fmul(v[0], HAD_SCALE), fmul(v[1], HAD_SCALE));
+                            out.y = pack_f16(fmul(v[2], HAD_SCALE), fmul(v[3], HAD_SCALE));
+                        }
+                        *reinterpret_cast<uint2*>(xs + r * XS::LD + hh * 128 + lane * 4) = out;
                     }
-                    *reinterpret_cast<uint2*>(xs + r * XS::LD + hh * 128 + lane * 4) = out;
                 }
             }
         }
-    };
-
-    // one stage's MMAs: word(kk, nn, q) gives this lane's word q of the stage's tile (kk, nn) (its k-tile kk, its
-    // warp's n-tile nn); the B fragments are the rotated x rows (8i + g4), columns kx + 2t4 (+1) and kx + 2t4 + 8
-    // (+9), kx = this stage's 64 columns + 16 kk
-    auto stage_mma = [&](int s, auto word) {
+        if (WR) {
+            if ((s & 1) == 0 && (s >> 1) % XS::XH == 0) __syncthreads();    // the rotated x is written
+            cp_wait<RG::PF - 2>();                         // this lane's copies of stage s are in
+            __syncwarp();                                  // the warp's; its slot (s-1) % PF is free
+        } else {
+            cp_wait<RG::PF - 2>();                         // this thread's copies of stage s are in
+            __syncthreads();                               // everyone's, and the rotated x; slot (s-1) % PF is free
+        }
+        issue(s + RG::PF - 1);
+        const u32* st_base = ring_w + (s % RG::PF) * (RG::STAGE / 4) + (WR ? warp * (RG::STAGE / 16) : 0);
+        const u32* wl[R_::NWL];
+#pragma unroll
+        for (int q = 0; q < R_::NWL; ++q) wl[q] = st_base + woff[q];
+        // B fragments: rotated x rows (8i + g4), columns kx + 2t4 (+1) and kx + 2t4 + 8 (+9), kx = this stage's
+        // 64 columns + 16 kk
         const u32* xst = xlane + ((s >> 1) % XS::XH) * 64 + (s & 1) * (KT_STAGE * 8);
 #pragma unroll
         for (int kk = 0; kk < KT_STAGE; ++kk) {
@@ -476,9 +596,10 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
             }
 #pragma unroll
             for (int nn = 0; nn < 2; ++nn) {
+                const int t_off = (WR ? kk * 2 + nn : kk * (BN / 16) + nn) * R_::NW;   // compile-time
                 u32 W[R_::NWL], frag[4];
 #pragma unroll
-                for (int q = 0; q < R_::NWL; ++q) W[q] = word(kk, nn, q);
+                for (int q = 0; q < R_::NWL; ++q) W[q] = wl[q][t_off];
                 if constexpr (DIAG == 1) {                 // bench diagnostic: the words as they are, no decode
 #pragma unroll
                     for (int q = 0; q < 4; ++q) frag[q] = W[q % R_::NWL];
@@ -490,67 +611,7 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
                     if (i == 0 || i < live) mma(acc[nn][i], frag, b[i][0], b[i][1]);
             }
         }
-    };
-
-    if constexpr (RD) {
-        // register-direct form: each warp loads its own two n-tiles' words straight from global memory into
-        // registers one stage ahead of their decode (no shared-memory ring, no copies to wait for); barriers only
-        // around the input rotations
-        const u32* lw[R_::NWL];                            // this lane's words of stage 0's tile (0, 0)
-#pragma unroll
-        for (int q = 0; q < R_::NWL; ++q)
-            lw[q] = wexp + ((long long)h_lo * 8 * NT + nt0 + 2 * warp) * R_::NW + ((st >> 5) + q) % R_::NW;
-        const long long kt_step = (long long)NT * R_::NW;  // words from one k-tile to the next
-        u32 wa[KT_STAGE][2][R_::NWL], wb[KT_STAGE][2][R_::NWL];
-        auto load = [&](int s, u32 (&buf)[KT_STAGE][2][R_::NWL]) {
-            if (s < nst) {
-#pragma unroll
-                for (int kk = 0; kk < KT_STAGE; ++kk)
-#pragma unroll
-                    for (int nn = 0; nn < 2; ++nn)
-#pragma unroll
-                        for (int q = 0; q < R_::NWL; ++q)
-                            buf[kk][nn][q] = ld_stream(lw[q] + (s * KT_STAGE + kk) * kt_step + nn * R_::NW);
-            }
-        };
-        auto step = [&](int s, u32 (&use)[KT_STAGE][2][R_::NWL], u32 (&fill)[KT_STAGE][2][R_::NWL]) {
-            if ((s & 1) == 0 && (s >> 1) % XS::XH == 0) {
-                __syncthreads();                           // everyone is done with the previous rotated x
-                rotate(s);
-                __syncthreads();                           // the rotated x is written
-            }
-            load(s + 1, fill);
-            stage_mma(s, [&](int kk, int nn, int q) { return use[kk][nn][q]; });
-        };
-        load(0, wa);
-        if (early) griddep_wait();
-        for (int s = 0; s < nst; s += 2) {                 // nst is even (2 stages a 128-row block)
-            step(s, wa, wb);
-            step(s + 1, wb, wa);
-        }
-    } else {
-#pragma unroll
-        for (int s = 0; s < RG::PF - 1; ++s) issue(s);
-        if (early) griddep_wait();
-        for (int s = 0; s < nst; ++s) {
-            if ((s & 1) == 0 && (s >> 1) % XS::XH == 0) {
-                __syncthreads();                           // everyone is done with the previous ones
-                rotate(s);
-            }
-            if (WR) {
-                if ((s & 1) == 0 && (s >> 1) % XS::XH == 0) __syncthreads();    // the rotated x is written
-                cp_wait<RG::PF - 2>();                     // this lane's copies of stage s are in
-                __syncwarp();                              // the warp's; its slot (s-1) % PF is free
-            } else {
-                cp_wait<RG::PF - 2>();                     // this thread's copies of stage s are in
-                __syncthreads();                           // everyone's, and the rotated x; slot (s-1) % PF is free
-            }
-            issue(s + RG::PF - 1);
-            const u32* st_base = ring_w + (s % RG::PF) * (RG::STAGE / 4) + (WR ? warp * (RG::STAGE / 16) : 0);
-            stage_mma(s, [&](int kk, int nn, int q) {
-                return st_base[woff[q] + (WR ? kk * 2 + nn : kk * (BN / 16) + nn) * R_::NW];   // compile-time offset
-            });
-        }
+    }
     }
     cp_wait<0>();
     griddep_launch();                                      // the next kernel's blocks may start as this one ends
@@ -582,25 +643,23 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
         __syncthreads();
         if (!last) return;
         __threadfence();
-        // sum the partials in split order into the shared output rows: thread t owns column t of every row, each
-        // element 0 + p_0 + p_1 + ... in order, the loads of PW partials in flight at a time (one L2 latency a
-        // round of PW, not one a partial)
-        // (32-bit offsets from this thread's first element: the launcher keeps the partials under 2^31 floats)
-        const int sstride = (int)(TOT * N);
-        constexpr int PW = 16;
-        for (int m = 0; m < R; ++m) {
-            const float* qm = part + (row0 + m) * N + col0 + threadIdx.x;
+        // sum the partials in split order into the shared output rows
+        const long long sstride = TOT * N;
+        for (int idx = threadIdx.x; idx < R * BN; idx += 128) {
+            const int m = idx / BN, n = idx % BN;
+            const float* q = part + (row0 + m) * N + col0 + n;
+            // 0 + p_0 + p_1 + ... in order; 8 loads in flight at a time (not one L2 latency a partial)
             float sum = 0.f;
-            for (int c = 0; c < S; c += PW) {
-                float a[PW];
+            for (int c = 0; c < S; c += 8) {
+                float a[8];
 #pragma unroll
-                for (int j = 0; j < PW; ++j)
-                    if (c + j < S) a[j] = ld_cg(qm + (c + j) * sstride);
+                for (int j = 0; j < 8; ++j)
+                    if (c + j < S) a[j] = ld_cg(q + (c + j) * sstride);
 #pragma unroll
-                for (int j = 0; j < PW; ++j)
+                for (int j = 0; j < 8; ++j)
                     if (c + j < S) sum = fadd(sum, a[j]);
             }
-            yrows[m * XS::YLD + threadIdx.x] = sum;
+            yrows[m * XS::YLD + n] = sum;
         }
     } else {
         __syncthreads();                                   // the ring and xs are done: their space holds y's rows
@@ -654,33 +713,7 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     }
 #define EXL3_KERNEL_VB(P, WR, DG, LB, K2, CB, T) EXL3_KERNEL_VR(P, WR, DG, false, LB, K2, CB, T)
 #define EXL3_KERNEL_V(P, WR, K2, CB, T) EXL3_KERNEL_VB(P, WR, 0, (128), K2, CB, T)
-// launch bounds: one row tile up to 4 bits held to 80 registers (6 blocks a SM; the allocation otherwise drifts
-// to 92 with small changes), where that costs no spills; the rest as the compiler chooses
-#define EXL3_LB_1_2 (128, 6)
-#define EXL3_LB_1_3 (128)
-#define EXL3_LB_1_4 (128, 6)
-#define EXL3_LB_1_5 (128, 6)
-#define EXL3_LB_1_6 (128, 6)
-#define EXL3_LB_1_7 (128)
-#define EXL3_LB_1_8 (128, 6)
-#define EXL3_LB_1_10 (128)
-#define EXL3_LB_1_12 (128)
-#define EXL3_LB_1_14 (128)
-#define EXL3_LB_1_16 (128)
-#define EXL3_LB_4_5 (128)
-#define EXL3_LB_4_8 (128)
-#define EXL3_LB_8_2 (128)
-#define EXL3_LB_8_3 (128)
-#define EXL3_LB_8_4 (128)
-#define EXL3_LB_8_5 (128)
-#define EXL3_LB_8_6 (128)
-#define EXL3_LB_8_7 (128)
-#define EXL3_LB_8_8 (128)
-#define EXL3_LB_8_10 (128)
-#define EXL3_LB_8_12 (128)
-#define EXL3_LB_8_14 (128)
-#define EXL3_LB_8_16 (128)
-#define EXL3_KERNEL(K2, CB, T) EXL3_KERNEL_VB(exl3, false, 0, EXL3_LB_##T##_##K2, K2, CB, T)
+#define EXL3_KERNEL(K2, CB, T) EXL3_KERNEL_V(exl3, false, K2, CB, T)
 // One row tile (up to 8 rows a block; more rows run in further blocks) for every rate and codebook exllamav3 writes:
 // integer K 1..8 with 3INST, MCG and MUL1, and 1.5, 2.5, 3.5 with MUL1. Eight row tiles (up to 64 rows a block: the
 // weight decoded once for them) for the rates the published V4.1 packs use (MUL1 at every rate, 4 bits with 3INST
