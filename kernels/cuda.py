@@ -110,13 +110,15 @@ def _compile_nvrtc(src: str, name: str, arch: int) -> bytes | None:
     return buf.raw
 
 
-def _compile_nvcc(path: Path, arch: int) -> bytes | None:
+def _compile_nvcc(src: str, path: Path, arch: int) -> bytes | None:
     nvcc = shutil.which("nvcc") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/nvcc"), reverse=True)), None)
     if nvcc is None:
         return None
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "k.cubin"
-        r = subprocess.run([nvcc, "-cubin", f"-arch=sm_{arch}", "-O3", "-o", str(out), str(path)],
+        code = Path(d) / path.name                 # the source as given (with its defines); csrc files include nothing
+        code.write_text(src)
+        r = subprocess.run([nvcc, "-cubin", f"-arch=sm_{arch}", "-O3", "-o", str(out), str(code)],
                            capture_output=True, text=True, check=False)
         if r.returncode != 0:
             raise CudaKernelError(f"nvcc could not compile {path.name}:\n{r.stderr}")
@@ -124,14 +126,17 @@ def _compile_nvcc(path: Path, arch: int) -> bytes | None:
 
 
 def cubin(source: str, arch: int) -> bytes:
-    """The compiled cubin of csrc/`source` for sm_`arch` (cached by the source's hash)."""
-    path = CSRC / source
-    src = path.read_text()
+    """The compiled cubin of csrc/`source` for sm_`arch` (cached by the source's hash). `source` may name macros
+    after '#' ("exl3.cu#EXL3_BENCH_FORMS"): the file compiled with each `#define NAME 1` first, a module of its
+    own (bench-only kernels kept out of the served module's compile)."""
+    base, *defines = source.split("#")
+    path = CSRC / base
+    src = "".join(f"#define {d} 1\n" for d in defines) + path.read_text()
     key = hashlib.sha256(src.encode() + str(arch).encode()).hexdigest()[:24]
     cache = _cache_dir() / f"{path.stem}-sm{arch}-{key}.cubin"
     if cache.is_file():
         return cache.read_bytes()
-    img = _compile_nvrtc(src, source, arch) or _compile_nvcc(path, arch)
+    img = _compile_nvrtc(src, base, arch) or _compile_nvcc(src, path, arch)
     if img is None:
         raise CudaKernelError("no CUDA compiler found (NVRTC library or nvcc)")
     try:

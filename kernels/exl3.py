@@ -470,10 +470,15 @@ def exl3_grouped_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor | None, 
     return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
+# the bench-only forms (cuda_kernel_name) live in a module of their own (exl3.cu compiled with EXL3_BENCH_FORMS)
+_BENCH_FORMS = {"o", "r", "n", "e"}
+
+
 def _launch(x, w, ids, rows, xmap, y, part, M, N, D, S, hpc, z, variant="", pdl=False):
     from kernels import cuda
     dev = x.device
-    fn = cuda.function("exl3.cu", cuda_kernel_name(w.K2, w.cb, M, variant), dev.index)
+    source = "exl3.cu#EXL3_BENCH_FORMS" if variant in _BENCH_FORMS else "exl3.cu"
+    fn = cuda.function(source, cuda_kernel_name(w.K2, w.cb, M, variant), dev.index)
     cuda.launch(fn, (N // CUDA_BLOCK_N, S, z), 128,
                 [x, _aligned(w.trellis).view(torch.int32), w.trellis[0].numel() // 2, _aligned(w.suh, 8),
                  _aligned(w.svh, 8), None if w.bias is None else _aligned(w.bias, 8), ids, rows, xmap, y, part,

@@ -720,6 +720,7 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
 // and MCG); kernels/exl3.py's _T8 lists them (and _T4 the four-tile ones). Fewer instantiations keep the first
 // compile short.
 #define EXL3_CODEBOOKS(K2) EXL3_KERNEL(K2, 0, 1) EXL3_KERNEL(K2, 1, 1) EXL3_KERNEL(K2, 2, 1) EXL3_KERNEL(K2, 2, 8)
+#if !defined(EXL3_BENCH_FORMS)
 EXL3_CODEBOOKS(2)
 EXL3_CODEBOOKS(4)
 EXL3_CODEBOOKS(6)
@@ -736,7 +737,9 @@ EXL3_KERNEL(5, 2, 1) EXL3_KERNEL(5, 2, 8)
 EXL3_KERNEL(7, 2, 1) EXL3_KERNEL(7, 2, 8)
 // the warp-ring variant at the reference pack's main rates, one row tile (bench comparison)
 EXL3_KERNEL_V(exl3w, true, 5, 2, 1) EXL3_KERNEL_V(exl3w, true, 8, 0, 1) EXL3_KERNEL_V(exl3w, true, 8, 2, 1)
-// bench-only forms (resolved on first use, not at load; never served). Where the time goes, with wrong values:
+#else
+// bench-only forms, a module of their own (kernels/exl3.py asks for "exl3.cu#EXL3_BENCH_FORMS": they stay out of
+// the served module's first compile; never served). Where the time goes, with wrong values:
 // exl3n streams and multiplies the words without decoding them (the warp ring without the codebook arithmetic),
 // exl3e runs no stage at all (launch, split partials, reduction, output rotation). Speed: exl3o is the served form
 // held to 64 registers (8 blocks a SM instead of 6).
@@ -746,5 +749,6 @@ EXL3_KERNEL_VB(exl3o, false, 0, (128, 8), 5, 2, 1) EXL3_KERNEL_VB(exl3o, false, 
 // exl3r: the register-direct form (each warp's words loaded from global memory into registers a stage ahead, no
 // shared-memory ring; same arithmetic, so the same bits)
 EXL3_KERNEL_VR(exl3r, true, 0, true, (128), 5, 2, 1) EXL3_KERNEL_VR(exl3r, true, 0, true, (128), 8, 0, 1)
+#endif  // EXL3_BENCH_FORMS
 
 #endif  // !EXL3_HOST_TEST
