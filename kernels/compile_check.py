@@ -115,6 +115,15 @@ def _cases():
             "comb_ptr": "*fp32", "n": "i32", "stride_m": "i32", "iters": "i32", "eps": "fp32", "HC": "constexpr",
             "BR": "constexpr", "INTERP": "constexpr"},
            {"HC": 4, "BR": mhc.ROWS, "INTERP": False}, {}, {"num_warps": 1, **mhc.LAUNCH})
+    yield ("mhc pre partial products", mhc._hc_pre_partial_kernel,
+           {"x_ptr": "*fp32", "fn_ptr": "*fp32", "part_ptr": "*fp32", "n": "i32", "K": "i32", "stride_x": "i32",
+            "KC": "constexpr", "BK": "constexpr", "NM": "constexpr", "NMP": "constexpr", "BR": "constexpr"},
+           {"KC": mhc.PRE_KC, "BK": mhc.PRE_BK, "NM": 24, "NMP": 32, "BR": mhc.PRE_ROWS}, {},
+           {"num_warps": mhc.PRE_WARPS, **mhc.LAUNCH})
+    yield ("mhc pre combine", mhc._hc_pre_combine_kernel,
+           {"part_ptr": "*fp32", "m_ptr": "*fp32", "n": "i32", "S": "i32", "inv_k": "fp32", "eps": "fp32",
+            "NM": "constexpr", "NMP": "constexpr", "BR": "constexpr"},
+           {"NM": 24, "NMP": 32, "BR": mhc.PRE_ROWS}, {}, {"num_warps": 1, **mhc.LAUNCH})
     opt = {"num_warps": topk.SELECT_WARPS}
     sig = {"s_ptr": "*fp32", "hist_ptr": "*i32", "cnt_ptr": "*i32", "T": "i32", "k": "i32", "CHUNK": "i32",
            "C": "i32", "BITS": "constexpr", "BLOCK": "constexpr"}

@@ -38,8 +38,9 @@ def hc_mixes(streams: torch.Tensor, site: HcSite, sinkhorn_iters: int, hc_eps: f
     """streams [n, hc, H] -> pre [n, hc], post [n, hc], comb [n, hc, hc] (comb[:, j, k]: stream j -> k)."""
     ops = site.ops
     n, hc, _ = streams.shape
-    flat = ops.rms_norm(streams.reshape(n, -1), None, norm_eps)
-    m = ops.linear(flat, site.fn)
+    m = ops.hc_pre(streams, site.fn, norm_eps) if ops.hc_pre is not None else None
+    if m is None:       # the reference's order: the normalised streams times hc_fn
+        m = ops.linear(ops.rms_norm(streams.reshape(n, -1), None, norm_eps), site.fn)
     return ops.hc_mix(m, site.scale, site.base, hc, sinkhorn_iters, hc_eps)
 
 

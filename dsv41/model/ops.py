@@ -67,6 +67,8 @@ class Ops:
     #                                value descending, ties to the lower id (linear.stable_topk)
     select_topk: Callable          # (scores [n, T], k) -> [n, k] int64: the indexer's top-k finite entries in
     #                                ascending index order, -1 padded (indexer.select_topk)
+    hc_pre: Callable | None = None        # (streams [n, hc, H], hc_fn [NM, hc * H], eps) -> the mixes m [n, NM] or None
+    #                                       where it does not apply; None: rms_norm then linear (mhc.hc_mixes)
     fp4_routed: Callable | None = None    # (ExpertStack, x, weights, ids, limit, shard) -> [n, H]; None: per expert
     fp4_routed_shards: Callable | None = None   # (ExpertStack with .shard, x, weights, ids, limit) -> [S, n, H]:
     #                                             each TP shard's slot sum from one grouped pass; None: shard by shard
@@ -238,6 +240,7 @@ def _cuda_ops(kernels: bool) -> Ops:
         rms_norm=_kernel_rms_norm(k["rms_norm"]) if "rms_norm" in k else _tree_rms_norm,
         sinkhorn=sinkhorn,
         hc_mix=_or_fallback(k.get("hc_mix"), functools.partial(mhc.hc_mix, sinkhorn_fn=sinkhorn)),
+        hc_pre=k.get("hc_pre"),
         hc_collapse=_or_fallback(k.get("hc_collapse"), mhc.hc_collapse),
         hc_expand=_or_fallback(k.get("hc_expand"), mhc.hc_expand),
         route_weights=_or_fallback(k.get("route_weights"), moe.route_weights),
@@ -269,7 +272,7 @@ def _load_kernels() -> dict:
                           ("kernels.sparse_attn", ("sparse_attn",)),
                           ("kernels.topk", ("router_topk", "select_topk")),
                           ("kernels.router", ("router_scores",)),
-                          ("kernels.mhc", ("hc_mix",)),
+                          ("kernels.mhc", ("hc_mix", "hc_pre")),
                           ("kernels.rowops", ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "route_weights"))):
         try:
             mod = __import__(module, fromlist=list(names))
