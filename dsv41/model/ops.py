@@ -284,6 +284,13 @@ def _load_kernels() -> dict:
 
 # ---- the functions (torch forms here, the model's own in linear / mhc / moe / indexer) ---------------------------
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the FP8/bf16 product kernels take it: rows of contiguous elements at any row stride (they read x through
+    its row stride: kernels/fp8_linear.py, prompt_gemm.pack_rows). A column slice (wo_b's input of one TP shard,
+    [rows, 4096] of [rows, 8192]) goes in as it is, where .contiguous() copied it first."""
+    return x if x.dim() == 2 and x.stride(1) == 1 else x.contiguous()
+
+
 def _dense_linear(rows: int) -> Callable:
     """A float weight's product in `rows`-row tiles; a bf16 weight (kept as stored, weights.BF16_KEPT) widened to
     float32 for the call: the reference's function (the widening is exact)."""
@@ -297,7 +304,7 @@ def _kernel_dense_linear(k: Callable, dense: Callable) -> Callable:
     float32 weight as the dense product."""
     def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if w.dtype == torch.bfloat16:
-            return k(x.contiguous(), w)
+            return k(_rows(x), w)
         return dense(x, w)
     return dense_linear
 
@@ -321,14 +328,14 @@ def _kernel_grouped_linear(k: Callable, fp8: Callable) -> Callable:
     same bits as the groups one by one through the same kernel); any other weight group by group."""
     def grouped_linear(ops: Ops, x: torch.Tensor, w, groups: int) -> torch.Tensor:
         if isinstance(w, Fp8Weight):
-            return k(x.contiguous(), w.q, w.scale, groups)
+            return k(_rows(x), w.q, w.scale, groups)
         return _grouped_linear(ops, x, w, groups)
     return grouped_linear
 
 
 def _kernel_fp8_linear(k: Callable) -> Callable:
     def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-        return k(x.contiguous(), w.q, w.scale).float()
+        return k(_rows(x), w.q, w.scale).float()
     return fp8_linear
 
 
@@ -349,7 +356,7 @@ def _kernel_fuse(multi_config: Callable) -> Callable:
 def _kernel_fused_linear(k: Callable) -> Callable:
     def fused_linear(x: torch.Tensor, w: FusedWeight) -> list[torch.Tensor]:
         q, s = (w.w.q, w.w.scale) if isinstance(w.w, Fp8Weight) else (w.w, None)
-        return k(x.contiguous(), q, s, w.outs, w.cfg)
+        return k(_rows(x), q, s, w.outs, w.cfg)
     return fused_linear
 
 
@@ -533,18 +540,18 @@ def _prompt_fp8_linear(k: Callable, fp8: Callable, grouped: Callable,
 
     def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
         if takes(x, w, w.shape[0]):
-            return k(x.contiguous(), w.q, w.scale)
+            return k(_rows(x), w.q, w.scale)
         return fp8(x, w)
 
     def grouped_linear(ops: Ops, x: torch.Tensor, w, groups: int) -> torch.Tensor:
         rows = w.shape[0] // groups
         if takes(x, w, rows) and rows % fp8_config(rows, w.shape[1]).bn == 0:
-            return k(x.contiguous(), w.q, w.scale, groups)
+            return k(_rows(x), w.q, w.scale, groups)
         return grouped(ops, x, w, groups)
 
     def fused_linear(x: torch.Tensor, w: FusedWeight) -> list[torch.Tensor]:
         if isinstance(w.w, Fp8Weight) and all(takes(x, w.w, o) for o in w.outs):
-            x = x.contiguous()
+            x = _rows(x)
             return [k(x, part.q, part.scale) for part in (w.part(i) for i in range(len(w.outs)))]
         return fused(x, w)
     return fp8_linear, grouped_linear, fused_linear
