@@ -210,6 +210,16 @@ def test_products_of_a_column_slice_read_it_in_place(n, monkeypatch):
     assert tuple(x.shape) not in [tuple(c) for c in copies]
 
 
+@pytest.mark.parametrize("n", [1, 17])
+def test_products_side_by_side_are_the_cat_of_the_products(n):
+    """Ops.linear_cat (the TP shards' wq_b): bitwise the products concatenated, on every op set (the CUDA op set's
+    prompt kernel writes the blocks of one result above PROMPT_ROWS rows on a GPU: tests/test_kernels_prompt_gemm.py)."""
+    ws = [_fp8(64, 128, 50), _fp8(96, 128, 51)]
+    x = _x(n, 128, 52 + n)
+    for ops in (REF, FALLBACKS, CUDA):
+        assert torch.equal(ops.linear_cat(x, ws), torch.cat([ops.linear(x, w) for w in ws], dim=1)), ops.name
+
+
 @pytest.mark.parametrize("n", ROWS)
 def test_mhc_and_routing_ops_are_the_same_bits(n):
     """Sinkhorn, the stream collapse / expand and the routing weights: the kernels (kernels/rowops.py) and the torch

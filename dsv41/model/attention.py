@@ -63,7 +63,7 @@ class Attention:
             qa, kva = ops.linear(x, self.wq_a), ops.linear(x, self.wkv)
         q_res = ops.rms_norm(qa, self.q_norm, self.eps)
         if self.shards > 1:
-            q = torch.cat([ops.linear(q_res, w) for w in self.wq_b_shards], dim=1)
+            q = ops.linear_cat(q_res, self.wq_b_shards)     # the shards' products side by side, no cat copy
         else:
             q = ops.linear(q_res, self.wq_b)
         # in place: q and the normed kv are this call's own (apply_rope_: no copy of the nope dims)

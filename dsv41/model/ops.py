@@ -79,6 +79,8 @@ class Ops:
     fuse_linears: Callable | None = None   # (weights that take one input) -> device.FusedWeight | None: their rows
     #                                        concatenated for one launch; None: products one by one (the reference)
     fused_linear: Callable | None = None   # (x, FusedWeight) -> [each weight's float32 [n, out_i]]
+    cat_linear: Callable | None = None     # (ops, x, [weights]) -> float32 [n, Σ out_i]: the products side by side in
+    #                                        one result; None: torch.cat of the linears
     stacks_experts: bool = False   # Model.load stacks each layer's kept experts (the grouped kernels' layout)
     graphs: bool = True            # a round's row-only pieces may become CUDA graphs (no host sync inside them)
     kernels: tuple[str, ...] = ()  # the kernels/ functions this op set runs (reports; empty: torch only)
@@ -104,6 +106,13 @@ class Ops:
     def linear_parts(self, x: torch.Tensor, w: FusedWeight) -> list[torch.Tensor]:
         """x times each weight of a FusedWeight, in one launch: [n, out_i] each, bitwise `linear(x, part i)`."""
         return self.fused_linear(x, w)
+
+    def linear_cat(self, x: torch.Tensor, ws: list) -> torch.Tensor:
+        """x times each weight, side by side: bitwise torch.cat([linear(x, w) for w in ws], dim=1), written into one
+        result where the op set can (the TP shards' wq_b products: no cat of a [rows, 32768] q)."""
+        if self.cat_linear is not None:
+            return self.cat_linear(self, x, ws)
+        return torch.cat([self.linear(x, w) for w in ws], dim=1)
 
     def grouped(self, x: torch.Tensor, w, groups: int) -> torch.Tensor:
         """The block-diagonal product of a grouped projection (wo_a): group g's weight rows times x's group g
@@ -223,13 +232,13 @@ def _cuda_ops(kernels: bool) -> Ops:
         index_scores = _kernel_index_scores(k["index_scores"], index_scores)
     fp8 = _dequant_linear(dense)
     grouped = _grouped_linear
-    fuse = fused = None
+    fuse = fused = cat = None
     if "fp8_linear" in k:
         fp8 = _kernel_fp8_linear(k["fp8_linear"])
         grouped = _kernel_grouped_linear(k["fp8_linear_grouped"], fp8)
         fuse, fused = _kernel_fuse(k["multi_config"]), _kernel_fused_linear(k["fp8_linear_multi"])
         if "prompt_fp8_linear" in k:
-            fp8, grouped, fused = _prompt_fp8_linear(k["prompt_fp8_linear"], fp8, grouped, fused)
+            fp8, grouped, fused, cat = _prompt_fp8_linear(k["prompt_fp8_linear"], fp8, grouped, fused)
     kdense = _kernel_dense_linear(k["bf16_linear"], dense) if "bf16_linear" in k else dense
     sinkhorn = _or_fallback(k.get("sinkhorn"), mhc.sinkhorn)
     return Ops(
@@ -253,7 +262,7 @@ def _cuda_ops(kernels: bool) -> Ops:
         select_topk=_or_fallback(k.get("select_topk"), select_topk),
         fp4_routed=_kernel_fp4_routed(k["fp4_moe"]) if "fp4_moe" in k else None,
         fp4_routed_shards=_kernel_fp4_routed_shards(k["fp4_moe"]) if "fp4_moe" in k else None,
-        fuse_linears=fuse, fused_linear=fused,
+        fuse_linears=fuse, fused_linear=fused, cat_linear=cat,
         stacks_experts=True,
         # the fallbacks' per-expert MoE waits for the device (ids.unique): those rounds run eagerly
         graphs="fp4_moe" in k,
@@ -523,12 +532,13 @@ def _kernel_fp4_routed_shards(k: Callable) -> Callable:
 
 
 def _prompt_fp8_linear(k: Callable, fp8: Callable, grouped: Callable,
-                       fused: Callable) -> tuple[Callable, Callable, Callable]:
+                       fused: Callable) -> tuple[Callable, Callable, Callable, Callable]:
     """FP8 products of more than PROMPT_ROWS rows through kernels/prompt_gemm.py's tensor-core tiles, where the decode
     kernel they replace is the CUDA C one and the device gives its bits (`agrees_with_decode`, checked once per
     device: the prompt kernel runs the decode kernel's k order and K chunks, but whether wgmma sums as mma.sync is the
     hardware's), so the row count picking one or the other changes no row; else `fp8` / `grouped` / `fused` (a
-    FusedWeight's parts, each its own prompt product: each part's bits are its own launch's)."""
+    FusedWeight's parts, each its own prompt product: each part's bits are its own launch's); `linear_cat`'s
+    products write their column blocks of one result (a store at another row stride: the same bits)."""
     from kernels.fp8_linear import CUDA, config_for
     from kernels.prompt_gemm import PROMPT_ROWS, agrees_with_decode, fp8_config
     if torch.cuda.is_available():
@@ -554,4 +564,15 @@ def _prompt_fp8_linear(k: Callable, fp8: Callable, grouped: Callable,
             x = _rows(x)
             return [k(x, part.q, part.scale) for part in (w.part(i) for i in range(len(w.outs)))]
         return fused(x, w)
-    return fp8_linear, grouped_linear, fused_linear
+
+    def cat_linear(ops: Ops, x: torch.Tensor, ws: list) -> torch.Tensor:
+        if not ws or not all(takes(x, w, w.shape[0]) for w in ws):
+            return torch.cat([ops.linear(x, w) for w in ws], dim=1)
+        x = _rows(x)
+        out = torch.empty((x.shape[0], sum(w.shape[0] for w in ws)), dtype=torch.float32, device=x.device)
+        a = 0
+        for w in ws:
+            k(x, w.q, w.scale, out=out[:, a:a + w.shape[0]])
+            a += w.shape[0]
+        return out
+    return fp8_linear, grouped_linear, fused_linear, cat_linear
