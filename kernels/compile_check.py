@@ -170,8 +170,8 @@ def _prompt_cases(work, div):
 def _prompt_fp8_case(P, c8, div):
     yield (f"prompt fp8_linear {c8}", P._fp8_kernel,
            {"xp_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32", "M": "i32", "N": "i32",
-            "K": "i32", "LDX": "i32", "kchunk": "i32", "S": "i32", "XG": "i32", "BM": "constexpr", "BN": "constexpr",
-            "BK": "constexpr", "GROUP_M": "constexpr", "TOT_MEM": "constexpr", "SWAP": "constexpr",
+            "K": "i32", "LDX": "i32", "LDY": "i32", "kchunk": "i32", "S": "i32", "XG": "i32", "BM": "constexpr",
+            "BN": "constexpr", "BK": "constexpr", "GROUP_M": "constexpr", "TOT_MEM": "constexpr", "SWAP": "constexpr",
             "INTERP": "constexpr"},
            {"BM": c8.bm, "BN": c8.bn, "BK": P.FP8_BK, "GROUP_M": c8.group_m, "TOT_MEM": c8.tot_mem,
             "SWAP": c8.swap, "INTERP": False},

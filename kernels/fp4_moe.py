@@ -429,6 +429,11 @@ def work_list(expert_ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
 
 
 WL_PAIRS, WL_TILES = 64, 64
+# Pairs above which fp4_moe builds its work list with the torch ops of `work_list` (the same four tensors): the one
+# program's counting sort is serial over blocks of 64 pairs, ~0.9 ms at a 2048-row prompt chunk's 12288 pairs
+# (bench/results/round-profile.md, `_work_list_kernel`), where a sort and a few scans take tens of microseconds.
+# Above every CUDA graph's row bucket (192 rows x 6 slots), so captured rounds keep their one launch.
+WL_ONE_PROGRAM_PAIRS = 4096
 
 
 def work_list_launch(expert_ids: torch.Tensor, n_experts: int):
@@ -546,6 +551,8 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
     ids = expert_ids.to(torch.int32).contiguous()
     if cfg.impl == "cuda" and n * top_k <= 1024 and n_exp < 1024:
         tile_e, tile_start, tile_cnt, order = work_list_cuda(ids, n_exp)
+    elif n * top_k > WL_ONE_PROGRAM_PAIRS:
+        tile_e, tile_start, tile_cnt, order = work_list(ids, n_exp)
     else:
         tile_e, tile_start, tile_cnt, order = work_list_launch(ids, n_exp)
     rw = weights.to(torch.float32).contiguous()

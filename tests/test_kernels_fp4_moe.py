@@ -169,6 +169,22 @@ def test_prompt_chunk_with_multi_tile_experts(small):
     assert torch.equal(among[99 - lo], y[99])
 
 
+def test_prompt_chunk_work_list_by_torch_ops_gives_the_same_bits(small, monkeypatch):
+    """Above WL_ONE_PROGRAM_PAIRS pairs fp4_moe builds its work list with `work_list`'s torch ops instead of the one
+    program: the same tiles, so the same bits (here with the threshold lowered so a small round crosses it)."""
+    from kernels import fp4_moe as FM
+    _, _, W = small
+    n = 100
+    x = _inputs(n, H, seed=8).to(DEV)
+    ids, wts = (t.to(DEV) for t in _routing(n, E, K, seed=8, skew=True))
+    one_program = fp4_moe(x, *W, ids, wts, LIMIT)
+    monkeypatch.setattr(FM, "WL_ONE_PROGRAM_PAIRS", n * K - 1)
+    calls = []
+    monkeypatch.setattr(FM, "work_list", lambda *a: calls.append(a) or work_list(*a))
+    assert torch.equal(fp4_moe(x, *W, ids, wts, LIMIT), one_program)
+    assert calls                           # the torch form ran
+
+
 def test_equals_the_moe_module(small):
     """Router from MoE.route, then the kernel's routed sum + the shared expert == MoE(x)."""
     _, exps, W = small
