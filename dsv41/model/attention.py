@@ -22,7 +22,6 @@ import torch
 from dsv41.model import quant
 from dsv41.model.device import FusedWeight
 from dsv41.model.ops import Ops, reference_ops
-from dsv41.model.rope import apply_rope_
 
 
 @dataclass
@@ -67,8 +66,8 @@ class Attention:
         else:
             q = ops.linear(q_res, self.wq_b)
         # in place: q and the normed kv are this call's own (apply_rope_: no copy of the nope dims)
-        q = apply_rope_(q.view(-1, self.n_heads, self.head_dim), cos, sin)
-        kv = apply_rope_(ops.rms_norm(kva, self.kv_norm, self.eps), cos, sin)
+        q = ops.rope_(q.view(-1, self.n_heads, self.head_dim), cos, sin)
+        kv = ops.rope_(ops.rms_norm(kva, self.kv_norm, self.eps), cos, sin)
         if qat:
             kv = quant.fp8_fake_quant(kv, 32)
         return q_res, q, kv
@@ -97,7 +96,7 @@ class Attention:
         """Inverse RoPE at the query position, grouped wo_a, then wo_b: o [n, heads, D] -> [n, H] (this rank's
         partial sum when tensor-parallel)."""
         n = o.shape[0]
-        o = apply_rope_(o, cos, sin, inverse=True)       # o is the attend's own output
+        o = self.ops.rope_(o, cos, sin, True)       # o is the attend's own output
         groups = self.wo_a.shape[0] // self.o_lora
         lin = self.ops.linear
         mid = self.ops.grouped(o.reshape(n, -1), self.wo_a, groups)   # group g's wo_a rows x its heads' columns

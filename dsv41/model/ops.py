@@ -62,6 +62,8 @@ class Ops:
     sparse_attend: Callable        # (ops, q [n, h, D], pool [P, D], idx [n, K] (-1 masked), sink [h], scale)
     #                                -> [n, h, D]
     swiglu_h: Callable             # (gate, up, limit) -> silu(min(gate, limit)) * clamp(up, ±limit) (moe.swiglu_h)
+    rope_: Callable                # (x [n, (heads,) D] float32, cos, sin, inverse) -> x rotated in place
+    #                                (rope.apply_rope_)
     router_scores: Callable        # (logits [n, E], temp, bias [E], bias_vl [E], image [n] bool | None) ->
     #                                (s [n, E], s + bias by row) (moe.router_scores)
     router_topk: Callable          # (scores [n, E], k) -> (values [n, k], ids [n, k] int64): the router's pick,
@@ -198,6 +200,7 @@ def reference_ops() -> Ops:
     """The CPU float32 reference: exactly the functions the model defines (the bitwise tests' path)."""
     from dsv41.model import mhc, moe
     from dsv41.model.indexer import select_topk
+    from dsv41.model.rope import apply_rope_
     rows = L.ROW_TILE
     dense = _dense_linear(rows)
     return Ops(name="reference", row_tile=rows, dense_linear=dense, fp8_linear=_dequant_linear(dense),
@@ -208,8 +211,8 @@ def reference_ops() -> Ops:
                hc_collapse=mhc.hc_collapse, hc_expand=mhc.hc_expand, route_weights=moe.route_weights,
                index_scores=functools.partial(_index_scores_tiled, rows=rows),
                round_scores=functools.partial(_round_scores_padded, rows=rows), gather_round=gather_round,
-               sparse_attend=attend_tiled, swiglu_h=moe.swiglu_h, router_scores=moe.router_scores,
-               router_topk=L.stable_topk,
+               sparse_attend=attend_tiled, swiglu_h=moe.swiglu_h, rope_=apply_rope_,
+               router_scores=moe.router_scores, router_topk=L.stable_topk,
                select_topk=select_topk)
 
 
@@ -226,6 +229,7 @@ def cuda_ops(kernels: bool = True) -> Ops:
 def _cuda_ops(kernels: bool) -> Ops:
     from dsv41.model import mhc, moe
     from dsv41.model.indexer import select_topk
+    from dsv41.model.rope import apply_rope_
     rows = CUDA_ROW_TILE
     dense = _dense_linear(rows)
     k = _load_kernels() if kernels else {}
@@ -260,6 +264,7 @@ def _cuda_ops(kernels: bool) -> Ops:
         gather_round=_kernel_gather_round(k["gather_rows"]) if "gather_rows" in k else gather_round,
         sparse_attend=_kernel_attend(k["sparse_attn"]) if "sparse_attn" in k else attend_tiled,
         swiglu_h=_or_fallback(k.get("swiglu_h"), moe.swiglu_h),
+        rope_=_or_fallback(k.get("rope_"), apply_rope_),
         router_scores=_or_fallback(k.get("router_scores"), moe.router_scores),
         router_topk=_or_fallback(k.get("router_topk"), L.stable_topk),
         select_topk=_or_fallback(k.get("select_topk"), select_topk),
@@ -286,6 +291,7 @@ def _load_kernels() -> dict:
                           ("kernels.router", ("router_scores",)),
                           ("kernels.mhc", ("hc_mix", "hc_pre")),
                           ("kernels.act", ("swiglu_h",)),
+                          ("kernels.rope", ("rope_",)),
                           ("kernels.rowops", ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "route_weights"))):
         try:
             mod = __import__(module, fromlist=list(names))
