@@ -9,12 +9,13 @@ Prompt pass: M rows through a routed-expert matrix (5120 -> 2304 @ 2.5): the fus
 reconstruct-then-cuBLAS path, in TFLOP/s against the fp16 GEMM rate measured in the same run.
 With --exllamav3 (its extension built), exllamav3's own forward on the same shapes and codes is timed as a baseline.
 
-  python3 bench/exl3_bench.py [--out bench/results/exl3.md] [--exllamav3] [--quick]
+  python3 bench/exl3_bench.py [--out bench/results/exl3.md] [--exllamav3] [--quick] [--no-triton]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import socket
 import sys
 from pathlib import Path
@@ -66,7 +67,16 @@ def ceilings():
             "fp16_TFLOPs": 2 * m ** 3 / t_mm / 1e12}
 
 
-IMPLS = {"triton": (exl3_linear_triton, exl3_grouped), "cuda": (exl3_linear_cuda, exl3_grouped_cuda)}
+IMPLS = {"triton": (exl3_linear_triton, exl3_grouped), "cuda": (exl3_linear_cuda, exl3_grouped_cuda),
+         # the same kernels as programmatic dependent launches (a linear streams its first weights while the
+         # previous kernel finishes)
+         "cuda pdl": (functools.partial(exl3_linear_cuda, pdl=True), functools.partial(exl3_grouped_cuda, pdl=True))}
+# CUDA C forms the bench compares at 1 (and 8) rows besides the served one (kernels/exl3.py cuda_kernel_name):
+# warp ring, the served form held to 64 registers, register-direct; where the time goes (wrong values): the warp ring without the decode, and
+# no stages at all (launch, partials, reduction, output rotation)
+VARIANTS = {"w": "warp ring", "o": "64 regs", "r": "register-direct", "n": "warp ring, no decode",
+            "e": "no stages"}
+ROUTED_TARGETS = (132, 792)      # split targets tried on the routed launches besides the served one
 
 
 def decode_layer(B: int, g: torch.Generator):
@@ -120,9 +130,19 @@ def decode_layer(B: int, g: torch.Generator):
         return run, routed
 
     total = sum(nbytes(v) for v in w.values())
-    runs = {impl: make(impl) for impl in IMPLS if impl == "triton" or HAS_CUDA}
+    runs = {impl: make(impl) for impl in IMPLS if (TRITON if impl == "triton" else HAS_CUDA)}
     routed = {k: v[1] for k, v in runs.items()}
     if HAS_CUDA:
+        # the same two grouped launches on the bench's other forms and splits (same codes and rows)
+        def form(variant="", target=CUDA_TARGET_BLOCKS):
+            def run():
+                exl3_grouped_cuda(xe13, w["ex_w13"], ids_13, variant=variant, target=target)
+                exl3_grouped_cuda(xe2, w["ex_w2"], ids_2, variant=variant, target=target)
+            return run
+        for v in VARIANTS:
+            routed[f"cuda {v}"] = form(variant=v)
+        for tg in ROUTED_TARGETS:
+            routed[f"cuda target {tg}"] = form(target=tg)
         # the served path on the CUDA op set: exl3_routed's sync-free runs (sort on the device, two launches, the
         # slot sum), every row its own 6 experts
         stack = Exl3ExpertStack(w["ex_w13"], w["ex_w2"], torch.arange(n_used, device=dev))
@@ -150,6 +170,44 @@ def exllamav3_time(n_in, n_out, K, cb, tp, x1) -> float | None:
         return None
 
 
+def pdl_chain_check(g: torch.Generator) -> bool:
+    """wq_a -> wq_b -> a 32768 -> 5120 slice as dependent launches captured in a graph (each reads what the one
+    before wrote) give the bits of plain launches."""
+    ws = [Exl3Weight.from_tensors(parts(a, b, 4, CB_3INST, g), DEVICE) for a, b in ((D, Q_RANK), (Q_RANK, 4096),
+                                                                                  (4096, D))]
+    x = torch.randn(3, D, device=DEVICE)
+
+    def chain(pdl):
+        h = x
+        for w in ws:
+            h = exl3_linear_cuda(h, w, pdl=pdl)
+        return h
+    want = chain(False)
+    chain(True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain(True)
+    ok = True
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        ok = ok and torch.equal(got, want)
+    return ok and torch.equal(chain(True), want)
+
+
+def time_all(fns: dict, what: str) -> dict:
+    """time_graph of each; a form the driver refuses in a graph (a dependent launch) is printed and left out."""
+    t = {}
+    for k, fn in fns.items():
+        try:
+            t[k] = time_graph(fn)
+        except Exception as exc:
+            print(f"{what} {k}: {exc!r}", flush=True)
+            torch.cuda.synchronize()
+    return t
+
+
 def time_graph(fn) -> float:
     fn()
     torch.cuda.synchronize()
@@ -157,6 +215,7 @@ def time_graph(fn) -> float:
 
 
 HAS_CUDA = False   # set in main: the CUDA C kernel runs here
+TRITON = True      # set in main: time the Triton kernels too (--no-triton leaves them out of a short device run)
 
 
 def fmt(t: float | None) -> str:
@@ -184,7 +243,10 @@ def main() -> int:
     ap.add_argument("--prompt-rows", type=int, default=4096)
     ap.add_argument("--exllamav3", action="store_true", help="also time exllamav3's forward (extension built)")
     ap.add_argument("--quick", action="store_true", help="4 linears at rows 1 and 8, no prompt pass (a short device run)")
+    ap.add_argument("--no-triton", action="store_true", help="leave the Triton kernels out (a short device run)")
     args = ap.parse_args()
+    global TRITON
+    TRITON = not args.no_triton
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     HAS_CUDA = cuda_available()
@@ -210,12 +272,13 @@ def main() -> int:
             "Attention (wq_a, wq_b, wkv, 8 wo_a slices grouped, wo_b) and the shared expert at 4 bpw 3INST, "
             "top-6 routed experts at 2.5 bpw mul1 in two grouped launches (w1+w3, w2), each row its own 6 experts. "
             "Compressor/indexer (4 resp. 8 of 40 layers) not included.", "",
-            "| rows B | distinct experts | bytes read (MB) | ideal at copy BW (us) | Triton (us) | % | CUDA C (us) | % |",
-            "|---|---|---|---|---|---|---|---|",
+            "| rows B | distinct experts | bytes read (MB) | ideal at copy BW (us) | Triton (us) | % | CUDA C (us) | % | "
+            "CUDA C, dependent launches (us) | % |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for B, n_used, nb, t_tr, t_cu, ideal in rows_dec:
+        for B, n_used, nb, t_tr, t_cu, ideal, t_pdl in rows_dec:
             lines.append(f"| {B} | {n_used} | {nb / 1e6:.1f} | {ideal * 1e6:.1f} | {fmt(t_tr)} | {pct(ideal, t_tr)} | "
-                         f"{fmt(t_cu)} | {pct(ideal, t_cu)} |")
+                         f"{fmt(t_cu)} | {pct(ideal, t_cu)} | {fmt(t_pdl)} | {pct(ideal, t_pdl)} |")
         lines += ["", "## The routed experts' grouped launches alone (w1+w3, then w2), and the served exl3_routed", "",
                   "The served column is the CUDA op set's exl3_routed: pairs sorted by expert on the device, the two "
                   "run-mode launches, SiLU and the slot sum (no host sync, so it is graph-timed too).", "",
@@ -225,6 +288,15 @@ def main() -> int:
         for B, n_used, nb, t_tr, t_cu, ideal, t_sv in rows_routed:
             lines.append(f"| {B} | {n_used} | {nb / 1e6:.1f} | {ideal * 1e6:.2f} | {fmt(t_tr)} | {pct(ideal, t_tr)} | "
                          f"{fmt(t_cu)} | {pct(ideal, t_cu)} | {fmt(t_sv)} | {pct(ideal, t_sv)} |")
+        forms = [k for k in (rows_forms[0][1] if rows_forms else {}) if k.startswith("cuda ")]
+        if forms:
+            lines += ["", "The same two grouped launches on the CUDA C kernel's other forms and splits (bench-only; "
+                      "\"n\" does not decode and \"e\" runs no stage, so their values are wrong: where the time goes):",
+                      "", "| rows B | " + " | ".join(f"{k[5:]} (us, %)" for k in forms) + " |",
+                      "|---|" + "---|" * len(forms)]
+            for B, tr, ideal in rows_forms:
+                lines.append(f"| {B} | " + " | ".join(f"{fmt(tr.get(k))}, {pct(ideal, tr.get(k))}" for k in forms)
+                             + " |")
         lines += ["", "## Single linears (random codes; exllamav3 on the same codes)", "",
                   "| linear | rows | bytes (MB) | ideal (us) | Triton (us) | % | CUDA C (us) | % | exllamav3 (us) | % |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
@@ -233,15 +305,17 @@ def main() -> int:
                          f"{fmt(t_cu)} | {pct(ideal, t_cu)} | {fmt(base)} | {pct(ideal, base)} |")
         if rows_sweep:
             lines += ["", f"## CUDA C split sweep at 1 row (blocks per matrix; served: {CUDA_TARGET_BLOCKS}), and the "
-                      "warp-ring variant (served split) at 1 and 8 rows", "",
+                      "bench-only forms (served split) at 1 and 8 rows", "",
                       "| linear | ideal (us) | " + " | ".join(f"target {tg}: S, us, %" for tg, _, _ in rows_sweep[0][2])
-                      + " | warp ring 1 row: us, % | warp ring 8 rows: us, % |",
-                      "|---|---|" + "---|" * (len(rows_sweep[0][2]) + 2)]
-            for name, ideal, res, tw in rows_sweep:
+                      + " | " + " | ".join(f"{VARIANTS[v]}, {r} row(s): us, %" for v, r in rows_sweep[0][3]) + " |",
+                      "|---|---|" + "---|" * (len(rows_sweep[0][2]) + len(rows_sweep[0][3]))]
+            for name, ideal, res, tw, same in rows_sweep:
                 lines.append(f"| {name} | {ideal * 1e6:.2f} | "
-                             + " | ".join(f"{S}, {t * 1e6:.1f}, {ideal / t * 100:.1f}" for _, S, t in res)
-                             + f" | {tw[1] * 1e6:.1f}, {ideal / tw[1] * 100:.1f} | {tw[8] * 1e6:.1f}, "
-                               f"{ideal / tw[8] * 100:.1f} |")
+                             + " | ".join(f"{S}, {t * 1e6:.1f}, {ideal / t * 100:.1f}" for _, S, t in res) + " | "
+                             + " | ".join(f"{t * 1e6:.1f}, {ideal / t * 100:.1f}" for t in tw.values()) + " |")
+            lines += ["", "Forms with the served kernel's bits (8 rows, each linear): "
+                      + "; ".join(f"{name}: " + ", ".join(f"{v} {ok}" for v, ok in same.items())
+                                  for name, _, _, _, same in rows_sweep), ""]
         if rows_p:
             lines += ["", f"## Prompt pass, M = {M} rows, routed expert 5120 -> 2304 @ 2.5 bpw mul1", "",
                       "| path | time (ms) | TFLOP/s | % of fp16 GEMM |", "|---|---|---|---|"]
@@ -253,23 +327,30 @@ def main() -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("\n".join(lines))
 
-    rows_dec, rows_routed, rows_lin, rows_sweep, rows_p = [], [], [], [], []
+    rows_dec, rows_routed, rows_forms, rows_lin, rows_sweep, rows_p = [], [], [], [], [], []
     t_rec = None
     M = args.prompt_rows
     flops = 2 * M * D * INTER
     for B in (1, 8):
         runs, nb, n_used, routed, nb_r = decode_layer(B, g)
-        t = {k: time_graph(fn) for k, fn in runs.items()}
-        tr = {k: time_graph(fn) for k, fn in routed.items()}
-        rows_dec.append((B, n_used, nb, t.get("triton"), t.get("cuda"), nb / bw))
+        t, tr = time_all(runs, f"decode round B={B}"), time_all(routed, f"routed B={B}")
+        rows_dec.append((B, n_used, nb, t.get("triton"), t.get("cuda"), nb / bw, t.get("cuda pdl")))
         rows_routed.append((B, n_used, nb_r, tr.get("triton"), tr.get("cuda"), nb_r / bw,
                             tr.get("cuda, served (exl3_routed)")))
+        rows_forms.append((B, tr, nb_r / bw))
         print(f"decode round B={B}: " + ", ".join(f"{k} {v * 1e6:.1f} us ({nb / bw / v * 100:.1f}%)"
                                                    for k, v in t.items())
               + f"; {nb / 1e6:.1f} MB read, ideal {nb / bw * 1e6:.1f} us; routed experts alone: "
               + ", ".join(f"{k} {v * 1e6:.1f} us ({nb_r / bw / v * 100:.1f}%)" for k, v in tr.items()), flush=True)
         del runs, routed
         torch.cuda.empty_cache()
+
+    if HAS_CUDA:
+        try:
+            pdl_ok = pdl_chain_check(g)
+        except Exception as exc:
+            pdl_ok = repr(exc)
+        print(f"dependent launches, a chain of 3 linears in a graph: the plain launches' bits: {pdl_ok}", flush=True)
 
     # single linears: where the time goes
     write_report()
@@ -279,7 +360,7 @@ def main() -> int:
         nb = nbytes(wt)
         for rows in ((1, 8) if args.quick else (1, 8, 32)):
             x1 = torch.randn(rows, n_in, device=DEVICE)
-            t_tr = time_graph(lambda: exl3_linear_triton(x1, wt))
+            t_tr = time_graph(lambda: exl3_linear_triton(x1, wt)) if TRITON else None
             t_cu = time_graph(lambda: exl3_linear_cuda(x1, wt)) if HAS_CUDA else None
             base = exllamav3_time(n_in, n_out, K, cb, tp, x1) if args.exllamav3 else None
             rows_lin.append((name, rows, nb, t_tr, t_cu, nb / bw, base))
@@ -291,18 +372,23 @@ def main() -> int:
     # the split (blocks per matrix, cuda_split's target) swept at 1 row: the served default is CUDA_TARGET_BLOCKS
     write_report()
     if HAS_CUDA:
-        targets = (132, 264, CUDA_TARGET_BLOCKS, 792, 1584)
+        targets = (132, CUDA_TARGET_BLOCKS, 792)
         for name, n_in, n_out, K, cb in LINEARS[:4]:
             wt = Exl3Weight.from_tensors(parts(n_in, n_out, K, cb, g), DEVICE)
             x1 = torch.randn(1, n_in, device=DEVICE)
             ts = [time_graph(lambda tg=tg: exl3_linear_cuda(x1, wt, target=tg)) for tg in targets]
-            tw = {r: time_graph(lambda r=r: exl3_linear_cuda(x1[:1].expand(r, -1).contiguous(), wt, variant="w"))
-                  for r in (1, 8)}
+            tw = {(v, r): time_graph(lambda v=v, r=r: exl3_linear_cuda(x1[:1].expand(r, -1).contiguous(), wt,
+                                                                       variant=v))
+                  for v, r in [(v, 1) for v in VARIANTS] + [("w", 8), ("o", 8)]}
+            x8 = torch.randn(8, n_in, device=DEVICE)
+            served = exl3_linear_cuda(x8, wt)
+            same = {v: torch.equal(exl3_linear_cuda(x8, wt, variant=v), served) for v in VARIANTS if v not in ("n", "e")}
             rows_sweep.append((name, nbytes(wt) / bw, [(tg, cuda_split(n_in, n_out, tg)[0], t) for tg, t in
-                                                       zip(targets, ts)], tw))
+                                                       zip(targets, ts)], tw, same))
             print(f"  split sweep {name}: " + ", ".join(f"target {tg} (S={S}) {t * 1e6:.1f} us"
                                                        for tg, S, t in rows_sweep[-1][2])
-                  + f"; warp-ring variant rows 1: {tw[1] * 1e6:.1f} us, rows 8: {tw[8] * 1e6:.1f} us", flush=True)
+                  + "; " + ", ".join(f"{VARIANTS[v]} rows {r}: {t * 1e6:.1f} us" for (v, r), t in tw.items())
+                  + "; the served bits (8 rows): " + ", ".join(f"{v} {ok}" for v, ok in same.items()), flush=True)
         del wt
         torch.cuda.empty_cache()
 

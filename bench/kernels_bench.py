@@ -18,6 +18,7 @@ times over, back to back as a layer's calls run, and the time is the graph's med
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import socket
@@ -274,6 +275,8 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="time every configuration candidate per shape")
     ap.add_argument("--rows", default=",".join(map(str, DECODE_ROWS)))
     ap.add_argument("--commit", default=os.environ.get("DSV41_COMMIT", ""))
+    ap.add_argument("--only", choices=("all", "linear", "experts"), default="all",
+                    help="time only the FP8/bf16 linears or only the routed experts (with their grouped-mm column)")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
@@ -283,7 +286,7 @@ def main() -> int:
     rep = Report(args.out, "Decode kernels at V4.1 shapes" + (": configuration sweep" if args.sweep else ""),
                  bw, mm, commit_of(args.commit))
 
-    for name, out_f, in_f in FP8 + BF16:
+    for name, out_f, in_f in (FP8 + BF16 if args.only != "experts" else []):
         is_fp8 = (name, out_f, in_f) in FP8
         nbytes = out_f * in_f + (triton.cdiv(out_f, 32) * (in_f // 32) if is_fp8 else out_f * in_f)
         copies = copies_for(nbytes)
@@ -310,9 +313,14 @@ def main() -> int:
                     wb = out_f * in_f * (1 if "fp8" in what else 2)
                     rep.add(f"{what} [{out_f}x{in_f}]", n, "-", wb, t)
         torch.cuda.empty_cache()
+    if args.only == "linear":
+        print(f"wrote {args.out}")
+        return 0
 
     stack = experts()
     cfgs = MOE_SWEEP if args.sweep else [M.config_for(torch.device("cuda", 0))]
+    if not args.sweep and cfgs[0].impl == "cuda" and not cfgs[0].lean:
+        cfgs.append(dataclasses.replace(cfgs[0], lean=2))       # the lean decode form beside the default
     for cfg in cfgs:
         try:
             check = check_moe(stack, cfg)

@@ -11,7 +11,7 @@ the same run (torch's 8192^3 bf16 matmul).
 "bits": whether the prompt kernel's result has the decode kernel's bits (the op set switches between them by row
 count, so a row's bits must not depend on which one ran).
 
-  python3 bench/prompt_gemm_bench.py [--rows 256,2048,8192] [--sweep] [--only wo_b,wq_b] [--out FILE]
+  python3 bench/prompt_gemm_bench.py [--rows 256,2048,8192] [--sweep] [--only experts,wo_b,wq_b] [--out FILE]
 """
 from __future__ import annotations
 
@@ -197,7 +197,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="256,2048,8192")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "prompt-gemm.md"))
-    ap.add_argument("--only", default="", help="comma-separated names of the FP8 cases to run (default all)")
+    ap.add_argument("--only", default="", help="comma-separated names of the cases to run: FP8 weights, 'experts' "
+                    "for the routed experts (default all)")
     ap.add_argument("--sweep", action="store_true", help="time every prompt-kernel configuration candidate")
     args = ap.parse_args()
     _sweep[0] = args.sweep
@@ -208,8 +209,9 @@ def main() -> int:
     print(f"ceilings: bf16 GEMM {mm / 1e12:.0f} TFLOP/s, copy {bw / 1e12:.2f} TB/s", flush=True)
     rep = Report(Path(args.out), bw, mm)
     only = {s for s in args.only.split(",") if s}
-    guarded(rep, "fp4 experts", moe_case, rep, rows, bw)
-    torch.cuda.empty_cache()
+    if not only or "experts" in only:
+        guarded(rep, "fp4 experts", moe_case, rep, rows, bw)
+        torch.cuda.empty_cache()
     for name, out_f, in_f in FP8:
         if not only or name in only:
             guarded(rep, f"fp8 {name}", fp8_case, rep, name, out_f, in_f, rows)

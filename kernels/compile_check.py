@@ -1,5 +1,5 @@
-"""Compile every kernel of fp8_linear, fp4_moe, sparse_attn, indexer, router and topk for a CUDA target without a
-GPU (Triton's own ptxas), in the configurations the wrappers launch. The interpreter runs kernels as Python, so it
+"""Compile every kernel of fp8_linear, fp4_moe, sparse_attn, indexer, router, mhc, act, rope and topk for a CUDA
+target without a GPU (Triton's own ptxas), in the configurations the wrappers launch. The interpreter runs kernels as Python, so it
 misses what only the compiler rejects (non-constexpr globals, unsupported casts, shared memory over the limit); this
 catches those on a CPU machine. Run with TRITON_INTERPRET unset (the kernels must be real JIT functions):
 
@@ -17,7 +17,7 @@ CUDA_SMEM_LIMIT = 232448   # bytes of shared memory a Hopper block may use (227 
 
 
 def _cases():
-    from kernels import fp4_moe, fp8_linear, indexer, router, sparse_attn, topk
+    from kernels import act, fp4_moe, fp8_linear, indexer, mhc, rope, router, sparse_attn, topk
     div = [["tt.divisibility", 16]]
     sig8 = {"x_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32", "part_ptr": "*fp32",
             "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "KB": "i32",
@@ -110,6 +110,29 @@ def _cases():
                 "BR": "constexpr", "INTERP": "constexpr"},
                {"HAS_IMG": img, "BE": 512, "BR": router.ROWS, "INTERP": False}, {},
                {"num_warps": 4, **router.LAUNCH})
+    yield ("mhc mixes (pre, post, softmax, Sinkhorn)", mhc._hc_mix_kernel,
+           {"m_ptr": "*fp32", "s_ptr": "*fp32", "b_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32",
+            "comb_ptr": "*fp32", "n": "i32", "stride_m": "i32", "iters": "i32", "eps": "fp32", "HC": "constexpr",
+            "BR": "constexpr", "INTERP": "constexpr"},
+           {"HC": 4, "BR": mhc.ROWS, "INTERP": False}, {}, {"num_warps": 1, **mhc.LAUNCH})
+    for inverse in (False, True):
+        yield (f"rope{' inverse' if inverse else ''}", rope._rope_kernel,
+               {"x_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "heads": "i32", "stride_row": "i32",
+                "stride_head": "i32", "stride_cs": "i32", "first": "i32", "HALF": "constexpr", "HB": "constexpr",
+                "INVERSE": "constexpr"}, {"HALF": 32, "HB": rope.HEADS, "INVERSE": inverse}, {},
+               {"num_warps": 4, **rope.LAUNCH})
+    yield ("swiglu", act._swiglu_kernel,
+           {"g_ptr": "*fp32", "u_ptr": "*fp32", "h_ptr": "*fp32", "n": "i32", "limit": "fp32", "INTERP": "constexpr",
+            "BLOCK": "constexpr"}, {"INTERP": False, "BLOCK": act.BLOCK}, {}, {"num_warps": 4, **act.LAUNCH})
+    yield ("mhc pre partial products", mhc._hc_pre_partial_kernel,
+           {"x_ptr": "*fp32", "fn_ptr": "*fp32", "part_ptr": "*fp32", "n": "i32", "K": "i32", "stride_x": "i32",
+            "KC": "constexpr", "BK": "constexpr", "NM": "constexpr", "NMP": "constexpr", "BR": "constexpr"},
+           {"KC": mhc.PRE_KC, "BK": mhc.PRE_BK, "NM": 24, "NMP": 32, "BR": mhc.PRE_ROWS}, {},
+           {"num_warps": mhc.PRE_WARPS, **mhc.LAUNCH})
+    yield ("mhc pre combine", mhc._hc_pre_combine_kernel,
+           {"part_ptr": "*fp32", "m_ptr": "*fp32", "n": "i32", "S": "i32", "inv_k": "fp32", "eps": "fp32",
+            "NM": "constexpr", "NMP": "constexpr", "BR": "constexpr"},
+           {"NM": 24, "NMP": 32, "BR": mhc.PRE_ROWS}, {}, {"num_warps": 1, **mhc.LAUNCH})
     opt = {"num_warps": topk.SELECT_WARPS}
     sig = {"s_ptr": "*fp32", "hist_ptr": "*i32", "cnt_ptr": "*i32", "T": "i32", "k": "i32", "CHUNK": "i32",
            "C": "i32", "BITS": "constexpr", "BLOCK": "constexpr"}
@@ -147,8 +170,8 @@ def _prompt_cases(work, div):
 def _prompt_fp8_case(P, c8, div):
     yield (f"prompt fp8_linear {c8}", P._fp8_kernel,
            {"xp_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32", "M": "i32", "N": "i32",
-            "K": "i32", "LDX": "i32", "kchunk": "i32", "S": "i32", "XG": "i32", "BM": "constexpr", "BN": "constexpr",
-            "BK": "constexpr", "GROUP_M": "constexpr", "TOT_MEM": "constexpr", "SWAP": "constexpr",
+            "K": "i32", "LDX": "i32", "LDY": "i32", "kchunk": "i32", "S": "i32", "XG": "i32", "BM": "constexpr",
+            "BN": "constexpr", "BK": "constexpr", "GROUP_M": "constexpr", "TOT_MEM": "constexpr", "SWAP": "constexpr",
             "INTERP": "constexpr"},
            {"BM": c8.bm, "BN": c8.bn, "BK": P.FP8_BK, "GROUP_M": c8.group_m, "TOT_MEM": c8.tot_mem,
             "SWAP": c8.swap, "INTERP": False},

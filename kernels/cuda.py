@@ -110,13 +110,15 @@ def _compile_nvrtc(src: str, name: str, arch: int) -> bytes | None:
     return buf.raw
 
 
-def _compile_nvcc(path: Path, arch: int) -> bytes | None:
+def _compile_nvcc(src: str, path: Path, arch: int) -> bytes | None:
     nvcc = shutil.which("nvcc") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/nvcc"), reverse=True)), None)
     if nvcc is None:
         return None
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "k.cubin"
-        r = subprocess.run([nvcc, "-cubin", f"-arch=sm_{arch}", "-O3", "-o", str(out), str(path)],
+        code = Path(d) / path.name                 # the source as given (with its defines); csrc files include nothing
+        code.write_text(src)
+        r = subprocess.run([nvcc, "-cubin", f"-arch=sm_{arch}", "-O3", "-o", str(out), str(code)],
                            capture_output=True, text=True, check=False)
         if r.returncode != 0:
             raise CudaKernelError(f"nvcc could not compile {path.name}:\n{r.stderr}")
@@ -124,14 +126,17 @@ def _compile_nvcc(path: Path, arch: int) -> bytes | None:
 
 
 def cubin(source: str, arch: int) -> bytes:
-    """The compiled cubin of csrc/`source` for sm_`arch` (cached by the source's hash)."""
-    path = CSRC / source
-    src = path.read_text()
+    """The compiled cubin of csrc/`source` for sm_`arch` (cached by the source's hash). `source` may name macros
+    after '#' ("exl3.cu#EXL3_BENCH_FORMS"): the file compiled with each `#define NAME 1` first, a module of its
+    own (bench-only kernels kept out of the served module's compile)."""
+    base, *defines = source.split("#")
+    path = CSRC / base
+    src = "".join(f"#define {d} 1\n" for d in defines) + path.read_text()
     key = hashlib.sha256(src.encode() + str(arch).encode()).hexdigest()[:24]
     cache = _cache_dir() / f"{path.stem}-sm{arch}-{key}.cubin"
     if cache.is_file():
         return cache.read_bytes()
-    img = _compile_nvrtc(src, source, arch) or _compile_nvcc(path, arch)
+    img = _compile_nvrtc(src, base, arch) or _compile_nvcc(src, path, arch)
     if img is None:
         raise CudaKernelError("no CUDA compiler found (NVRTC library or nvcc)")
     try:
@@ -208,9 +213,22 @@ def function(source: str, name: str, device: int | None = None) -> ctypes.c_void
         return fn
 
 
-def launch(fn: ctypes.c_void_p, grid: tuple[int, int, int], block: int, args: list) -> None:
+class _LaunchAttribute(ctypes.Structure):          # CUlaunchAttribute: an id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):             # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("nattrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6             # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def launch(fn: ctypes.c_void_p, grid: tuple[int, int, int], block: int, args: list, pdl: bool = False) -> None:
     """Launch fn on the current torch stream. args: tensors (their data pointers), Python ints (int32) and floats
-    (float32), in the kernel's parameter order."""
+    (float32), in the kernel's parameter order. pdl: a programmatic dependent launch (the kernel may start while
+    the stream's previous kernel finishes; it must wait (griddepcontrol.wait) before reading what that wrote)."""
     vals = []
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -226,6 +244,13 @@ def launch(fn: ctypes.c_void_p, grid: tuple[int, int, int], block: int, args: li
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
     stream = torch.cuda.current_stream().cuda_stream
     cu = _cuda()
+    if pdl:
+        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value = (1).to_bytes(4, "little") + bytes(60)
+        cfg = _LaunchConfig(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(block, 1, 1), shared=0,
+                            stream=ctypes.c_void_p(stream), attrs=ctypes.pointer(attr), nattrs=1)
+        _check(cu.cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), "cuLaunchKernelEx")
+        return
     rc = cu.cuLaunchKernel(fn, grid[0], grid[1], grid[2], block, 1, 1, 0, ctypes.c_void_p(stream), params, None)
     if rc != 0:
         _ensure_context(torch.cuda.current_device())

@@ -358,7 +358,10 @@ def cuda_row_tiles(K2: int, cb: int, rows: int, variant: str = "") -> int:
 
 def cuda_kernel_name(K2: int, cb: int, rows: int, variant: str = "") -> str:
     """The exl3.cu kernel for rate K2/2, codebook cb and a launch of `rows` rows a group (cuda_row_tiles). variant
-    "w": the warp-ring form (rates 2.5 mul1 and 4 3inst/mul1, one row tile: the bench's comparison)."""
+    "w": the warp-ring form (rates 2.5 mul1 and 4 3inst/mul1, one row tile: the bench's comparison); bench-only
+    forms at 2.5 mul1 and 4 3inst: "o" the served form held to 64 registers, "r" register-direct (each warp's
+    words straight into registers, no shared-memory ring); where the time goes (wrong values): "n" the warp ring
+    without the decode, "e" no stages at all."""
     return f"exl3{variant}_k{K2}_cb{cb}_t{cuda_row_tiles(K2, cb, rows, variant)}"
 
 
@@ -432,11 +435,12 @@ def _aligned(t: torch.Tensor, n: int = 16) -> torch.Tensor:
 
 def exl3_grouped_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor | None, rows: torch.Tensor | None = None,
                       out_dtype: torch.dtype = torch.float32, target: int = CUDA_TARGET_BLOCKS,
-                      variant: str = "") -> torch.Tensor:
+                      variant: str = "", pdl: bool = False) -> torch.Tensor:
     """exl3_grouped on the CUDA C kernel: y[g] = x[g] @ W[ids[g]] (+ bias) for x [G, M, in], one launch; rows
     >= rows[g] of group g are ignored and their outputs unspecified. ids None: every group multiplies matrix 0.
     `target` (the split's blocks per matrix, cuda_split) and `variant` (cuda_kernel_name): only the bench changes
-    them."""
+    them. pdl: a programmatic dependent launch (kernels/cuda.py), the bench's comparison: a plain linear streams
+    its first weights while the stream's previous kernel finishes."""
     if x.dim() != 3 or x.shape[-1] != w.in_features:
         raise Exl3FormatError(f"x must be [G, M, {w.in_features}], got {tuple(x.shape)}")
     if w.K2 not in _K2_CUDA:
@@ -462,18 +466,23 @@ def exl3_grouped_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor | None, 
     if G * RB * cols > CUDA_COUNTERS:
         raise Exl3FormatError(f"a launch of {G * RB * cols} column blocks exceeds the {CUDA_COUNTERS} counters")
     part = torch.empty((S, G, M, N), dtype=torch.float32, device=dev) if S > 1 else y
-    _launch(x, w, ids, rows, None, y, part, M, N, D, S, hpc, G * RB, variant)
+    _launch(x, w, ids, rows, None, y, part, M, N, D, S, hpc, G * RB, variant, pdl)
     return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
-def _launch(x, w, ids, rows, xmap, y, part, M, N, D, S, hpc, z, variant=""):
+# the bench-only forms (cuda_kernel_name) live in a module of their own (exl3.cu compiled with EXL3_BENCH_FORMS)
+_BENCH_FORMS = {"o", "r", "n", "e"}
+
+
+def _launch(x, w, ids, rows, xmap, y, part, M, N, D, S, hpc, z, variant="", pdl=False):
     from kernels import cuda
     dev = x.device
-    fn = cuda.function("exl3.cu", cuda_kernel_name(w.K2, w.cb, M, variant), dev.index)
+    source = "exl3.cu#EXL3_BENCH_FORMS" if variant in _BENCH_FORMS else "exl3.cu"
+    fn = cuda.function(source, cuda_kernel_name(w.K2, w.cb, M, variant), dev.index)
     cuda.launch(fn, (N // CUDA_BLOCK_N, S, z), 128,
                 [x, _aligned(w.trellis).view(torch.int32), w.trellis[0].numel() // 2, _aligned(w.suh, 8),
                  _aligned(w.svh, 8), None if w.bias is None else _aligned(w.bias, 8), ids, rows, xmap, y, part,
-                 _counter(dev), M, N, D, hpc, S])
+                 _counter(dev), M, N, D, hpc, S], pdl=pdl)
 
 
 def exl3_runs_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor, rows: torch.Tensor, xmap: torch.Tensor,
@@ -503,13 +512,13 @@ def exl3_runs_cuda(x: torch.Tensor, w: Exl3Weight, ids: torch.Tensor, rows: torc
 
 
 def exl3_linear_cuda(x: torch.Tensor, w: Exl3Weight, out_dtype: torch.dtype = torch.float32,
-                     target: int = CUDA_TARGET_BLOCKS, variant: str = "") -> torch.Tensor:
+                     target: int = CUDA_TARGET_BLOCKS, variant: str = "", pdl: bool = False) -> torch.Tensor:
     """y = x @ W (+ bias) for one EXL3 matrix on the CUDA C kernel; any row count, row-invariant."""
     if w.experts != 1:
         raise Exl3FormatError("exl3_linear_cuda takes one matrix; use exl3_grouped_cuda for a stack")
     lead = x.shape[:-1]
     y = exl3_grouped_cuda(x.reshape(1, -1, x.shape[-1]), w, None, out_dtype=out_dtype, target=target,
-                          variant=variant)
+                          variant=variant, pdl=pdl)
     return y.reshape(*lead, w.out_features)
 
 

@@ -51,6 +51,11 @@ class Config:
     stages: int = 4
     asm: bool = True
     post: bool = False   # scales applied to each 16-byte (32-wide K) step's product: bkb 16, no per-weight multiply
+    lean: int = 0        # impl "cuda", up to 64 rows: the lean decode form with this many warps a block (1, 2, 4;
+    #                      moe_*_lean_w<n>), 0: moe_*_t1 (the same bits either way). 0 by default until the H200
+    #                      has timed the lean form (written in session 11 without a GPU: bench/kernels_bench.py
+    #                      times both)
+    f32_rows: int = 8    # lean rounds of up to this many rows: gate/up reads float32 x (no pack_x launch; same bits)
 
 
 # The Triton kernels' configuration where the CUDA C ones cannot run: the best of the H200 sweep (2026-12-04: 10-16 %
@@ -424,6 +429,11 @@ def work_list(expert_ids: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
 
 
 WL_PAIRS, WL_TILES = 64, 64
+# Pairs above which fp4_moe builds its work list with the torch ops of `work_list` (the same four tensors): the one
+# program's counting sort is serial over blocks of 64 pairs, ~0.9 ms at a 2048-row prompt chunk's 12288 pairs
+# (bench/results/round-profile.md, `_work_list_kernel`), where a sort and a few scans take tens of microseconds.
+# Above every CUDA graph's row bucket (192 rows x 6 slots), so captured rounds keep their one launch.
+WL_ONE_PROGRAM_PAIRS = 4096
 
 
 def work_list_launch(expert_ids: torch.Tensor, n_experts: int):
@@ -523,6 +533,8 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
     shards' experts set to -1 (a pair's output does not depend on the other pairs of the launch, and the slot sum
     adds the same terms in the same order)."""
     cfg = cfg or config_for(x.device, x.shape[1], w13.shape[1] // 2)
+    if cfg.impl == "cuda" and cfg.lean not in (0, 1, 2, 4):
+        raise ValueError(f"fp4_moe: lean must be 0, 1, 2 or 4 warps, got {cfg.lean}")
     if cfg.post and cfg.bkb != 16:
         raise ValueError(f"fp4_moe: a post-scaled configuration steps 16 bytes, not {cfg.bkb}")
     s13, s2 = _check(x, w13, s13, w2, s2, expert_ids, weights, cfg)
@@ -539,6 +551,8 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
     ids = expert_ids.to(torch.int32).contiguous()
     if cfg.impl == "cuda" and n * top_k <= 1024 and n_exp < 1024:
         tile_e, tile_start, tile_cnt, order = work_list_cuda(ids, n_exp)
+    elif n * top_k > WL_ONE_PROGRAM_PAIRS:
+        tile_e, tile_start, tile_cnt, order = work_list(ids, n_exp)
     else:
         tile_e, tile_start, tile_cnt, order = work_list_launch(ids, n_exp)
     rw = weights.to(torch.float32).contiguous()
@@ -557,11 +571,19 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
         from kernels.fp8_linear import row_tiles
         rt = 1 if n <= BLOCK_M else row_tiles(BLOCK_M)
         from kernels.fp8_linear import pack_x
-        xq = pack_x(x, 2)                                # bf16 fragments of the rows (the up kernel's B operand)
+        # bf16 fragments of the rows (the up kernel's B operand); a round of up to cfg.f32_rows rows lets the lean
+        # up kernel round float32 x itself (the same cvt.rn: the same bits, one launch fewer)
+        x32 = rt == 1 and cfg.lean > 0 and n <= cfg.f32_rows
+        xq = x if x32 else pack_x(x, 2)
         hq = torch.empty((n_pairs, inter), dtype=torch.int16, device=x.device)   # bf16 h, in the same order
-        cuda.launch(cuda.function("decode.cu", f"moe_up_t{rt}", dev), (tiles, inter // 64, 1), 128,
+        # a decode round: the lean one-row-tile form (cfg.lean warps a block: 6 experts at one row still fill every
+        # SM); its pairs' MMA chains are the t forms' (the same bits)
+        lean = rt == 1 and cfg.lean > 0
+        form, rows_b = (f"lean_w{cfg.lean}", 16 * cfg.lean) if lean else (f"t{rt}", 64)
+        up = f"moe_up_lean_x_w{cfg.lean}" if x32 else f"moe_up_{form}"
+        cuda.launch(cuda.function("decode.cu", up, dev), (tiles, inter // rows_b, 1), 2 * rows_b,
                     [xq, w13, s13, tile_e, tile_start, tile_cnt, order, rw, hq, hidden, inter, top_k, float(limit)])
-        cuda.launch(cuda.function("decode.cu", f"moe_down_t{rt}", dev), (tiles, hidden // 64, 1), 128,
+        cuda.launch(cuda.function("decode.cu", f"moe_down_{form}", dev), (tiles, hidden // rows_b, 1), 2 * rows_b,
                     [hq, w2, s2, tile_e, tile_start, tile_cnt, order, y, hidden, inter])
         return _slot_sum(y, ids, shard_of, out)
     h = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)

@@ -164,7 +164,7 @@ def pack_rows(x: torch.Tensor, step: int) -> torch.Tensor:
 # ---- FP8 linear ------------------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_kernel(xp_ptr, w_ptr, s_ptr, y_ptr, M, N, K, LDX, kchunk, S, XG,
+def _fp8_kernel(xp_ptr, w_ptr, s_ptr, y_ptr, M, N, K, LDX, LDY, kchunk, S, XG,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, TOT_MEM: tl.constexpr,
                 SWAP: tl.constexpr, INTERP: tl.constexpr):
     """y[BM x BN tile] = xp · Wᵀ: the S chunks of K in order, each from zero, added ((0 + p_0) + p_1) + ... (in
@@ -191,12 +191,12 @@ def _fp8_kernel(xp_ptr, w_ptr, s_ptr, y_ptr, M, N, K, LDX, kchunk, S, XG,
     s_row = s_ptr + (offs_n // 32) * (K // 32)                  # [BN]: a step's two scale groups, k0/32 and + 1
     second = (_fp8_phys(i) >= 32)[None, :]                      # dot position i holds a k of the second group
     if SWAP:      # the weight is the MMA's A operand (it may stay in registers), the rows its N side: acc is yᵀ
-        y_at = y_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        y_at = y_ptr + offs_m[None, :].to(tl.int64) * LDY + offs_n[:, None]
         y_ok = m_ok[None, :] & n_ok[:, None]
         SH0: tl.constexpr = BN
         SH1: tl.constexpr = BM
     else:
-        y_at = y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        y_at = y_ptr + offs_m[:, None].to(tl.int64) * LDY + offs_n[None, :]
         y_ok = m_ok[:, None] & n_ok[None, :]
         SH0: tl.constexpr = BM
         SH1: tl.constexpr = BN
@@ -229,12 +229,13 @@ def _fp8_kernel(xp_ptr, w_ptr, s_ptr, y_ptr, M, N, K, LDX, kchunk, S, XG,
 
 
 def prompt_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, groups: int = 1,
-                      cfg: Config | None = None) -> torch.Tensor:
+                      cfg: Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp8_linear.fp8_linear's function (y = bf16(x) · Wᵀ, float32 [n, out]) for prompt chunks, in the decode
     kernel's k order and K chunks (the same bits where the hardware sums alike). w float8_e4m3fn [out, in] with
     E8M0 scale [ceil(out/32), in/32] (bf16 weights keep the decode kernel: its k order is another); groups > 1:
     the block-diagonal product of a grouped projection (x [n, groups * in], w [groups * rows, in]), as fp8_linear_grouped. cfg: another configuration
-    than the shape's (the bench's sweep; the same bits)."""
+    than the shape's (the bench's sweep; the same bits). out: float32 [n, out] with contiguous rows at any row
+    stride (a column block of a wider result: the TP shards' wq_b products side by side, no cat) to write y into."""
     from kernels import fp8_linear as F
     if w.dtype != torch.float8_e4m3fn:
         raise TypeError(f"prompt fp8_linear: an FP8 weight (float8_e4m3fn), got {w.dtype}")
@@ -251,13 +252,21 @@ def prompt_fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | No
     if in_f % FP8_BK:
         raise ValueError(f"prompt fp8_linear: in ({in_f}) must be a multiple of {FP8_BK}")
     n = x.shape[0]
-    y = torch.empty((n, out_f), dtype=torch.float32, device=x.device)
+    if out is None:
+        y = torch.empty((n, out_f), dtype=torch.float32, device=x.device)
+    elif (out.dtype != torch.float32 or tuple(out.shape) != (n, out_f) or out.device != x.device
+          or out.stride(1) != 1):
+        raise ValueError(f"prompt fp8_linear: out must be float32 [{n}, {out_f}] with contiguous rows on {x.device}, "
+                         f"got {out.dtype} {list(out.shape)}")
+    else:
+        y = out
     if n == 0:
         return y
     S = F.split_for(out_f // groups, in_f, F.CUDA)     # the decode kernel's chunks (a function of the shape)
     xp = pack_rows(x, FP8_BK)
     grid = (triton.cdiv(n, cfg.bm) * triton.cdiv(out_f, cfg.bn),)
-    _fp8_kernel[grid](xp, w, scale, y, n, out_f, in_f, xp.shape[1], in_f // S, S, out_f // groups if groups > 1 else 0,
+    _fp8_kernel[grid](xp, w, scale, y, n, out_f, in_f, xp.shape[1], y.stride(0), in_f // S, S,
+                      out_f // groups if groups > 1 else 0,
                       BM=cfg.bm, BN=cfg.bn, BK=FP8_BK, GROUP_M=cfg.group_m, TOT_MEM=cfg.tot_mem and S > 1, SWAP=cfg.swap,
                       INTERP=INTERPRET, num_warps=cfg.warps, num_stages=cfg.stages)
     return y

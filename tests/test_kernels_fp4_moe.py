@@ -169,6 +169,22 @@ def test_prompt_chunk_with_multi_tile_experts(small):
     assert torch.equal(among[99 - lo], y[99])
 
 
+def test_prompt_chunk_work_list_by_torch_ops_gives_the_same_bits(small, monkeypatch):
+    """Above WL_ONE_PROGRAM_PAIRS pairs fp4_moe builds its work list with `work_list`'s torch ops instead of the one
+    program: the same tiles, so the same bits (here with the threshold lowered so a small round crosses it)."""
+    from kernels import fp4_moe as FM
+    _, _, W = small
+    n = 100
+    x = _inputs(n, H, seed=8).to(DEV)
+    ids, wts = (t.to(DEV) for t in _routing(n, E, K, seed=8, skew=True))
+    one_program = fp4_moe(x, *W, ids, wts, LIMIT)
+    monkeypatch.setattr(FM, "WL_ONE_PROGRAM_PAIRS", n * K - 1)
+    calls = []
+    monkeypatch.setattr(FM, "work_list", lambda *a: calls.append(a) or work_list(*a))
+    assert torch.equal(fp4_moe(x, *W, ids, wts, LIMIT), one_program)
+    assert calls                           # the torch form ran
+
+
 def test_equals_the_moe_module(small):
     """Router from MoE.route, then the kernel's routed sum + the shared expert == MoE(x)."""
     _, exps, W = small
@@ -233,12 +249,12 @@ def v41():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["cuda", "triton"])
+@pytest.mark.parametrize("impl", ["cuda", "lean", "triton"])
 def test_v41_shapes_on_gpu(v41, impl):
     from kernels import cuda
-    if impl == "cuda" and not cuda.available():
+    if impl != "triton" and not cuda.available():
         pytest.skip("no CUDA C compiler here")
-    cfg = Config(impl="cuda") if impl == "cuda" else Config()
+    cfg = {"cuda": Config(impl="cuda"), "lean": Config(impl="cuda", lean=2), "triton": Config()}[impl]
     exps, W = v41
     x = _inputs(2048, 5120, seed=2)
     ids, wts = _routing(2048, len(exps), 6, seed=3)
@@ -253,6 +269,26 @@ def test_v41_shapes_on_gpu(v41, impl):
     for n in (1, 3, 9, 17, 33, 64):          # every row-tile count of the CUDA kernels
         assert torch.equal(run(slice(0, n)), big[:n]), f"rows 0..{n} differ from the same rows among 2048"
     assert torch.equal(run(slice(700, 701))[0], big[700])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lo", [None, 127])      # 127: codes up to 129, the lean loop's warp-vote path
+def test_lean_decode_forms_give_the_t1_bits(lo):
+    """The lean decode kernels (moe_*_lean_w1/2/4, float32 or packed x) compute each pair's MMA chain of moe_*_t1:
+    the same bits at every decode row count."""
+    from kernels import cuda
+    if not cuda.available():
+        pytest.skip("no CUDA C compiler here")
+    W = [t.cuda() for t in stack_experts(_experts(8, 5120, 2304, seed=5, lo=lo))]
+    for n in (1, 5, 8, 9, 33, 64):
+        ids, wts = _routing(n, 8, 6, seed=60 + n)
+        args = (_inputs(n, 5120, seed=61 + n).cuda(), *W, ids.cuda(), wts.cuda(), LIMIT)
+        want = fp4_moe(*args, cfg=Config(impl="cuda", lean=0))
+        assert want.abs().amax() > 0
+        for lean in (1, 2, 4):
+            for f32_rows in (0, 8):
+                got = fp4_moe(*args, cfg=Config(impl="cuda", lean=lean, f32_rows=f32_rows))
+                assert torch.equal(got, want), (n, lean, f32_rows)
 
 
 def _sharded_equals_masked(W, ids, wts, x, cfg, n_exp):

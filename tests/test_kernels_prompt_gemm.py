@@ -60,6 +60,25 @@ def test_fp8_configurations_give_the_same_bits():
         assert torch.equal(P.prompt_fp8_linear(x, w, s, cfg=cfg), want), cfg
 
 
+def test_fp8_writes_a_column_block_of_a_wider_result():
+    """out=: each product stored into its column block of one result at the result's row stride (the TP shards'
+    wq_b side by side), the bits of its own result; out of the wrong shape, dtype or layout refused."""
+    parts = [tuple(t.to(DEV) for t in _weight(o, 128, seed=30 + o)) for o in (128, 96)]
+    x = _x(70, 128, seed=31).to(DEV)
+    out = torch.full((70, 224), float("nan"), device=DEV)
+    a = 0
+    for w, s in parts:
+        got = P.prompt_fp8_linear(x, w, s, out=out[:, a:a + w.shape[0]])
+        assert got.data_ptr() == out[:, a:].data_ptr()
+        a += w.shape[0]
+    assert torch.equal(out, torch.cat([P.prompt_fp8_linear(x, w, s) for w, s in parts], dim=1))
+    w, s = parts[0]
+    for bad in (torch.empty(70, 96, device=DEV), torch.empty(70, 128, dtype=torch.float64, device=DEV),
+                torch.empty(128, 70, device=DEV).t()):
+        with pytest.raises(ValueError):
+            P.prompt_fp8_linear(x, w, s, out=bad)
+
+
 def test_fp8_grouped_equals_the_groups_one_by_one():
     w, s = (t.to(DEV) for t in _weight(2 * 128, 128, seed=9))
     x = _x(70, 2 * 128, seed=10).to(DEV)
@@ -242,6 +261,11 @@ def test_the_op_set_switches_by_rows_without_changing_a_bit():
     big = ops.fp8_linear(x, Fp8Weight(w, s))
     assert torch.equal(big, P.prompt_fp8_linear(x, w, s))
     assert torch.equal(ops.fp8_linear(x[:P.PROMPT_ROWS], Fp8Weight(w, s)), big[:P.PROMPT_ROWS])
+    # the TP shards' products side by side (Ops.linear_cat): each column block the bits of its own product
+    halves = [Fp8Weight(w[:2560], s[:80]), Fp8Weight(w[2560:], s[80:])]
+    assert torch.equal(ops.linear_cat(x, halves), torch.cat([ops.fp8_linear(x, h) for h in halves], dim=1))
+    assert torch.equal(ops.linear_cat(x[:P.PROMPT_ROWS], halves),
+                       torch.cat([ops.fp8_linear(x[:P.PROMPT_ROWS], h) for h in halves], dim=1))
     # projections fused for one decode launch (Ops.fuse): above PROMPT_ROWS each part through the prompt kernel
     w2, s2 = (t.cuda() for t in _weight(1024, 8192, seed=7))
     fw = ops.fuse([Fp8Weight(w, s), Fp8Weight(w2, s2)])

@@ -101,6 +101,20 @@ def test_e2m1_rounding_ties_and_signs():
     assert Q.e2m1_codes(torch.tensor([-0.1])).item() == 0
 
 
+def test_e2m1_rounding_next_to_every_midpoint_and_non_finite():
+    """The code search (one bucketize) against the scalar rule at each midpoint, the float32 on either side of it,
+    and the non-finite magnitudes: inf is the largest code, NaN rounds to 0 (as seven comparisons gave it)."""
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    v = torch.cat([mids, torch.nextafter(mids, torch.full_like(mids, 9.0)), torch.nextafter(mids, torch.zeros_like(mids)),
+                   torch.tensor([1e-45, 6.0])])
+    for sgn in (1.0, -1.0):
+        got = Q.round_e2m1(sgn * v)
+        assert got.tolist() == [ref_e2m1(sgn * float(x)) for x in v]
+    assert Q.round_e2m1(torch.tensor([math.inf])).item() == 6.0
+    nan = Q.round_e2m1(torch.tensor([math.nan, -math.nan]))
+    assert nan.abs().tolist() == [0.0, 0.0]
+
+
 def test_fp4_pack_unpack_every_code():
     codes = torch.arange(16)
     packed = Q.pack_fp4(codes.view(1, 16))

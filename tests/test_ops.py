@@ -188,6 +188,38 @@ def test_bf16_weights_and_grouped_products(n):
         assert torch.equal(CUDA.grouped(xg, w, 4), ones)
 
 
+@needs_kernels
+@pytest.mark.parametrize("n", [1, 17])
+def test_products_of_a_column_slice_read_it_in_place(n, monkeypatch):
+    """A column slice of x (wo_b's input of one TP shard) goes into the FP8 / bf16 products at its row stride, not
+    copied first (ops._rows), with the bits of its contiguous copy."""
+    if "fp8_linear" not in CUDA.kernels:
+        pytest.skip("no fp8_linear kernel")
+    wide = _x(n, 3 * 256, 40 + n)
+    x = wide[:, 256:512]
+    assert n == 1 or not x.is_contiguous()
+    w = _fp8(128, 256, 41)
+    wb = (torch.randn(64, 256, generator=_g(42)) * 0.05).bfloat16().to(DEVICE)
+    want = [CUDA.linear(x.contiguous(), w), CUDA.linear(x.contiguous(), wb)]
+    copies = []
+    real = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a, **k: copies.append(t.shape) or real(t, *a, **k))
+    got = [CUDA.linear(x, w), CUDA.linear(x, wb)]
+    monkeypatch.undo()
+    assert all(torch.equal(g, e) for g, e in zip(got, want))
+    assert tuple(x.shape) not in [tuple(c) for c in copies]
+
+
+@pytest.mark.parametrize("n", [1, 17])
+def test_products_side_by_side_are_the_cat_of_the_products(n):
+    """Ops.linear_cat (the TP shards' wq_b): bitwise the products concatenated, on every op set (the CUDA op set's
+    prompt kernel writes the blocks of one result above PROMPT_ROWS rows on a GPU: tests/test_kernels_prompt_gemm.py)."""
+    ws = [_fp8(64, 128, 50), _fp8(96, 128, 51)]
+    x = _x(n, 128, 52 + n)
+    for ops in (REF, FALLBACKS, CUDA):
+        assert torch.equal(ops.linear_cat(x, ws), torch.cat([ops.linear(x, w) for w in ws], dim=1)), ops.name
+
+
 @pytest.mark.parametrize("n", ROWS)
 def test_mhc_and_routing_ops_are_the_same_bits(n):
     """Sinkhorn, the stream collapse / expand and the routing weights: the kernels (kernels/rowops.py) and the torch

@@ -22,7 +22,6 @@ import torch
 from dsv41.model import quant
 from dsv41.model.device import FusedWeight
 from dsv41.model.ops import Ops, reference_ops
-from dsv41.model.rope import apply_rope
 
 
 @dataclass
@@ -63,11 +62,12 @@ class Attention:
             qa, kva = ops.linear(x, self.wq_a), ops.linear(x, self.wkv)
         q_res = ops.rms_norm(qa, self.q_norm, self.eps)
         if self.shards > 1:
-            q = torch.cat([ops.linear(q_res, w) for w in self.wq_b_shards], dim=1)
+            q = ops.linear_cat(q_res, self.wq_b_shards)     # the shards' products side by side, no cat copy
         else:
             q = ops.linear(q_res, self.wq_b)
-        q = apply_rope(q.view(-1, self.n_heads, self.head_dim), cos, sin)
-        kv = apply_rope(ops.rms_norm(kva, self.kv_norm, self.eps), cos, sin)
+        # in place: q and the normed kv are this call's own (apply_rope_: no copy of the nope dims)
+        q = ops.rope_(q.view(-1, self.n_heads, self.head_dim), cos, sin)
+        kv = ops.rope_(ops.rms_norm(kva, self.kv_norm, self.eps), cos, sin)
         if qat:
             kv = quant.fp8_fake_quant(kv, 32)
         return q_res, q, kv
@@ -96,7 +96,7 @@ class Attention:
         """Inverse RoPE at the query position, grouped wo_a, then wo_b: o [n, heads, D] -> [n, H] (this rank's
         partial sum when tensor-parallel)."""
         n = o.shape[0]
-        o = apply_rope(o, cos, sin, inverse=True)
+        o = self.ops.rope_(o, cos, sin, True)       # o is the attend's own output
         groups = self.wo_a.shape[0] // self.o_lora
         lin = self.ops.linear
         mid = self.ops.grouped(o.reshape(n, -1), self.wo_a, groups)   # group g's wo_a rows x its heads' columns

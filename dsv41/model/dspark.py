@@ -24,7 +24,6 @@ import torch
 from dsv41.model import quant
 from dsv41.model.device import host_to_device
 from dsv41.model.model import _expand
-from dsv41.model.rope import apply_rope
 from dsv41.model.state import SeqState
 
 
@@ -59,7 +58,7 @@ class DSpark:
     def _stage_kv(self, blk, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """A stage's window KV of main_x rows at the main RoPE rows cos, sin."""
         m, ops = self.model, self.ops
-        kv = apply_rope(ops.rms_norm(ops.linear(x, blk.attn.wkv), blk.attn.kv_norm, m.t.rms_norm_eps), cos, sin)
+        kv = ops.rope_(ops.rms_norm(ops.linear(x, blk.attn.wkv), blk.attn.kv_norm, m.t.rms_norm_eps), cos, sin)
         return quant.fp8_fake_quant(kv, 32) if m.qat else kv
 
     def fill_rings(self, main_hidden: torch.Tensor, pos: torch.Tensor, segs, graphs=None, cos_sin=None) -> None:

@@ -23,7 +23,7 @@ import torch
 from dsv41.model import quant
 from dsv41.model.linear import ROW_TILE, stable_topk, tiled
 from dsv41.model.ops import Ops, reference_ops
-from dsv41.model.rope import Rope, apply_rope
+from dsv41.model.rope import Rope
 
 KEY_TILE = 64
 NEG_INF = float("-inf")
@@ -45,7 +45,7 @@ class Indexer:
     def queries(self, q_res: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qat: bool):
         """q [n, heads, head_dim] (compress RoPE at the query positions, FP4 fake-quant) and head weights [n, heads]."""
         q = self.ops.linear(q_res, self.wq_b).view(-1, self.n_heads, self.head_dim)
-        q = apply_rope(q, cos, sin)
+        q = self.ops.rope_(q, cos, sin)          # the product's own output: rotated in place
         if qat:
             q = quant.fp4_fake_quant_ue8m0(q, 32)
         w = self.ops.linear(x, self.weights_proj) * self.n_heads ** -0.5
@@ -56,7 +56,7 @@ class Indexer:
         position, FP4 fake-quant."""
         k = self.ops.rms_norm(self.ops.linear(latent, self.wk), self.k_norm, self.eps)
         cos, sin = rope.cos_sin("compress", positions)
-        k = apply_rope(k, cos, sin)
+        k = self.ops.rope_(k, cos, sin)
         return quant.fp4_fake_quant_ue8m0(k, 32) if qat else k
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
@@ -162,8 +162,12 @@ def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, ratio: int, 
     that block lies past the row's own keys)."""
     n, T = scores.shape
     nb = -(-T // block_size)
-    padded = torch.cat([scores, scores.new_full((n, nb * block_size - T), NEG_INF)], dim=1)
-    block = padded.view(n, nb, block_size).amax(-1)
+    # each block's max read in place (the full blocks as a view, the partial last one apart): the max of a block
+    # padded with -inf is its own, so no padded copy of the [n, T] scores (268 MB at 2048 rows and 128K keys)
+    full = T // block_size
+    block = scores[:, :full * block_size].view(n, full, block_size).amax(-1)
+    if full < nb:
+        block = torch.cat([block, scores[:, full * block_size:].amax(-1, keepdim=True)], dim=1)
     if newest is None:
         newest = ((positions + 1) // ratio - 1) // block_size   # the block holding the newest visible entry
     block = block.masked_fill(torch.arange(nb, device=scores.device)[None, :] == newest[:, None], float("inf"))

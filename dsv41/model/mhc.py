@@ -38,14 +38,23 @@ def hc_mixes(streams: torch.Tensor, site: HcSite, sinkhorn_iters: int, hc_eps: f
     """streams [n, hc, H] -> pre [n, hc], post [n, hc], comb [n, hc, hc] (comb[:, j, k]: stream j -> k)."""
     ops = site.ops
     n, hc, _ = streams.shape
-    flat = ops.rms_norm(streams.reshape(n, -1), None, norm_eps)
-    m = ops.linear(flat, site.fn)
-    s, b = site.scale, site.base
+    m = ops.hc_pre(streams, site.fn, norm_eps) if ops.hc_pre is not None else None
+    if m is None:       # the reference's order: the normalised streams times hc_fn
+        m = ops.linear(ops.rms_norm(streams.reshape(n, -1), None, norm_eps), site.fn)
+    return ops.hc_mix(m, site.scale, site.base, hc, sinkhorn_iters, hc_eps)
+
+
+def hc_mix(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, sinkhorn_iters: int, hc_eps: float,
+           sinkhorn_fn=None):
+    """The mixes m [n, (2 + hc) * hc] -> pre [n, hc], post [n, hc], comb [n, hc, hc] (the Sinkhorn-normalised
+    softmax). sinkhorn_fn: the op set's Sinkhorn (default: the torch loop below; kernels/rowops.py's gives its bits)."""
+    n = m.shape[0]
+    s, b = scale, base
     pre = sigmoid(m[:, :hc] * s[0] + b[:hc]) + hc_eps
     post = 2 * sigmoid(m[:, hc:2 * hc] * s[1] + b[hc:2 * hc])
     logits = (m[:, 2 * hc:] * s[2] + b[2 * hc:]).view(n, hc, hc)
     comb = torch.softmax(logits, dim=-1) + hc_eps
-    return pre, post, ops.sinkhorn(comb, sinkhorn_iters, hc_eps)
+    return pre, post, (sinkhorn_fn or sinkhorn)(comb, sinkhorn_iters, hc_eps)
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

@@ -34,14 +34,17 @@ class Expert:
     w3: torch.Tensor   # [inter, H]
 
 
+def swiglu_h(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, limit)) · clamp(up, ±limit) (kernels/act.py: the same in one launch)."""
+    return silu(torch.clamp(gate, max=limit)) * torch.clamp(up, min=-limit, max=limit)
+
+
 def swiglu(x: torch.Tensor, e: Expert, limit: float, weight: torch.Tensor | None = None,
            ops: Ops | None = None) -> torch.Tensor:
     """w2(weight · silu(min(w1x, limit)) · clamp(w3x, ±limit)), the products through `ops` (default: the
     reference)."""
     lin = (ops or reference_ops()).linear
-    gate = torch.clamp(lin(x, e.w1), max=limit)
-    up = torch.clamp(lin(x, e.w3), min=-limit, max=limit)
-    h = silu(gate) * up
+    h = swiglu_h(lin(x, e.w1), lin(x, e.w3), limit)
     if weight is not None:
         h = h * weight
     return lin(h, e.w2)
@@ -49,8 +52,7 @@ def swiglu(x: torch.Tensor, e: Expert, limit: float, weight: torch.Tensor | None
 
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, e: Expert, limit: float, ops: Ops) -> torch.Tensor:
     """`swiglu` from its two products w1x, w3x already computed (a fused launch: MoE.shared_in)."""
-    h = silu(torch.clamp(gate, max=limit)) * torch.clamp(up, min=-limit, max=limit)
-    return ops.linear(h, e.w2)
+    return ops.linear(ops.swiglu_h(gate, up, limit), e.w2)
 
 
 def router_scores(z: torch.Tensor, temp: float, bias: torch.Tensor, bias_vl: torch.Tensor,

@@ -50,6 +50,8 @@ class Ops:
     row_mean: Callable             # (x) -> mean over the last dim, keepdim
     rms_norm: Callable             # (x, weight | None, eps) -> float32, the shape of x
     sinkhorn: Callable             # (comb [n, hc, hc], iters, eps) -> comb (mhc.sinkhorn)
+    hc_mix: Callable               # (mixes m [n, (2 + hc) * hc], scale [3], base, hc, iters, eps) -> (pre, post,
+    #                                comb): an mHC site's mixes after its hc_fn product (mhc.hc_mix)
     hc_collapse: Callable          # (streams [n, hc, H], pre [n, hc]) -> [n, H]
     hc_expand: Callable            # (y [n, H], residual [n, hc, H], post [n, hc], comb [n, hc, hc]) -> [n, hc, H]
     route_weights: Callable        # (scores [n, E], ids [n, k], scaling) -> [n, k] (moe.route_weights)
@@ -63,12 +65,17 @@ class Ops:
     #                                into slot slots[r] of its sequence's ring (B*n real rows; the rest pad as row 0)
     sparse_attend: Callable        # (ops, q [n, h, D], pool [P, D], idx [n, K] (-1 masked), sink [h], scale)
     #                                -> [n, h, D]
+    swiglu_h: Callable             # (gate, up, limit) -> silu(min(gate, limit)) * clamp(up, ±limit) (moe.swiglu_h)
+    rope_: Callable                # (x [n, (heads,) D] float32, cos, sin, inverse) -> x rotated in place
+    #                                (rope.apply_rope_)
     router_scores: Callable        # (logits [n, E], temp, bias [E], bias_vl [E], image [n] bool | None) ->
     #                                (s [n, E], s + bias by row) (moe.router_scores)
     router_topk: Callable          # (scores [n, E], k) -> (values [n, k], ids [n, k] int64): the router's pick,
     #                                value descending, ties to the lower id (linear.stable_topk)
     select_topk: Callable          # (scores [n, T], k) -> [n, k] int64: the indexer's top-k finite entries in
     #                                ascending index order, -1 padded (indexer.select_topk)
+    hc_pre: Callable | None = None        # (streams [n, hc, H], hc_fn [NM, hc * H], eps) -> the mixes m [n, NM] or None
+    #                                       where it does not apply; None: rms_norm then linear (mhc.hc_mixes)
     fp4_routed: Callable | None = None    # (ExpertStack, x, weights, ids, limit, shard) -> [n, H]; None: per expert
     fp4_routed_shards: Callable | None = None   # (ExpertStack with .shard, x, weights, ids, limit) -> [S, n, H]:
     #                                             each TP shard's slot sum from one grouped pass; None: shard by shard
@@ -79,6 +86,8 @@ class Ops:
     fuse_linears: Callable | None = None   # (weights that take one input) -> device.FusedWeight | None: their rows
     #                                        concatenated for one launch; None: products one by one (the reference)
     fused_linear: Callable | None = None   # (x, FusedWeight) -> [each weight's float32 [n, out_i]]
+    cat_linear: Callable | None = None     # (ops, x, [weights]) -> float32 [n, Σ out_i]: the products side by side in
+    #                                        one result; None: torch.cat of the linears
     stacks_experts: bool = False   # Model.load stacks each layer's kept experts (the grouped kernels' layout)
     graphs: bool = True            # a round's row-only pieces may become CUDA graphs (no host sync inside them)
     kernels: tuple[str, ...] = ()  # the kernels/ functions this op set runs (reports; empty: torch only)
@@ -104,6 +113,13 @@ class Ops:
     def linear_parts(self, x: torch.Tensor, w: FusedWeight) -> list[torch.Tensor]:
         """x times each weight of a FusedWeight, in one launch: [n, out_i] each, bitwise `linear(x, part i)`."""
         return self.fused_linear(x, w)
+
+    def linear_cat(self, x: torch.Tensor, ws: list) -> torch.Tensor:
+        """x times each weight, side by side: bitwise torch.cat([linear(x, w) for w in ws], dim=1), written into one
+        result where the op set can (the TP shards' wq_b products: no cat of a [rows, 32768] q)."""
+        if self.cat_linear is not None:
+            return self.cat_linear(self, x, ws)
+        return torch.cat([self.linear(x, w) for w in ws], dim=1)
 
     def grouped(self, x: torch.Tensor, w, groups: int) -> torch.Tensor:
         """The block-diagonal product of a grouped projection (wo_a): group g's weight rows times x's group g
@@ -188,17 +204,19 @@ def reference_ops() -> Ops:
     """The CPU float32 reference: exactly the functions the model defines (the bitwise tests' path)."""
     from dsv41.model import mhc, moe
     from dsv41.model.indexer import select_topk
+    from dsv41.model.rope import apply_rope_
     rows = L.ROW_TILE
     dense = _dense_linear(rows)
     return Ops(name="reference", row_tile=rows, dense_linear=dense, fp8_linear=_dequant_linear(dense),
                grouped_linear=_grouped_linear,
                fp4_linear=_dequant_linear(dense), exl3_linear=_exl3_reference_linear(rows),
                row_sum=L.row_sum, row_mean=L.row_mean, rms_norm=L.rms_norm, sinkhorn=mhc.sinkhorn,
+               hc_mix=mhc.hc_mix,
                hc_collapse=mhc.hc_collapse, hc_expand=mhc.hc_expand, route_weights=moe.route_weights,
                index_scores=functools.partial(_index_scores_tiled, rows=rows),
                round_scores=functools.partial(_round_scores_padded, rows=rows), gather_round=gather_round,
-               ring_write=ring_write, sparse_attend=attend_tiled, router_scores=moe.router_scores,
-               router_topk=L.stable_topk, select_topk=select_topk)
+               ring_write=ring_write, sparse_attend=attend_tiled, swiglu_h=moe.swiglu_h, rope_=apply_rope_,
+               router_scores=moe.router_scores, router_topk=L.stable_topk, select_topk=select_topk)
 
 
 # ---- the CUDA path -------------------------------------------------------------------------------------------
@@ -214,6 +232,7 @@ def cuda_ops(kernels: bool = True) -> Ops:
 def _cuda_ops(kernels: bool) -> Ops:
     from dsv41.model import mhc, moe
     from dsv41.model.indexer import select_topk
+    from dsv41.model.rope import apply_rope_
     rows = CUDA_ROW_TILE
     dense = _dense_linear(rows)
     k = _load_kernels() if kernels else {}
@@ -222,21 +241,24 @@ def _cuda_ops(kernels: bool) -> Ops:
         index_scores = _kernel_index_scores(k["index_scores"], index_scores)
     fp8 = _dequant_linear(dense)
     grouped = _grouped_linear
-    fuse = fused = None
+    fuse = fused = cat = None
     if "fp8_linear" in k:
         fp8 = _kernel_fp8_linear(k["fp8_linear"])
         grouped = _kernel_grouped_linear(k["fp8_linear_grouped"], fp8)
         fuse, fused = _kernel_fuse(k["multi_config"]), _kernel_fused_linear(k["fp8_linear_multi"])
         if "prompt_fp8_linear" in k:
-            fp8, grouped, fused = _prompt_fp8_linear(k["prompt_fp8_linear"], fp8, grouped, fused)
+            fp8, grouped, fused, cat = _prompt_fp8_linear(k["prompt_fp8_linear"], fp8, grouped, fused)
     kdense = _kernel_dense_linear(k["bf16_linear"], dense) if "bf16_linear" in k else dense
+    sinkhorn = _or_fallback(k.get("sinkhorn"), mhc.sinkhorn)
     return Ops(
         name="cuda" if kernels else "cuda-fallbacks", row_tile=rows, dense_linear=kdense, fp8_linear=fp8,
         grouped_linear=grouped,
         fp4_linear=_dequant_linear(dense), exl3_linear=_exl3_reference_linear(rows),
         row_sum=tree_row_sum, row_mean=tree_row_mean,
         rms_norm=_kernel_rms_norm(k["rms_norm"]) if "rms_norm" in k else _tree_rms_norm,
-        sinkhorn=_or_fallback(k.get("sinkhorn"), mhc.sinkhorn),
+        sinkhorn=sinkhorn,
+        hc_mix=_or_fallback(k.get("hc_mix"), functools.partial(mhc.hc_mix, sinkhorn_fn=sinkhorn)),
+        hc_pre=k.get("hc_pre"),
         hc_collapse=_or_fallback(k.get("hc_collapse"), mhc.hc_collapse),
         hc_expand=_or_fallback(k.get("hc_expand"), mhc.hc_expand),
         route_weights=_or_fallback(k.get("route_weights"), moe.route_weights),
@@ -245,12 +267,14 @@ def _cuda_ops(kernels: bool) -> Ops:
         gather_round=_kernel_gather_round(k["gather_rows"]) if "gather_rows" in k else gather_round,
         ring_write=_kernel_ring_write(k["scatter_rows"]) if "scatter_rows" in k else ring_write,
         sparse_attend=_kernel_attend(k["sparse_attn"]) if "sparse_attn" in k else attend_tiled,
+        swiglu_h=_or_fallback(k.get("swiglu_h"), moe.swiglu_h),
+        rope_=_or_fallback(k.get("rope_"), apply_rope_),
         router_scores=_or_fallback(k.get("router_scores"), moe.router_scores),
         router_topk=_or_fallback(k.get("router_topk"), L.stable_topk),
         select_topk=_or_fallback(k.get("select_topk"), select_topk),
         fp4_routed=_kernel_fp4_routed(k["fp4_moe"]) if "fp4_moe" in k else None,
         fp4_routed_shards=_kernel_fp4_routed_shards(k["fp4_moe"]) if "fp4_moe" in k else None,
-        fuse_linears=fuse, fused_linear=fused,
+        fuse_linears=fuse, fused_linear=fused, cat_linear=cat,
         stacks_experts=True,
         # the fallbacks' per-expert MoE waits for the device (ids.unique): those rounds run eagerly
         graphs="fp4_moe" in k,
@@ -269,6 +293,9 @@ def _load_kernels() -> dict:
                           ("kernels.sparse_attn", ("sparse_attn",)),
                           ("kernels.topk", ("router_topk", "select_topk")),
                           ("kernels.router", ("router_scores",)),
+                          ("kernels.mhc", ("hc_mix", "hc_pre")),
+                          ("kernels.act", ("swiglu_h",)),
+                          ("kernels.rope", ("rope_",)),
                           ("kernels.rowops", ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "route_weights"))):
         try:
             mod = __import__(module, fromlist=list(names))
@@ -279,6 +306,13 @@ def _load_kernels() -> dict:
 
 
 # ---- the functions (torch forms here, the model's own in linear / mhc / moe / indexer) ---------------------------
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the FP8/bf16 product kernels take it: rows of contiguous elements at any row stride (they read x through
+    its row stride: kernels/fp8_linear.py, prompt_gemm.pack_rows). A column slice (wo_b's input of one TP shard,
+    [rows, 4096] of [rows, 8192]) goes in as it is, where .contiguous() copied it first."""
+    return x if x.dim() == 2 and x.stride(1) == 1 else x.contiguous()
+
 
 def _dense_linear(rows: int) -> Callable:
     """A float weight's product in `rows`-row tiles; a bf16 weight (kept as stored, weights.BF16_KEPT) widened to
@@ -293,7 +327,7 @@ def _kernel_dense_linear(k: Callable, dense: Callable) -> Callable:
     float32 weight as the dense product."""
     def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if w.dtype == torch.bfloat16:
-            return k(x.contiguous(), w)
+            return k(_rows(x), w)
         return dense(x, w)
     return dense_linear
 
@@ -317,14 +351,14 @@ def _kernel_grouped_linear(k: Callable, fp8: Callable) -> Callable:
     same bits as the groups one by one through the same kernel); any other weight group by group."""
     def grouped_linear(ops: Ops, x: torch.Tensor, w, groups: int) -> torch.Tensor:
         if isinstance(w, Fp8Weight):
-            return k(x.contiguous(), w.q, w.scale, groups)
+            return k(_rows(x), w.q, w.scale, groups)
         return _grouped_linear(ops, x, w, groups)
     return grouped_linear
 
 
 def _kernel_fp8_linear(k: Callable) -> Callable:
     def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-        return k(x.contiguous(), w.q, w.scale).float()
+        return k(_rows(x), w.q, w.scale).float()
     return fp8_linear
 
 
@@ -345,7 +379,7 @@ def _kernel_fuse(multi_config: Callable) -> Callable:
 def _kernel_fused_linear(k: Callable) -> Callable:
     def fused_linear(x: torch.Tensor, w: FusedWeight) -> list[torch.Tensor]:
         q, s = (w.w.q, w.w.scale) if isinstance(w.w, Fp8Weight) else (w.w, None)
-        return k(x.contiguous(), q, s, w.outs, w.cfg)
+        return k(_rows(x), q, s, w.outs, w.cfg)
     return fused_linear
 
 
@@ -556,12 +590,13 @@ def _kernel_fp4_routed_shards(k: Callable) -> Callable:
 
 
 def _prompt_fp8_linear(k: Callable, fp8: Callable, grouped: Callable,
-                       fused: Callable) -> tuple[Callable, Callable, Callable]:
+                       fused: Callable) -> tuple[Callable, Callable, Callable, Callable]:
     """FP8 products of more than PROMPT_ROWS rows through kernels/prompt_gemm.py's tensor-core tiles, where the decode
     kernel they replace is the CUDA C one and the device gives its bits (`agrees_with_decode`, checked once per
     device: the prompt kernel runs the decode kernel's k order and K chunks, but whether wgmma sums as mma.sync is the
     hardware's), so the row count picking one or the other changes no row; else `fp8` / `grouped` / `fused` (a
-    FusedWeight's parts, each its own prompt product: each part's bits are its own launch's)."""
+    FusedWeight's parts, each its own prompt product: each part's bits are its own launch's); `linear_cat`'s
+    products write their column blocks of one result (a store at another row stride: the same bits)."""
     from kernels.fp8_linear import CUDA, config_for
     from kernels.prompt_gemm import PROMPT_ROWS, agrees_with_decode, fp8_config
     if torch.cuda.is_available():
@@ -573,18 +608,29 @@ def _prompt_fp8_linear(k: Callable, fp8: Callable, grouped: Callable,
 
     def fp8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
         if takes(x, w, w.shape[0]):
-            return k(x.contiguous(), w.q, w.scale)
+            return k(_rows(x), w.q, w.scale)
         return fp8(x, w)
 
     def grouped_linear(ops: Ops, x: torch.Tensor, w, groups: int) -> torch.Tensor:
         rows = w.shape[0] // groups
         if takes(x, w, rows) and rows % fp8_config(rows, w.shape[1]).bn == 0:
-            return k(x.contiguous(), w.q, w.scale, groups)
+            return k(_rows(x), w.q, w.scale, groups)
         return grouped(ops, x, w, groups)
 
     def fused_linear(x: torch.Tensor, w: FusedWeight) -> list[torch.Tensor]:
         if isinstance(w.w, Fp8Weight) and all(takes(x, w.w, o) for o in w.outs):
-            x = x.contiguous()
+            x = _rows(x)
             return [k(x, part.q, part.scale) for part in (w.part(i) for i in range(len(w.outs)))]
         return fused(x, w)
-    return fp8_linear, grouped_linear, fused_linear
+
+    def cat_linear(ops: Ops, x: torch.Tensor, ws: list) -> torch.Tensor:
+        if not ws or not all(takes(x, w, w.shape[0]) for w in ws):
+            return torch.cat([ops.linear(x, w) for w in ws], dim=1)
+        x = _rows(x)
+        out = torch.empty((x.shape[0], sum(w.shape[0] for w in ws)), dtype=torch.float32, device=x.device)
+        a = 0
+        for w in ws:
+            k(x, w.q, w.scale, out=out[:, a:a + w.shape[0]])
+            a += w.shape[0]
+        return out
+    return fp8_linear, grouped_linear, fused_linear, cat_linear

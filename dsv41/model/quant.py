@@ -8,6 +8,7 @@ target dtype among float32/bfloat16.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -148,11 +149,20 @@ def quant_fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _E2M1_MIDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
+@functools.cache
+def _e2m1_bounds(device: torch.device) -> torch.Tensor:
+    """The least magnitude of each E2M1 code 1..7: its midpoint where a tie goes up, else the float32 after it (made
+    once per device, as _e2m1_table)."""
+    mids = torch.tensor([m for m, _ in _E2M1_MIDS], dtype=F32)
+    up = torch.tensor([u for _, u in _E2M1_MIDS])
+    return torch.where(up, mids, torch.nextafter(mids, torch.full_like(mids, math.inf))).to(device)
+
+
 def _e2m1_index(a: torch.Tensor) -> torch.Tensor:
-    idx = torch.zeros(a.shape, dtype=torch.int64, device=a.device)
-    for mid, tie_up in _E2M1_MIDS:
-        idx += (a >= mid) if tie_up else (a > mid)
-    return idx
+    """Magnitudes a >= 0 -> their E2M1 magnitude codes 0..7 (int64): how many of the codes' least magnitudes a
+    reaches, in one search (counting seven comparisons into an int64 took fifteen passes over an indexer q of
+    [rows, 64, 128]). A NaN gets code 0, as the comparisons gave it."""
+    return torch.bucketize(torch.nan_to_num(a, nan=0.0, posinf=math.inf), _e2m1_bounds(a.device), right=True)
 
 
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:

@@ -69,3 +69,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     even, odd = rot[..., 0::2], rot[..., 1::2]
     rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
     return torch.cat([nope, rotated], dim=-1)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """apply_rope in place on a float32 x the caller owns (a fresh product or norm output), returned: the same
+    products and sums, so the same bits, but only the rope dims are written. apply_rope's cat copies the whole of x
+    (the nope dims are 7/8 of a [rows, 64, 512] q: a 2048-row prompt chunk's q and attention output are 268 MB
+    each, bench/results/round-profile.md's CatArrayBatchedCopy) and its stack interleaves the pairs in another
+    pass. Another dtype takes apply_rope (its cat promotes to float32)."""
+    if x.dtype != torch.float32:
+        return apply_rope(x, cos, sin, inverse)
+    rd = cos.shape[-1] * 2
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if inverse:
+        sin = -sin
+    rot = x[..., -rd:]
+    even, odd = rot[..., 0::2], rot[..., 1::2]
+    new_even, new_odd = even * cos - odd * sin, even * sin + odd * cos    # both read before either is written
+    even.copy_(new_even)
+    odd.copy_(new_odd)
+    return x

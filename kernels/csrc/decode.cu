@@ -672,6 +672,214 @@ MOE_KERNELS(2)
 MOE_KERNELS(4)
 MOE_KERNELS(8)
 
+// ---- the decode form: one row tile, lean inner loop ------------------------------------------------------------
+//
+// A decode round's tiles hold one or two pairs, so each weight byte is decoded for one row tile of 8 and the kernels
+// are bound by the integer pipe, not by DRAM (ncu, session 9: moe_up_t1 SM 72 % / DRAM 38 %). This form keeps every
+// pair's MMA chain of moe_*_t1 (same lanes' bytes, same fragments, same k order: the same bits, tested against the
+// prompt forms) and cuts what surrounds the E2M1 unpacking:
+//   - NW warps a block (2: twice the blocks of the t forms, so 6 experts at one row still spread over every SM);
+//   - a ring of PF steps of weight bytes (cp.async) with its scale codes, stepped by pointers advanced once per PF
+//     steps (immediate offsets inside), no per-step bounds other than the prefetch predicate;
+//   - the bf16x2 factor 2^(e-1) from one integer multiply-add of the code (e <= 128), the rare larger code on a
+//     warp-uniform second path;
+//   - rows past the chunk's pairs read a live pair's x (their MMA columns are never stored; a column of an MMA
+//     depends only on its own B column), so no null checks in the loop.
+template <int NMAT>
+struct LeanRing {
+    static constexpr int PF = NMAT == 2 ? 4 : 8;          // 16-byte steps a lane has in flight per row stream
+};
+
+DEVI u32 lean_factor(u32 e) { return e * 0x00800080u + 0x3F003F00u; }   // bf16x2 2^(e-1), e <= 128
+
+// One 64-byte step of the lean loop: the NMAT matrices' rows (g, g + 8) against one row tile. BIG: a scale code
+// above 128 in the warp (two factors; never for trained weights), a separate straight-line path.
+// XF: xs is float32 x (the pair's row as it is: the fragments rounded here, the same cvt.rn as pack_x mode 2), so a
+// round of a few rows needs no pack_x launch; else the packed bf16 row.
+template <int NMAT, bool BIG, bool XF>
+DEVI void lean_step(const uint4* q, const u32* e, const u32* xs, float (*acc)[4]) {
+    u32 f[2 * NMAT];
+#pragma unroll
+    for (int k = 0; k < 2 * NMAT; ++k) f[k] = BIG ? e2m1_factor(e[k]) : lean_factor(e[k]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        uint4 v;
+        if (XF) {
+            const float* xf = reinterpret_cast<const float*>(xs) + 8 * j;
+            const float4 u = ldx4(xf), w = ldx4(xf + 4);
+            v.x = pack_bf16(u.x, w.x);
+            v.y = pack_bf16(u.z, w.z);
+            v.z = pack_bf16(u.y, w.y);
+            v.w = pack_bf16(u.w, w.w);
+        } else {
+            v = ldq4(xs + 4 * j);
+        }
+#pragma unroll
+        for (int mt = 0; mt < NMAT; ++mt) {
+            u32 A0, A1, A2, A3, B0, B1, B2, B3;
+            e2m1_pairs(word(q[2 * mt], j), f[2 * mt], e[2 * mt], BIG, A0, A1, A2, A3);
+            e2m1_pairs(word(q[2 * mt + 1], j), f[2 * mt + 1], e[2 * mt + 1], BIG, B0, B1, B2, B3);
+            mma(acc[mt], A0, B0, A1, B1, v.x, v.y);
+            mma(acc[mt], A2, B2, A3, B3, v.z, v.w);
+        }
+    }
+}
+
+template <int NMAT, int NW, bool XF>
+DEVI void lean_loop(const u8* const* w, const u8* const* sc, int nsteps, const u32* xr, float (*acc)[4]) {
+    constexpr int PF = LeanRing<NMAT>::PF, NS = 2 * NMAT, LANES = 32 * NW;
+    constexpr int STAGE = NS * LANES * 16;
+    __shared__ __align__(16) u8 ring[PF * STAGE];
+    const u32 base = smem_addr(ring) + threadIdx.x * 16;
+    const u8* pw[NS];
+    const u8* ps[NS];
+#pragma unroll
+    for (int k = 0; k < NS; ++k) {
+        pw[k] = w[k];
+        ps[k] = sc[k];
+    }
+    u32 ec[PF][NS];
+#pragma unroll
+    for (int p = 0; p < PF; ++p) {
+        if (p < nsteps) {
+#pragma unroll
+            for (int k = 0; k < NS; ++k) {
+                cp16(base + p * STAGE + k * LANES * 16, pw[k] + 64 * p);
+                ec[p][k] = ps[k][4 * p];
+            }
+        }
+        cp_commit();
+    }
+    const u32* xq = xr;
+#pragma unroll 1
+    for (int s0 = 0; s0 < nsteps; s0 += PF) {
+#pragma unroll
+        for (int p = 0; p < PF; ++p) {
+            if (s0 + p < nsteps) {
+                cp_wait<PF - 1>();
+                uint4 q[NS];
+                u32 e[NS];
+                u32 emax = 0;
+#pragma unroll
+                for (int k = 0; k < NS; ++k) {
+                    q[k] = lds16(base + p * STAGE + k * LANES * 16);
+                    e[k] = ec[p][k];
+                    emax = max(emax, e[k]);
+                }
+                if (s0 + p + PF < nsteps) {
+#pragma unroll
+                    for (int k = 0; k < NS; ++k) {
+                        cp16(base + p * STAGE + k * LANES * 16, pw[k] + 64 * (p + PF));
+                        ec[p][k] = ps[k][4 * (p + PF)];
+                    }
+                }
+                cp_commit();
+                const u32* xs = xq + 64 * p * (XF ? 2 : 1);
+                if (__any_sync(0xffffffffu, emax > 128u)) lean_step<NMAT, true, XF>(q, e, xs, acc);
+                else lean_step<NMAT, false, XF>(q, e, xs, acc);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < NS; ++k) {
+            pw[k] += 64 * PF;
+            ps[k] += 4 * PF;
+        }
+        xq += 64 * PF * (XF ? 2 : 1);
+    }
+    cp_wait<0>();
+}
+
+// Gate/up, decode form: grid (work-list tiles, I / (16 NW)), 32 NW threads; the tile's pairs in chunks of 8.
+template <int NW, bool XF>
+DEVI void moe_up_lean_body(const u32* x, const u8* w13, const u8* s13, const int* tile_e, const int* tile_start,
+                           const int* tile_cnt, const int* order, const float* rw, unsigned short* h, int H, int I,
+                           int topk, float limit) {
+    Tile tl = load_tile(tile_e, tile_start, tile_cnt);
+    if (tl.cnt == 0) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = blockIdx.y * (16 * NW) + warp * 16;
+    const int HB = H >> 1, HS = H >> 5;
+    const long long row = (long long)tl.e * 2 * I + r0 + g;
+    const u8* w1a = w13 + row * HB + 16 * t;
+    const u8* s1a = s13 + row * HS + t;
+    const u8* w[4] = {w1a, w1a + 8LL * HB, w1a + (long long)I * HB, w1a + (long long)(I + 8) * HB};
+    const u8* sc[4] = {s1a, s1a + 8LL * HS, s1a + (long long)I * HS, s1a + (long long)(I + 8) * HS};
+#pragma unroll 1
+    for (int c0 = 0; c0 < tl.cnt; c0 += 8) {
+        const int cnt = min(8, tl.cnt - c0), p0 = tl.p0 + c0;
+        const long long xrow = order[p0 + min(g, cnt - 1)] / topk;      // XF: float32 rows of H, else H/2 words
+        const u32* xr = x + (XF ? xrow * H + 32 * t : xrow * (H >> 1) + 16 * t);
+        float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        lean_loop<2, NW, XF>(w, sc, HB >> 6, xr, acc);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int q = 2 * t + (r & 1);
+            if (q < cnt) {
+                const int rr = r0 + g + (r >> 1) * 8;
+                float gt = fminf(acc[0][r], limit);
+                float up = fminf(fmaxf(acc[1][r], -limit), limit);
+                float wgt = rw[order[p0 + q]];
+                float hv = gt / (1.0f + expf(-gt)) * up * wgt;    // as moe_up_body: the same h bits
+                unsigned short hb;
+                asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(hb) : "f"(hv));
+                const int r8 = rr & 7;
+                const int pos = (rr & ~7) | ((r8 & 1) << 2) | (r8 & 2) | (r8 >> 2);
+                h[(long long)(p0 + q) * I + pos] = hb;
+            }
+        }
+    }
+}
+
+// Down, decode form: grid (work-list tiles, H / (16 NW)), 32 NW threads.
+template <int NW>
+DEVI void moe_down_lean_body(const u32* h, const u8* w2, const u8* s2, const int* tile_e, const int* tile_start,
+                             const int* tile_cnt, const int* order, float* y, int H, int I) {
+    Tile tl = load_tile(tile_e, tile_start, tile_cnt);
+    if (tl.cnt == 0) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int r0 = blockIdx.y * (16 * NW) + warp * 16;
+    const int IB = I >> 1, IS = I >> 5;
+    const long long row = (long long)tl.e * H + r0 + g;
+    const u8* wa = w2 + row * IB + 16 * t;
+    const u8* sa = s2 + row * IS + t;
+    const u8* w[2] = {wa, wa + 8LL * IB};
+    const u8* sc[2] = {sa, sa + 8LL * IS};
+#pragma unroll 1
+    for (int c0 = 0; c0 < tl.cnt; c0 += 8) {
+        const int cnt = min(8, tl.cnt - c0), p0 = tl.p0 + c0;
+        const u32* hr = h + (long long)(p0 + min(g, cnt - 1)) * (I >> 1) + 16 * t;
+        float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+        lean_loop<1, NW, false>(w, sc, IB >> 6, hr, acc);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int q = 2 * t + (r & 1);
+            if (q < cnt) y[(long long)order[p0 + q] * H + r0 + g + (r >> 1) * 8] = acc[0][r];
+        }
+    }
+}
+
+#define MOE_LEAN_KERNELS(NW)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * NW) moe_up_lean_w##NW(                                     \
+        const u32* x, const u8* w13, const u8* s13, const int* tile_e, const int* tile_start, const int* tile_cnt, \
+        const int* order, const float* rw, unsigned short* h, int H, int I, int topk, float limit) {            \
+        moe_up_lean_body<NW, false>(x, w13, s13, tile_e, tile_start, tile_cnt, order, rw, h, H, I, topk, limit); \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * NW) moe_up_lean_x_w##NW(                                   \
+        const u32* x, const u8* w13, const u8* s13, const int* tile_e, const int* tile_start, const int* tile_cnt, \
+        const int* order, const float* rw, unsigned short* h, int H, int I, int topk, float limit) {            \
+        moe_up_lean_body<NW, true>(x, w13, s13, tile_e, tile_start, tile_cnt, order, rw, h, H, I, topk, limit);  \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * NW) moe_down_lean_w##NW(                                   \
+        const u32* h, const u8* w2, const u8* s2, const int* tile_e, const int* tile_start, const int* tile_cnt,  \
+        const int* order, float* y, int H, int I) {                                                             \
+        moe_down_lean_body<NW>(h, w2, s2, tile_e, tile_start, tile_cnt, order, y, H, I);                        \
+    }
+MOE_LEAN_KERNELS(1)
+MOE_LEAN_KERNELS(2)
+MOE_LEAN_KERNELS(4)
+
 // ---- the routed experts' work list for a decode round ---------------------------------------------------------------
 
 // Inclusive sum of v over the block's threads (blockDim.x a multiple of 32, at most 1024).

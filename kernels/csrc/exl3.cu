@@ -222,6 +222,26 @@ DEVI float ld_cg(const float* p) {
     return r;
 }
 
+// Programmatic dependent launch (kernels/cuda.py launch(pdl=True)): wait for the stream's previous kernel (its
+// writes visible), and let the next one start launching. Both are no-ops for a plain launch.
+DEVI void griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+DEVI void griddep_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+DEVI u32 ld_stream(const u32* p) {                                  // read once: not kept in L1
+    u32 r;
+    asm volatile("ld.global.nc.L1::no_allocate.b32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+
 // fp32 multiply and add with explicit rounding: never contracted into an fma, so the Hadamards and the scales are
 // the same operations in every instantiation (and the reference's order: butterflies, * scale, * svh, + bias)
 DEVI float fmul(float a, float b) {
@@ -295,6 +315,107 @@ struct Xs {
     static constexpr int YBYTES = 8 * MAXT * YLD * 4;
 };
 
+// The register-direct form's loop (RD, a bench form): each warp loads its own two n-tiles' words from global memory
+// into registers one stage ahead of their decode (no shared-memory ring, no copies to wait for); barriers only around
+// the input rotations. The same rotation, decode and MMA chain as the ring forms in exl3_body, so the same bits.
+template <int K2, int CB, int MAXT, int DIAG>
+DEVI void exl3_rd_loop(float (&acc)[2][MAXT][4], const u32* wexp, const float* x, const u16* su, const int* xmap,
+                       u16* xs, const u32* xlane, int NT, int nt0, int h_lo, int h_hi, int nst, int nrw, int R,
+                       int live, int D, long long row0, int a_shift, int st, bool early) {
+    typedef Rate<K2> R_;
+    typedef Xs<MAXT> XS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32* lw[R_::NWL];                                // this lane's words of stage 0's tile (0, 0)
+#pragma unroll
+    for (int q = 0; q < R_::NWL; ++q)
+        lw[q] = wexp + ((long long)h_lo * 8 * NT + nt0 + 2 * warp) * R_::NW + ((st >> 5) + q) % R_::NW;
+    const long long kt_step = (long long)NT * R_::NW;      // words from one k-tile to the next
+    u32 wa[KT_STAGE][2][R_::NWL], wb[KT_STAGE][2][R_::NWL];
+    auto load = [&](int s, u32 (&buf)[KT_STAGE][2][R_::NWL]) {
+        if (s < nst) {
+#pragma unroll
+            for (int kk = 0; kk < KT_STAGE; ++kk)
+#pragma unroll
+                for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+                    for (int q = 0; q < R_::NWL; ++q)
+                        buf[kk][nn][q] = ld_stream(lw[q] + (s * KT_STAGE + kk) * kt_step + nn * R_::NW);
+        }
+    };
+    auto step = [&](int s, u32 (&use)[KT_STAGE][2][R_::NWL], u32 (&fill)[KT_STAGE][2][R_::NWL]) {
+        if ((s & 1) == 0 && (s >> 1) % XS::XH == 0) {
+            __syncthreads();                               // everyone is done with the previous rotated x
+            const int hg = h_lo + (s >> 1);
+            const int pairs = min(XS::XH, h_hi - hg) * nrw;
+            for (int p0 = 0; p0 < pairs; p0 += 4) {
+                float4 xv[4];
+                uint2 sv[4];
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const int p = p0 + b, hh = p / nrw, r = warp + 4 * (p % nrw);
+                    if (p < pairs) {
+                        sv[b] = *reinterpret_cast<const uint2*>(su + (hg + hh) * 128 + lane * 4);
+                        if (r < R) {
+                            const long long xr = xmap ? (long long)xmap[row0 + r] : row0 + r;
+                            xv[b] = *reinterpret_cast<const float4*>(x + xr * D + (hg + hh) * 128 + lane * 4);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const int p = p0 + b, hh = p / nrw, r = warp + 4 * (p % nrw);
+                    if (p < pairs) {
+                        uint2 out;
+                        out.x = out.y = 0u;
+                        if (r < R) {
+                            const float s0 = h2f(sv[b].x & 0xFFFF), s1 = h2f(sv[b].x >> 16);
+                            const float s2 = h2f(sv[b].y & 0xFFFF), s3 = h2f(sv[b].y >> 16);
+                            float v[4] = {fmul(xv[b].x, s0), fmul(xv[b].y, s1), fmul(xv[b].z, s2), fmul(xv[b].w, s3)};
+                            wht128(v, lane);
+                            out.x = pack_f16(fmul(v[0], HAD_SCALE), fmul(v[1], HAD_SCALE));
+                            out.y = pack_f16(fmul(v[2], HAD_SCALE), fmul(v[3], HAD_SCALE));
+                        }
+                        *reinterpret_cast<uint2*>(xs + r * XS::LD + hh * 128 + lane * 4) = out;
+                    }
+                }
+            }
+            __syncthreads();                               // the rotated x is written
+        }
+        load(s + 1, fill);
+        const u32* xst = xlane + ((s >> 1) % XS::XH) * 64 + (s & 1) * (KT_STAGE * 8);
+#pragma unroll
+        for (int kk = 0; kk < KT_STAGE; ++kk) {
+            u32 b[MAXT][2];
+#pragma unroll
+            for (int i = 0; i < MAXT; ++i) {
+                if (i == 0 || i < live) {
+                    b[i][0] = xst[i * 4 * XS::LD + kk * 8];
+                    b[i][1] = xst[i * 4 * XS::LD + kk * 8 + 4];
+                }
+            }
+#pragma unroll
+            for (int nn = 0; nn < 2; ++nn) {
+                u32 frag[4];
+                if constexpr (DIAG == 1) {
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) frag[q] = use[kk][nn][q % R_::NWL];
+                } else {
+                    lane_fragment<K2, CB>(use[kk][nn], a_shift, frag);
+                }
+#pragma unroll
+                for (int i = 0; i < MAXT; ++i)
+                    if (i == 0 || i < live) mma(acc[nn][i], frag, b[i][0], b[i][1]);
+            }
+        }
+    };
+    load(0, wa);
+    if (early) griddep_wait();
+    for (int s = 0; s < nst; s += 2) {                     // nst is even (2 stages a 128-row block)
+        step(s, wa, wb);
+        step(s + 1, wb, wa);
+    }
+}
+
 // ---- the kernel --------------------------------------------------------------------------------------------------
 
 // Grid (N / 128, S, G * RB), 128 threads. x [G, M, D] fp32; words: the int16 trellis of the stack as u32 words,
@@ -305,8 +426,8 @@ struct Xs {
 // row q (y [G, N], part [S, G, N]); M bounds rows[g].
 // WR (a variant the bench compares): each warp streams its own two n-tiles through its own quarter of the ring and
 // waits for its own copies (cp.async.wait_group + __syncwarp), so the decode loop has no block barrier; the
-// barriers are left to the input rotations.
-template <int K2, int CB, int MAXT, bool WR>
+// barriers are left to the input rotations. RD, DIAG: the bench's other forms (the instantiation macros below).
+template <int K2, int CB, int MAXT, bool WR, int DIAG = 0, bool RD = false>
 DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, int ew, const u16* __restrict__ suh,
                     const u16* __restrict__ svh, const u16* __restrict__ bias, const int* __restrict__ ids,
                     const int* __restrict__ rows, const int* __restrict__ xmap, float* __restrict__ y,
@@ -325,6 +446,10 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     const int g4 = lane >> 2, t4 = lane & 3;
     const int RB = (M + 8 * MAXT - 1) / (8 * MAXT);
     const int grp = blockIdx.z / RB, rb = blockIdx.z % RB;
+    // a plain linear (no ids, rows or xmap: nothing that an earlier kernel writes picks its weights) starts
+    // streaming its weights before waiting for the previous kernel (a dependent launch); a grouped one waits first
+    const bool early = ids == nullptr && rows == nullptr && xmap == nullptr;
+    if (!early) griddep_wait();
     const int mv = rows ? min(rows[grp], M) : M;
     const int m0 = rb * 8 * MAXT;
     if (m0 >= mv) return;                                  // every split block of this tile leaves: no arrival
@@ -337,7 +462,8 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     const int nt0 = blockIdx.x * (BN / 16);
     const int HB = D >> 7;
     const int h_lo = blockIdx.y * hpc, h_hi = min(HB, h_lo + hpc);
-    const int nst = (h_hi - h_lo) * (128 / 16 / KT_STAGE);
+    // (DIAG 2, a bench diagnostic: no stages at all, the launch, the partials and the output rotation only)
+    const int nst = DIAG == 2 ? 0 : (h_hi - h_lo) * (128 / 16 / KT_STAGE);
     // rows in the flat row space of x (through xmap in run mode), y and the partials: group grp's row m is
     // grp * M + m, or in run mode (xmap given: a group is a run of consecutive rows) grp + m, x's row xmap[grp + m]
     const long long row0 = xmap ? (long long)grp + m0 : (long long)grp * M + m0;
@@ -394,10 +520,14 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
 #pragma unroll
             for (int r = 0; r < 4; ++r) acc[nn][i][r] = 0.f;
 
+    const int nrw = (8 * live - warp + 3) >> 2;            // rows r = warp + 4j of this warp (R <= r: zeros)
+    if constexpr (RD) {
+        exl3_rd_loop<K2, CB, MAXT, DIAG>(acc, wexp, x, su, xmap, xs, xlane, NT, nt0, h_lo, h_hi, nst, nrw, R, live, D,
+                                         row0, a_shift, st, early);
+    } else {
 #pragma unroll
     for (int s = 0; s < RG::PF - 1; ++s) issue(s);
-
-    const int nrw = (8 * live - warp + 3) >> 2;            // rows r = warp + 4j of this warp (R <= r: zeros)
+    if (early) griddep_wait();
     for (int s = 0; s < nst; ++s) {
         if ((s & 1) == 0 && (s >> 1) % XS::XH == 0) {
             // the next XH 128-row input blocks: rotate x's columns of them, every row of the block (warps take
@@ -470,14 +600,21 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
                 u32 W[R_::NWL], frag[4];
 #pragma unroll
                 for (int q = 0; q < R_::NWL; ++q) W[q] = wl[q][t_off];
-                lane_fragment<K2, CB>(W, a_shift, frag);
+                if constexpr (DIAG == 1) {                 // bench diagnostic: the words as they are, no decode
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) frag[q] = W[q % R_::NWL];
+                } else {
+                    lane_fragment<K2, CB>(W, a_shift, frag);
+                }
 #pragma unroll
                 for (int i = 0; i < MAXT; ++i)
                     if (i == 0 || i < live) mma(acc[nn][i], frag, b[i][0], b[i][1]);
             }
         }
     }
+    }
     cp_wait<0>();
+    griddep_launch();                                      // the next kernel's blocks may start as this one ends
 
     // C fragment of n-tile nn, row tile i: (col n = 16(2w+nn) + g4 (+8 for r >= 2), row 8i + 2t4 + (r & 1))
     float* yrows = reinterpret_cast<float*>(smem);
@@ -567,12 +704,15 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
     }
 }
 
-#define EXL3_KERNEL_V(P, WR, K2, CB, T)                                                                             \
-    extern "C" __global__ void __launch_bounds__(128) P##_k##K2##_cb##CB##_t##T(                                    \
+#define EXL3_KERNEL_VR(P, WR, DG, RD, LB, K2, CB, T)                                                                \
+    extern "C" __global__ void __launch_bounds__ LB P##_k##K2##_cb##CB##_t##T(                                      \
         const float* x, const u32* words, int ew, const u16* suh, const u16* svh, const u16* bias, const int* ids,  \
         const int* rows, const int* xmap, float* y, float* part, int* cnt, int M, int N, int D, int hpc, int S) {   \
-        exl3_body<K2, CB, T, WR>(x, words, ew, suh, svh, bias, ids, rows, xmap, y, part, cnt, M, N, D, hpc, S);     \
+        exl3_body<K2, CB, T, WR, DG, RD>(x, words, ew, suh, svh, bias, ids, rows, xmap, y, part, cnt, M, N, D, hpc, \
+                                         S);                                                                        \
     }
+#define EXL3_KERNEL_VB(P, WR, DG, LB, K2, CB, T) EXL3_KERNEL_VR(P, WR, DG, false, LB, K2, CB, T)
+#define EXL3_KERNEL_V(P, WR, K2, CB, T) EXL3_KERNEL_VB(P, WR, 0, (128), K2, CB, T)
 #define EXL3_KERNEL(K2, CB, T) EXL3_KERNEL_V(exl3, false, K2, CB, T)
 // One row tile (up to 8 rows a block; more rows run in further blocks) for every rate and codebook exllamav3 writes:
 // integer K 1..8 with 3INST, MCG and MUL1, and 1.5, 2.5, 3.5 with MUL1. Eight row tiles (up to 64 rows a block: the
@@ -580,6 +720,7 @@ DEVI void exl3_body(const float* __restrict__ x, const u32* __restrict__ words, 
 // and MCG); kernels/exl3.py's _T8 lists them (and _T4 the four-tile ones). Fewer instantiations keep the first
 // compile short.
 #define EXL3_CODEBOOKS(K2) EXL3_KERNEL(K2, 0, 1) EXL3_KERNEL(K2, 1, 1) EXL3_KERNEL(K2, 2, 1) EXL3_KERNEL(K2, 2, 8)
+#if !defined(EXL3_BENCH_FORMS)
 EXL3_CODEBOOKS(2)
 EXL3_CODEBOOKS(4)
 EXL3_CODEBOOKS(6)
@@ -596,5 +737,18 @@ EXL3_KERNEL(5, 2, 1) EXL3_KERNEL(5, 2, 8)
 EXL3_KERNEL(7, 2, 1) EXL3_KERNEL(7, 2, 8)
 // the warp-ring variant at the reference pack's main rates, one row tile (bench comparison)
 EXL3_KERNEL_V(exl3w, true, 5, 2, 1) EXL3_KERNEL_V(exl3w, true, 8, 0, 1) EXL3_KERNEL_V(exl3w, true, 8, 2, 1)
+#else
+// bench-only forms, a module of their own (kernels/exl3.py asks for "exl3.cu#EXL3_BENCH_FORMS": they stay out of
+// the served module's first compile; never served). Where the time goes, with wrong values:
+// exl3n streams and multiplies the words without decoding them (the warp ring without the codebook arithmetic),
+// exl3e runs no stage at all (launch, split partials, reduction, output rotation). Speed: exl3o is the served form
+// held to 64 registers (8 blocks a SM instead of 6).
+EXL3_KERNEL_VB(exl3n, true, 1, (128), 5, 2, 1) EXL3_KERNEL_VB(exl3n, true, 1, (128), 8, 0, 1)
+EXL3_KERNEL_VB(exl3e, true, 2, (128), 5, 2, 1) EXL3_KERNEL_VB(exl3e, true, 2, (128), 8, 0, 1)
+EXL3_KERNEL_VB(exl3o, false, 0, (128, 8), 5, 2, 1) EXL3_KERNEL_VB(exl3o, false, 0, (128, 8), 8, 0, 1)
+// exl3r: the register-direct form (each warp's words loaded from global memory into registers a stage ahead, no
+// shared-memory ring; same arithmetic, so the same bits)
+EXL3_KERNEL_VR(exl3r, true, 0, true, (128), 5, 2, 1) EXL3_KERNEL_VR(exl3r, true, 0, true, (128), 8, 0, 1)
+#endif  // EXL3_BENCH_FORMS
 
 #endif  // !EXL3_HOST_TEST
