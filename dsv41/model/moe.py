@@ -41,13 +41,13 @@ def swiglu_h(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor
 
 def swiglu(x: torch.Tensor, e: Expert, limit: float, weight: torch.Tensor | None = None,
            ops: Ops | None = None) -> torch.Tensor:
-    """w2(weight · silu(min(w1x, limit)) · clamp(w3x, ±limit)), the products through `ops` (default: the
+    """w2(weight · silu(min(w1x, limit)) · clamp(w3x, ±limit)), the products and SwiGLU through `ops` (default: the
     reference)."""
-    lin = (ops or reference_ops()).linear
-    h = swiglu_h(lin(x, e.w1), lin(x, e.w3), limit)
+    ops = ops or reference_ops()
+    h = ops.swiglu_h(ops.linear(x, e.w1), ops.linear(x, e.w3), limit)
     if weight is not None:
         h = h * weight
-    return lin(h, e.w2)
+    return ops.linear(h, e.w2)
 
 
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, e: Expert, limit: float, ops: Ops) -> torch.Tensor:
