@@ -1,5 +1,5 @@
-"""Compile every kernel of fp8_linear, fp4_moe, sparse_attn, indexer, router, mhc, act, rope and topk for a CUDA
-target without a GPU (Triton's own ptxas), in the configurations the wrappers launch. The interpreter runs kernels as Python, so it
+"""Compile every kernel of fp8_linear, fp4_moe, sparse_attn, indexer, router, mhc, act, rope, fake_quant and topk
+for a CUDA target without a GPU (Triton's own ptxas), in the configurations the wrappers launch. The interpreter runs kernels as Python, so it
 misses what only the compiler rejects (non-constexpr globals, unsupported casts, shared memory over the limit); this
 catches those on a CPU machine. Run with TRITON_INTERPRET unset (the kernels must be real JIT functions):
 
@@ -17,7 +17,7 @@ CUDA_SMEM_LIMIT = 232448   # bytes of shared memory a Hopper block may use (227 
 
 
 def _cases():
-    from kernels import act, fp4_moe, fp8_linear, indexer, mhc, rope, router, sparse_attn, topk
+    from kernels import act, fake_quant, fp4_moe, fp8_linear, indexer, mhc, rope, router, sparse_attn, topk
     div = [["tt.divisibility", 16]]
     sig8 = {"x_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32", "part_ptr": "*fp32",
             "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "KB": "i32",
@@ -121,6 +121,10 @@ def _cases():
                 "stride_head": "i32", "stride_cs": "i32", "first": "i32", "HALF": "constexpr", "HB": "constexpr",
                 "INVERSE": "constexpr"}, {"HALF": 32, "HB": rope.HEADS, "INVERSE": inverse}, {},
                {"num_warps": 4, **rope.LAUNCH})
+    yield ("fp8 fake-quant", fake_quant._fp8_fake_quant_kernel,
+           {"x_ptr": "*fp32", "out_ptr": "*fp32", "n_blocks": "i32", "floor": "fp32", "inv_max": "fp32",
+            "BLOCK": "constexpr", "BB": "constexpr", "INTERP": "constexpr"},
+           {"BLOCK": 32, "BB": fake_quant.BLOCKS, "INTERP": False}, {}, {"num_warps": 4, **fake_quant.LAUNCH})
     yield ("swiglu", act._swiglu_kernel,
            {"g_ptr": "*fp32", "u_ptr": "*fp32", "h_ptr": "*fp32", "n": "i32", "limit": "fp32", "INTERP": "constexpr",
             "BLOCK": "constexpr"}, {"INTERP": False, "BLOCK": act.BLOCK}, {}, {"num_warps": 4, **act.LAUNCH})

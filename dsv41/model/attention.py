@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv41.model import quant
 from dsv41.model.device import FusedWeight
 from dsv41.model.ops import Ops, reference_ops
 
@@ -69,7 +68,7 @@ class Attention:
         q = ops.rope_(q.view(-1, self.n_heads, self.head_dim), cos, sin)
         kv = ops.rope_(ops.rms_norm(kva, self.kv_norm, self.eps), cos, sin)
         if qat:
-            kv = quant.fp8_fake_quant(kv, 32)
+            kv = ops.fp8_fake_quant(kv, 32)
         return q_res, q, kv
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:

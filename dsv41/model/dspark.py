@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv41.model import quant
 from dsv41.model.device import host_to_device
 from dsv41.model.model import _expand
 from dsv41.model.state import SeqState
@@ -59,7 +58,7 @@ class DSpark:
         """A stage's window KV of main_x rows at the main RoPE rows cos, sin."""
         m, ops = self.model, self.ops
         kv = ops.rope_(ops.rms_norm(ops.linear(x, blk.attn.wkv), blk.attn.kv_norm, m.t.rms_norm_eps), cos, sin)
-        return quant.fp8_fake_quant(kv, 32) if m.qat else kv
+        return ops.fp8_fake_quant(kv, 32) if m.qat else kv
 
     def fill_rings(self, main_hidden: torch.Tensor, pos: torch.Tensor, segs, graphs=None, cos_sin=None) -> None:
         """Write every stage's window KV of the rows' main_x into the sequences' stage rings. graphs: the forward's

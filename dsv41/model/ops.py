@@ -68,6 +68,7 @@ class Ops:
     swiglu_h: Callable             # (gate, up, limit) -> silu(min(gate, limit)) * clamp(up, ±limit) (moe.swiglu_h)
     rope_: Callable                # (x [n, (heads,) D] float32, cos, sin, inverse) -> x rotated in place
     #                                (rope.apply_rope_)
+    fp8_fake_quant: Callable       # (x, block) -> x's FP8 quantise-dequantise (quant.fp8_fake_quant: QAT's KV)
     router_scores: Callable        # (logits [n, E], temp, bias [E], bias_vl [E], image [n] bool | None) ->
     #                                (s [n, E], s + bias by row) (moe.router_scores)
     router_topk: Callable          # (scores [n, E], k) -> (values [n, k], ids [n, k] int64): the router's pick,
@@ -205,6 +206,7 @@ def reference_ops() -> Ops:
     from dsv41.model import mhc, moe
     from dsv41.model.indexer import select_topk
     from dsv41.model.rope import apply_rope_
+    from dsv41.model import quant
     rows = L.ROW_TILE
     dense = _dense_linear(rows)
     return Ops(name="reference", row_tile=rows, dense_linear=dense, fp8_linear=_dequant_linear(dense),
@@ -216,7 +218,8 @@ def reference_ops() -> Ops:
                index_scores=functools.partial(_index_scores_tiled, rows=rows),
                round_scores=functools.partial(_round_scores_padded, rows=rows), gather_round=gather_round,
                ring_write=ring_write, sparse_attend=attend_tiled, swiglu_h=moe.swiglu_h, rope_=apply_rope_,
-               router_scores=moe.router_scores, router_topk=L.stable_topk, select_topk=select_topk)
+               fp8_fake_quant=quant.fp8_fake_quant, router_scores=moe.router_scores, router_topk=L.stable_topk,
+               select_topk=select_topk)
 
 
 # ---- the CUDA path -------------------------------------------------------------------------------------------
@@ -233,6 +236,7 @@ def _cuda_ops(kernels: bool) -> Ops:
     from dsv41.model import mhc, moe
     from dsv41.model.indexer import select_topk
     from dsv41.model.rope import apply_rope_
+    from dsv41.model import quant
     rows = CUDA_ROW_TILE
     dense = _dense_linear(rows)
     k = _load_kernels() if kernels else {}
@@ -269,6 +273,7 @@ def _cuda_ops(kernels: bool) -> Ops:
         sparse_attend=_kernel_attend(k["sparse_attn"]) if "sparse_attn" in k else attend_tiled,
         swiglu_h=_or_fallback(k.get("swiglu_h"), moe.swiglu_h),
         rope_=_or_fallback(k.get("rope_"), apply_rope_),
+        fp8_fake_quant=_or_fallback(k.get("fp8_fake_quant"), quant.fp8_fake_quant),
         router_scores=_or_fallback(k.get("router_scores"), moe.router_scores),
         router_topk=_or_fallback(k.get("router_topk"), L.stable_topk),
         select_topk=_or_fallback(k.get("select_topk"), select_topk),
@@ -296,6 +301,7 @@ def _load_kernels() -> dict:
                           ("kernels.mhc", ("hc_mix", "hc_pre")),
                           ("kernels.act", ("swiglu_h",)),
                           ("kernels.rope", ("rope_",)),
+                          ("kernels.fake_quant", ("fp8_fake_quant",)),
                           ("kernels.rowops", ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "route_weights"))):
         try:
             mod = __import__(module, fromlist=list(names))
