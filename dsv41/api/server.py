@@ -20,6 +20,7 @@ from dsv41.api.metrics import Metrics
 from dsv41.serve_config import ServeConfig
 
 log = logging.getLogger("dsv41.server")
+LANE_FAILED_LINGER_S = 1.0   # after a lost rank: /health answers 503 with the reason this long, then rank 0 exits
 
 
 class _Server(uvicorn.Server):
@@ -73,12 +74,14 @@ async def _serve(cfg: ServeConfig) -> int:
 
     def lane_failed(why: str) -> None:
         # a rank of --tp N was lost (or diverged): its rounds already failed their requests; stop admitting, exit 1
+        # after LANE_FAILED_LINGER_S, during which /health answers 503 with the reason (a client or load balancer
+        # polling it sees why, not a refused connection; serve.sh gives rank 0 half of --kill-grace-s to stop)
         nonlocal exit_code
         exit_code = 1
         print(f"dsv41: {why}; exiting", file=sys.stderr, flush=True)
         if server.dsv41.engine is not None:
             server.dsv41.engine.sched.begin_drain()
-        server.should_exit = True
+        server._loop.call_later(LANE_FAILED_LINGER_S, lambda: setattr(server, "should_exit", True))
 
     def reload_keys(state) -> None:
         from dsv41.api.auth import KeyCheck, KeyFileError
