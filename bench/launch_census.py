@@ -122,7 +122,10 @@ def main() -> int:
         out = Path(a.out)
         old = out.read_text() if out.is_file() else ""
         head = "# Launches of a decode round on the CUDA path, counted on the CPU (bench/launch_census.py)\n\n"
-        out.write_text(head + text + "\n" + old.replace(head, "", 1))
+        rest = old.replace(head, "", 1)
+        at = rest.find("## ")          # the newest run first, after the file's notes
+        at = len(rest) if at < 0 else at
+        out.write_text(head + rest[:at] + text + "\n" + rest[at:])
     return 0
 
 
