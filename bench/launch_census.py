@@ -5,7 +5,7 @@ count is what bounds a graphed round there.
 Counted on the CPU: the model loaded with the CUDA op set (cuda_ops(): FP8/FP4 weights kept, the Triton kernels run
 by the interpreter), every torch op that is not a view or a bare allocation counted as one launch, every Triton
 launch as one, grouped by the innermost dsv41/kernels function that issued it (and its caller). The kernels that
-take CUDA tensors only (kernels/mhc.py, act.py, router.py: libdevice) are launched as on CUDA. The round's host
+take CUDA tensors only (kernels/mhc.py, act.py, router.py, fake_quant.py) are launched as on CUDA. The round's host
 work (`Model._prepare_round`: host tensors, one copy) is not counted. Prompts are fed by the reference model of the
 same checkpoint. Not a GPU measurement: a real round's launch count differs where shapes pick other paths (the
 small checkpoint's narrow products, 4 attention heads).
@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 # the CUDA-only kernels' launches as on CUDA (on CPU tensors their wrappers leave the op to torch)
 for _mod, _fn, _launch in (("kernels.mhc", "hc_mix", "launch"), ("kernels.mhc", "hc_pre", "launch_pre"),
-                           ("kernels.act", "swiglu_h", "launch"), ("kernels.router", "router_scores", "launch")):
+                           ("kernels.act", "swiglu_h", "launch"), ("kernels.router", "router_scores", "launch"),
+                           ("kernels.fake_quant", "fp8_fake_quant", "launch")):
     try:
         _m = __import__(_mod, fromlist=[_fn])
         setattr(_m, _fn, getattr(_m, _launch))
@@ -121,7 +122,10 @@ def main() -> int:
         out = Path(a.out)
         old = out.read_text() if out.is_file() else ""
         head = "# Launches of a decode round on the CUDA path, counted on the CPU (bench/launch_census.py)\n\n"
-        out.write_text(head + text + "\n" + old.replace(head, "", 1))
+        rest = old.replace(head, "", 1)
+        at = rest.find("## ")          # the newest run first, after the file's notes
+        at = len(rest) if at < 0 else at
+        out.write_text(head + rest[:at] + text + "\n" + rest[at:])
     return 0
 
 
