@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.rowops import _f32
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK = 1024
 LAUNCH = {} if INTERPRET else {"enable_fp_fusion": False, "enable_reflect_ftz": False}   # torch: no FTZ
@@ -51,7 +53,7 @@ def launch(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     h = torch.empty_like(g)
     n = g.numel()
     if n:
-        lim = float(torch.tensor(limit, dtype=torch.float32))     # torch's clamp compares in float32
-        _swiglu_kernel[(triton.cdiv(n, BLOCK),)](g, u, h, n, lim, INTERP=INTERPRET, BLOCK=BLOCK, num_warps=4,
-                                                **LAUNCH)
+        # the limit as float32: torch's clamp compares in float32
+        _swiglu_kernel[(triton.cdiv(n, BLOCK),)](g, u, h, n, _f32(limit), INTERP=INTERPRET, BLOCK=BLOCK,
+                                                num_warps=4, **LAUNCH)
     return h

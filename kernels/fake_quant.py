@@ -16,10 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.numerics import inv_count
+from kernels.rowops import _f32
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCKS = 32                     # quant blocks a program
 LAUNCH = {} if INTERPRET else {"enable_fp_fusion": False}
-AMAX_FLOOR, E4M3_MAX = 1e-4, 448.0
+AMAX_FLOOR, E4M3_MAX = 1e-4, 448
 
 
 @triton.jit
@@ -69,9 +72,8 @@ def launch(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     out = torch.empty_like(xc)
     n_blocks = xc.numel() // block
     if n_blocks:
-        floor = float(torch.tensor(AMAX_FLOOR, dtype=torch.float32))
-        inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(E4M3_MAX, dtype=torch.float32))
-        _fp8_fake_quant_kernel[(triton.cdiv(n_blocks, BLOCKS),)](xc, out, n_blocks, floor, inv, BLOCK=block,
+        _fp8_fake_quant_kernel[(triton.cdiv(n_blocks, BLOCKS),)](xc, out, n_blocks, _f32(AMAX_FLOOR),
+                                                                inv_count(E4M3_MAX), BLOCK=block,
                                                                 BB=BLOCKS, INTERP=INTERPRET, num_warps=4,
                                                                 **LAUNCH)
     return out

@@ -25,7 +25,6 @@ its row only (a block of rows per program, no reduction across rows).
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -33,7 +32,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.rowops import _stream_sum
+from kernels.numerics import inv_count
+from kernels.rowops import _f32, _stream_sum
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROWS = 16
@@ -165,21 +165,9 @@ def launch_pre(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torc
         grid = triton.cdiv(n, PRE_ROWS)
         _hc_pre_partial_kernel[(grid, S)](x, fn.contiguous(), part, n, K, x.stride(0), KC=PRE_KC, BK=PRE_BK, NM=NM,
                                           NMP=NMP, BR=PRE_ROWS, num_warps=PRE_WARPS, **LAUNCH)
-        _hc_pre_combine_kernel[(grid,)](part, m, n, S, _inv(K), _f32(norm_eps), NM=NM, NMP=NMP, BR=PRE_ROWS,
+        _hc_pre_combine_kernel[(grid,)](part, m, n, S, inv_count(K), _f32(norm_eps), NM=NM, NMP=NMP, BR=PRE_ROWS,
                                         num_warps=1, **LAUNCH)
     return m
-
-
-@functools.lru_cache(maxsize=64)
-def _inv(k: int) -> float:
-    """float32(1) / float32(k): a mean as torch's CUDA `t / k` computes it (a multiply by that reciprocal)."""
-    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(k), dtype=torch.float32))
-
-
-@functools.lru_cache(maxsize=64)
-def _f32(v: float) -> float:
-    """v rounded to float32 (as torch rounds a Python scalar for a float32 tensor op), as a Python float."""
-    return float(torch.tensor(v, dtype=torch.float32, device="cpu"))
 
 
 def hc_mix(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,

@@ -203,10 +203,9 @@ def ops_for(device: torch.device | str, kernels: bool = True) -> Ops:
 @functools.cache
 def reference_ops() -> Ops:
     """The CPU float32 reference: exactly the functions the model defines (the bitwise tests' path)."""
-    from dsv41.model import mhc, moe
+    from dsv41.model import mhc, moe, quant
     from dsv41.model.indexer import select_topk
     from dsv41.model.rope import apply_rope_
-    from dsv41.model import quant
     rows = L.ROW_TILE
     dense = _dense_linear(rows)
     return Ops(name="reference", row_tile=rows, dense_linear=dense, fp8_linear=_dequant_linear(dense),
@@ -233,10 +232,9 @@ def cuda_ops(kernels: bool = True) -> Ops:
 
 @functools.cache
 def _cuda_ops(kernels: bool) -> Ops:
-    from dsv41.model import mhc, moe
+    from dsv41.model import mhc, moe, quant
     from dsv41.model.indexer import select_topk
     from dsv41.model.rope import apply_rope_
-    from dsv41.model import quant
     rows = CUDA_ROW_TILE
     dense = _dense_linear(rows)
     k = _load_kernels() if kernels else {}

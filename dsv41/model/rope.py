@@ -60,15 +60,22 @@ class Rope:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate adjacent pairs (even, odd) of the last 2·cos.shape[-1] dims of x [n, ..., D] by the angles of its row
     (cos/sin [n, d/2]); the leading ("nope") dims pass through. inverse=True rotates back (conjugate)."""
+    _, _, new_even, new_odd = _rotation(x, cos, sin, inverse)
+    rotated = torch.stack([new_even, new_odd], dim=-1).flatten(-2)
+    return torch.cat([x[..., :-2 * cos.shape[-1]], rotated], dim=-1)
+
+
+def _rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool):
+    """x's rotated pairs as views (even, odd) of its last 2·cos.shape[-1] dims, and their rotations (new_even,
+    new_odd): the products and sums of apply_rope and apply_rope_."""
     rd = cos.shape[-1] * 2
     while cos.dim() < x.dim():
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     if inverse:
         sin = -sin
-    nope, rot = x[..., :-rd], x[..., -rd:]
+    rot = x[..., -rd:]
     even, odd = rot[..., 0::2], rot[..., 1::2]
-    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
-    return torch.cat([nope, rotated], dim=-1)
+    return even, odd, even * cos - odd * sin, even * sin + odd * cos
 
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -79,14 +86,7 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
     pass. Another dtype takes apply_rope (its cat promotes to float32)."""
     if x.dtype != torch.float32:
         return apply_rope(x, cos, sin, inverse)
-    rd = cos.shape[-1] * 2
-    while cos.dim() < x.dim():
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    if inverse:
-        sin = -sin
-    rot = x[..., -rd:]
-    even, odd = rot[..., 0::2], rot[..., 1::2]
-    new_even, new_odd = even * cos - odd * sin, even * sin + odd * cos    # both read before either is written
+    even, odd, new_even, new_odd = _rotation(x, cos, sin, inverse)    # both read before either is written
     even.copy_(new_even)
     odd.copy_(new_odd)
     return x
