@@ -26,7 +26,6 @@ import torch
 from dsv41 import REPO_ROOT
 from dsv41.config import ModelConfig
 from dsv41.model import device as dev
-from dsv41.model import quant
 from dsv41.model.attention import Attention
 from dsv41.model.compressor import Compressor
 from dsv41.model.engram import Engram
@@ -39,7 +38,7 @@ from dsv41.model.layout import LayerRole, Layout
 from dsv41.model.mhc import HcSite, hc_mixes
 from dsv41.model.moe import Expert, MoE
 from dsv41.model.ops import Ops, ops_for, reference_ops
-from dsv41.model.rope import Rope, apply_rope
+from dsv41.model.rope import Rope
 from dsv41.model.state import DEAD, SeqState
 from dsv41.model.weights import TP_SHARDS, RankShare, SplitPlan, load_weights, part_range, tp_parts
 
@@ -591,8 +590,8 @@ class Model:
         """Compressed KV entries of pooled latents [g, D] whose groups start at positions gpos [g]: compress RoPE at
         the group's first position, FP4 fake-quant (E4M3 scale per 16)."""
         cos, sin = self.rope.cos_sin("compress", gpos)
-        entry = apply_rope(latent, cos, sin)
-        return quant.fp4_fake_quant_e4m3(entry, 16) if self.qat else entry
+        entry = self.ops.rope_(latent.clone(), cos, sin)      # a copy: the latent also feeds the indexer's keys
+        return self.ops.fp4_fake_quant_e4m3(entry, 16) if self.qat else entry
 
     def _index(self, blk: Block, st: SeqState, sh: dict, q, w, p, trace) -> torch.Tensor:
         t, r, ix = self.t, blk.role, blk.indexer

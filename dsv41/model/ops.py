@@ -65,6 +65,8 @@ class Ops:
     rope_: Callable                # (x [n, (heads,) D] float32, cos, sin, inverse) -> x rotated in place
     #                                (rope.apply_rope_)
     fp8_fake_quant: Callable       # (x, block) -> x's FP8 quantise-dequantise (quant.fp8_fake_quant: QAT's KV)
+    fp4_fake_quant_ue8m0: Callable  # (x, block) -> x's FP4 round trip, power-of-two scales (the indexer's q, keys)
+    fp4_fake_quant_e4m3: Callable   # (x, block) -> x's FP4 round trip, E4M3 scales (the compressed KV entries)
     router_scores: Callable        # (logits [n, E], temp, bias [E], bias_vl [E], image [n] bool | None) ->
     #                                (s [n, E], s + bias by row) (moe.router_scores)
     router_topk: Callable          # (scores [n, E], k) -> (values [n, k], ids [n, k] int64): the router's pick,
@@ -213,7 +215,8 @@ def reference_ops() -> Ops:
                index_scores=functools.partial(_index_scores_tiled, rows=rows),
                round_scores=functools.partial(_round_scores_padded, rows=rows), gather_round=gather_round,
                sparse_attend=attend_tiled, swiglu_h=moe.swiglu_h, rope_=apply_rope_,
-               fp8_fake_quant=quant.fp8_fake_quant, router_scores=moe.router_scores, router_topk=L.stable_topk,
+               fp8_fake_quant=quant.fp8_fake_quant, fp4_fake_quant_ue8m0=quant.fp4_fake_quant_ue8m0,
+               fp4_fake_quant_e4m3=quant.fp4_fake_quant_e4m3, router_scores=moe.router_scores, router_topk=L.stable_topk,
                select_topk=select_topk)
 
 
@@ -267,6 +270,8 @@ def _cuda_ops(kernels: bool) -> Ops:
         swiglu_h=_or_fallback(k.get("swiglu_h"), moe.swiglu_h),
         rope_=_or_fallback(k.get("rope_"), apply_rope_),
         fp8_fake_quant=_or_fallback(k.get("fp8_fake_quant"), quant.fp8_fake_quant),
+        fp4_fake_quant_ue8m0=_or_fallback(k.get("fp4_fake_quant_ue8m0"), quant.fp4_fake_quant_ue8m0),
+        fp4_fake_quant_e4m3=_or_fallback(k.get("fp4_fake_quant_e4m3"), quant.fp4_fake_quant_e4m3),
         router_scores=_or_fallback(k.get("router_scores"), moe.router_scores),
         router_topk=_or_fallback(k.get("router_topk"), L.stable_topk),
         select_topk=_or_fallback(k.get("select_topk"), select_topk),
@@ -294,7 +299,7 @@ def _load_kernels() -> dict:
                           ("kernels.mhc", ("hc_mix", "hc_pre")),
                           ("kernels.act", ("swiglu_h",)),
                           ("kernels.rope", ("rope_",)),
-                          ("kernels.fake_quant", ("fp8_fake_quant",)),
+                          ("kernels.fake_quant", ("fp8_fake_quant", "fp4_fake_quant_ue8m0", "fp4_fake_quant_e4m3")),
                           ("kernels.rowops", ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "route_weights"))):
         try:
             mod = __import__(module, fromlist=list(names))
