@@ -452,7 +452,7 @@ class Model:
                         torch.zeros(0, dtype=torch.long, device=dv))
         rows = torch.cat(want)
         if rows.numel():
-            x = self.ops.rms_norm(self.ops.hc_collapse(streams[rows], pre[rows]), self.norm, t.rms_norm_eps)
+            x = self.ops.collapse_norm(streams[rows], pre[rows], self.norm, t.rms_norm_eps)
             logits = self.gather_logits(self.head_logits(x))
         else:   # no row wants logits (a prompt's earlier chunks): skip the head, whose empty call still runs one
             logits = streams.new_zeros((0, t.vocab_size))    # padded row tile, a full read of its weight (~1 GB)
@@ -504,7 +504,7 @@ class Model:
         t = self.t
         ops = blk.ops
         pre_a, post_a, comb_a = hc_mixes(streams, blk.hc_attn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
-        x = ops.rms_norm(ops.hc_collapse(streams, pre), blk.attn_norm, t.rms_norm_eps)
+        x = ops.collapse_norm(streams, pre, blk.attn_norm, t.rms_norm_eps)
         q_res, q, kv = blk.attn.project(x, cos, sin, self.qat)
         ckv = cgate = iq = iw = None
         if blk.compressor is not None:
@@ -520,9 +520,8 @@ class Model:
         """Expand the attention output into the streams, mHC mixes of the FFN site, collapse with the attention
         site's pre, ffn_norm, MoE: -> (streams, the FFN site's pre/post/comb, this rank's MoE output)."""
         t, ops = self.t, blk.ops
-        streams = ops.hc_expand(y, streams, post_a, comb_a)
+        streams, x = ops.expand_collapse_norm(y, streams, post_a, comb_a, pre_a, blk.ffn_norm, t.rms_norm_eps)
         pre_f, post_f, comb_f = hc_mixes(streams, blk.hc_ffn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
-        x = ops.rms_norm(ops.hc_collapse(streams, pre_a), blk.ffn_norm, t.rms_norm_eps)
         return streams, pre_f, post_f, comb_f, blk.moe(x, image)
 
     def _attn_out_ffn(self, blk: Block, q, keys, sel, cos, sin, streams, pre_a, post_a, comb_a,
