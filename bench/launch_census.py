@@ -33,10 +33,15 @@ sys.path.insert(0, str(ROOT))
 # the CUDA-only kernels' launches as on CUDA (on CPU tensors their wrappers leave the op to torch)
 for _mod, _fn, _launch in (("kernels.mhc", "hc_mix", "launch"), ("kernels.mhc", "hc_pre", "launch_pre"),
                            ("kernels.act", "swiglu_h", "launch"), ("kernels.router", "router_scores", "launch"),
-                           ("kernels.fake_quant", "fp8_fake_quant", "launch")):
+                           ("kernels.fake_quant", "fp8_fake_quant", "FP8"),
+                           ("kernels.fake_quant", "fp4_fake_quant_ue8m0", "FP4_UE8M0"),
+                           ("kernels.fake_quant", "fp4_fake_quant_e4m3", "FP4_E4M3")):
     try:
         _m = __import__(_mod, fromlist=[_fn])
-        setattr(_m, _fn, getattr(_m, _launch))
+        if _mod == "kernels.fake_quant":        # one kernel, three round trips: `launch` with the kind
+            setattr(_m, _fn, lambda x, block, _k=getattr(_m, _launch), _l=_m.launch: _l(x, block, _k))
+        else:
+            setattr(_m, _fn, getattr(_m, _launch))
     except (ImportError, AttributeError):
         pass
 

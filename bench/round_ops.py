@@ -48,7 +48,7 @@ SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_uniqu
             "unique_consecutive", "equal", "is_nonzero"}
 
 
-NO_LAUNCH = {"detach", "alias", "empty", "empty_strided", "new_empty", "new_empty_strided"}   # no kernel on a GPU
+NO_LAUNCH = {"detach", "alias", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}   # no kernel on a GPU
 
 
 class OpCounter(TorchDispatchMode):

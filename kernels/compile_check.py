@@ -121,10 +121,14 @@ def _cases():
                 "stride_head": "i32", "stride_cs": "i32", "first": "i32", "HALF": "constexpr", "HB": "constexpr",
                 "INVERSE": "constexpr"}, {"HALF": 32, "HB": rope.HEADS, "INVERSE": inverse}, {},
                {"num_warps": 4, **rope.LAUNCH})
-    yield ("fp8 fake-quant", fake_quant._fp8_fake_quant_kernel,
-           {"x_ptr": "*fp32", "out_ptr": "*fp32", "n_blocks": "i32", "floor": "fp32", "inv_max": "fp32",
-            "BLOCK": "constexpr", "BB": "constexpr", "INTERP": "constexpr"},
-           {"BLOCK": 32, "BB": fake_quant.BLOCKS, "INTERP": False}, {}, {"num_warps": 4, **fake_quant.LAUNCH})
+    for label, (_, vmax, values, scale), block in (("fp8", fake_quant.FP8, 32), ("fp4 ue8m0", fake_quant.FP4_UE8M0, 32),
+                                                   ("fp4 e4m3", fake_quant.FP4_E4M3, 16)):
+        yield (f"{label} fake-quant", fake_quant._fake_quant_kernel,
+               {"x_ptr": "*fp32", "out_ptr": "*fp32", "n_blocks": "i32", "floor": "fp32", "inv_max": "fp32",
+                "VMAX": "constexpr", "BLOCK": "constexpr", "BB": "constexpr", "VALUES": "constexpr",
+                "SCALE": "constexpr", "INTERP": "constexpr"},
+               {"VMAX": vmax, "BLOCK": block, "BB": fake_quant.BLOCKS, "VALUES": values, "SCALE": scale,
+                "INTERP": False}, {}, {"num_warps": 4, **fake_quant.LAUNCH})
     yield ("swiglu", act._swiglu_kernel,
            {"g_ptr": "*fp32", "u_ptr": "*fp32", "h_ptr": "*fp32", "n": "i32", "limit": "fp32", "INTERP": "constexpr",
             "BLOCK": "constexpr"}, {"INTERP": False, "BLOCK": act.BLOCK}, {}, {"num_warps": 4, **act.LAUNCH})

@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.numerics import inv_count
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROWS = 4
 LAUNCH = {} if INTERPRET else {"enable_fp_fusion": False, "enable_reflect_ftz": False}   # torch: no FTZ
@@ -76,7 +78,7 @@ def launch(z: torch.Tensor, temp: float, bias: torch.Tensor, bias_vl: torch.Tens
     s, sb = torch.empty_like(z), torch.empty_like(z)
     if n:
         # torch's CUDA `z / t` for a Python float t: z · float32(1 / t), the reciprocal rounded in float32
-        inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(temp, dtype=torch.float32))
+        inv = inv_count(temp)
         img = z if image is None else image.contiguous().view(torch.uint8)
         _router_scores_kernel[(triton.cdiv(n, ROWS),)](z, bias.contiguous(), bias_vl.contiguous(), img, s, sb, n, E,
                                                       inv, HAS_IMG=image is not None, BE=triton.next_power_of_2(E),

@@ -44,9 +44,15 @@ LAUNCH = {} if INTERPRET else {"enable_fp_fusion": False}
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, buf_ptr, N, inv_n, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
-    xr = x_ptr + r * N
+    _norm_row(x_ptr + r * N, w_ptr, out_ptr + r * N, buf_ptr + r * (2 * ((N + 1) // 2)), N, inv_n, eps, HAS_W,
+              BLOCK)
+
+
+@triton.jit
+def _norm_row(xr, w_ptr, orow, src, N, inv_n, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's norm: xr [N] -> orow [N] (may be xr: each element is read, then written, by one thread), the
+    tree's levels in the scratch row src [2 * ceil(N/2)]."""
     half_n = (N + 1) // 2                              # the scratch row: two halves of ceil(N/2) (ping-pong)
-    src = buf_ptr + r * (2 * half_n)
     dst = src + half_n
     offs = tl.arange(0, BLOCK)
     half = N // 2
@@ -77,7 +83,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, buf_ptr, N, inv_n, eps, HAS_W: tl.co
         dst = tmp
     total = tl.load(src)
     rstd = tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(total * inv_n + eps))
-    orow = out_ptr + r * N
     for c in range(0, N, BLOCK):
         i = c + offs
         m = i < N
@@ -144,6 +149,41 @@ def _hc_expand_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, H, HC: tl.con
     y = tl.load(y_ptr + r * H + cols, mask=m, other=0.0)
     out = tl.load(post_ptr + r * HC + k)[:, None] * y[None, :] + acc
     tl.store(out_ptr + (r * HC + k)[:, None] * H + cols[None, :], out, mask=m[None, :])
+
+
+@triton.jit
+def _hc_site_in_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, streams_ptr, pre_ptr, w_ptr, x_ptr, buf_ptr, H, inv_n,
+                       eps, HC: tl.constexpr, BLOCK: tl.constexpr, EXPAND: tl.constexpr, HAS_W: tl.constexpr):
+    """A site's input in one program per row: (EXPAND) the streams = hc_expand(y, residual, post, comb), stored;
+    x = hc_collapse(streams, pre) into x's row, then rms_norm in place. Each element by the operations of
+    _hc_expand_kernel, _hc_collapse_kernel and _rms_norm_kernel (the same bits as the three launches); stream by
+    stream (a [HC, BLOCK] tile's rows picked by a sum would lose a -0.0's sign in the interpreter's sum)."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    xr = x_ptr + r * H
+    for c in range(0, H, BLOCK):
+        cols = c + offs
+        m = cols < H
+        if EXPAND:
+            y = tl.load(y_ptr + r * H + cols, mask=m, other=0.0)
+        u = tl.zeros([BLOCK], tl.float32)
+        for k in tl.static_range(HC):
+            if EXPAND:      # stream k: post_k·y + ((comb[0,k]·x_0 + comb[1,k]·x_1) + …)
+                acc = tl.load(comb_ptr + r * HC * HC + k) * tl.load(res_ptr + r * HC * H + cols, mask=m, other=0.0)
+                for j in tl.static_range(1, HC):
+                    acc = acc + (tl.load(comb_ptr + (r * HC + j) * HC + k)
+                                 * tl.load(res_ptr + (r * HC + j) * H + cols, mask=m, other=0.0))
+                st = tl.load(post_ptr + r * HC + k) * y + acc
+                tl.store(streams_ptr + (r * HC + k) * H + cols, st, mask=m)
+            else:
+                st = tl.load(streams_ptr + (r * HC + k) * H + cols, mask=m, other=0.0)
+            if k == 0:      # the collapse: ((pre_0·s_0 + pre_1·s_1) + …)
+                u = tl.load(pre_ptr + r * HC) * st
+            else:
+                u = u + tl.load(pre_ptr + r * HC + k) * st
+        tl.store(xr + cols, u, mask=m)
+    tl.debug_barrier()                                 # the row's collapse, whole, before its norm reads it
+    _norm_row(xr, w_ptr, xr, buf_ptr + r * (2 * ((H + 1) // 2)), H, inv_n, eps, HAS_W, BLOCK)
 
 
 @triton.jit
@@ -246,6 +286,33 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
             y.contiguous(), residual.contiguous(), post.contiguous(), comb.contiguous(), out, hidden, HC=hc,
             BLOCK=ELEM_BLOCK, num_warps=4, **LAUNCH)
     return out
+
+
+def hc_site_in(y: torch.Tensor | None, streams: torch.Tensor, post: torch.Tensor | None, comb: torch.Tensor | None,
+               pre: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple | None:
+    """An mHC site's input in one launch: y None: (streams, rms_norm(hc_collapse(streams, pre), weight, eps)); else
+    the streams are first hc_expand(y, streams, post, comb) (the previous site's output added): the bits of the
+    three kernels (or of the CUDA op set's torch forms). None where it does not apply (dtypes, hc, a weight not
+    float32 [H]): the caller composes the ops."""
+    _check_device(streams, "hc_site_in")
+    n, hc, hidden = streams.shape
+    ts = (streams, pre) if y is None else (streams, pre, y, post, comb)
+    if (not _mix_ok(*ts) or hc & (hc - 1) or tuple(pre.shape) != (n, hc)
+            or (weight is not None and (weight.dtype != torch.float32 or tuple(weight.shape) != (hidden,)))
+            or (y is not None and (tuple(y.shape) != (n, hidden) or tuple(post.shape) != (n, hc)
+                                   or tuple(comb.shape) != (n, hc, hc)))):
+        return None
+    x = torch.empty((n, hidden), dtype=torch.float32, device=streams.device)
+    res = streams.contiguous()
+    out = res if y is None else torch.empty((n, hc, hidden), dtype=torch.float32, device=streams.device)
+    if n and hidden:
+        buf = torch.empty((n, 2 * ((hidden + 1) // 2)), dtype=torch.float32, device=streams.device)
+        w = weight.contiguous() if weight is not None else x
+        yy, pp, cc = (x, pre, pre) if y is None else (y.contiguous(), post.contiguous(), comb.contiguous())
+        _hc_site_in_kernel[(n,)](yy, res, pp, cc, out, pre.contiguous(), w, x, buf, hidden, inv_count(hidden),
+                                 _f32(eps), HC=hc, BLOCK=NORM_BLOCK, EXPAND=y is not None, HAS_W=weight is not None,
+                                 num_warps=NORM_WARPS, **LAUNCH)
+    return out, x
 
 
 ROUTE_ROWS = 32

@@ -182,6 +182,52 @@ def test_collapse_and_expand_kernels_equal_the_loops_bitwise(hidden):
     assert torch.equal(rowops.hc_expand(y[3:4], streams[3:4], post[3:4], comb[3:4])[0], got_e[3])   # alone
 
 
+@pytest.mark.skipif(not rowops.INTERPRET and not torch.cuda.is_available(),
+                    reason="the kernels run on CUDA or under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("hidden", [96, 1001, 4096])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_site_input_in_one_launch_equals_the_three_kernels_bitwise(hidden, weighted):
+    """hc_site_in: (expand,) collapse and norm in one program a row, the bits of rowops' three kernels; each row's
+    bits its own (a row alone == among 5); the op set's collapse_norm / expand_collapse_norm take it."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(hidden + weighted)
+    n, hc = 5, 4
+    streams = torch.randn(n, hc, hidden, generator=g)
+    streams[0, :, :7] = -0.0                        # signed zeros keep their signs as in the separate kernels
+    pre = torch.rand(n, hc, generator=g)
+    pre[1, 2] = 0.0
+    post = torch.rand(n, hc, generator=g) * 2
+    comb = _sinkhorn_loop(_combs(n, hc, 6), 20, 1e-6)
+    y = torch.randn(n, hidden, generator=g)
+    y[0, :7] = -0.0
+    w = torch.rand(hidden, generator=g) + 0.5 if weighted else None
+    streams, pre, post, comb, y = (t.to(dev) for t in (streams, pre, post, comb, y))
+    w = w.to(dev) if w is not None else None
+    eps = 1e-6
+    s1, x1 = rowops.hc_site_in(None, streams, None, None, pre, w, eps)
+    want = rowops.rms_norm(rowops.hc_collapse(streams, pre), w, eps)
+    assert torch.equal(s1, streams) and torch.equal(x1, want) and torch.equal(x1.signbit(), want.signbit())
+    s2, x2 = rowops.hc_site_in(y, streams, post, comb, pre, w, eps)
+    want_s = rowops.hc_expand(y, streams, post, comb)
+    want_x = rowops.rms_norm(rowops.hc_collapse(want_s, pre), w, eps)
+    assert torch.equal(s2, want_s) and torch.equal(s2.signbit(), want_s.signbit())
+    assert torch.equal(x2, want_x) and torch.equal(x2.signbit(), want_x.signbit())
+    a_s, a_x = rowops.hc_site_in(y[2:3], streams[2:3], post[2:3], comb[2:3], pre[2:3], w, eps)   # a row alone
+    assert torch.equal(a_s[0], s2[2]) and torch.equal(a_x[0], x2[2])
+    ops = cuda_ops()
+    assert torch.equal(ops.collapse_norm(streams, pre, w, eps), x1)
+    got = ops.expand_collapse_norm(y, streams, post, comb, pre, w, eps)
+    assert torch.equal(got[0], s2) and torch.equal(got[1], x2)
+    if dev == "cuda":           # the torch forms of the CUDA op set, bitwise (torch's CUDA sqrt is rounded)
+        fb = cuda_ops(kernels=False)
+        assert torch.equal(fb.collapse_norm(streams, pre, w, eps), x1)
+        assert all(torch.equal(a, b) for a, b in zip(fb.expand_collapse_norm(y, streams, post, comb, pre, w, eps),
+                                                     (s2, x2)))
+    bf = w.bfloat16() if w is not None else None        # a bf16 weight: not the kernel's (the ops compose)
+    if bf is not None:
+        assert rowops.hc_site_in(None, streams, None, None, pre, bf, eps) is None
+
+
 def _moe(g, n_exp, hidden, top_k, ops=None):
     from dsv41.model.moe import Expert, MoE
     shared = Expert(torch.randn(8, hidden, generator=g), torch.randn(hidden, 8, generator=g),
@@ -213,7 +259,7 @@ def test_kernel_ptx_uses_only_correctly_rounded_ops():
     r = subprocess.run([sys.executable, "-m", "kernels.rowops_check"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert r.stdout.count("ok ") == 7, r.stdout
+    assert r.stdout.count("ok ") == 9, r.stdout
 
 
 # ---- CUDA --------------------------------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv41.model import quant
 from dsv41.model.linear import ROW_TILE, stable_topk, tiled
 from dsv41.model.ops import Ops, reference_ops
 from dsv41.model.rope import Rope
@@ -47,7 +46,7 @@ class Indexer:
         q = self.ops.linear(q_res, self.wq_b).view(-1, self.n_heads, self.head_dim)
         q = self.ops.rope_(q, cos, sin)          # the product's own output: rotated in place
         if qat:
-            q = quant.fp4_fake_quant_ue8m0(q, 32)
+            q = self.ops.fp4_fake_quant_ue8m0(q, 32)
         w = self.ops.linear(x, self.weights_proj) * self.n_heads ** -0.5
         return q, w
 
@@ -57,7 +56,7 @@ class Indexer:
         k = self.ops.rms_norm(self.ops.linear(latent, self.wk), self.k_norm, self.eps)
         cos, sin = rope.cos_sin("compress", positions)
         k = self.ops.rope_(k, cos, sin)
-        return quant.fp4_fake_quant_ue8m0(k, 32) if qat else k
+        return self.ops.fp4_fake_quant_ue8m0(k, 32) if qat else k
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                ratio: int) -> torch.Tensor:

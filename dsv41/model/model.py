@@ -27,7 +27,6 @@ import torch
 from dsv41 import REPO_ROOT
 from dsv41.config import ModelConfig
 from dsv41.model import device as dev
-from dsv41.model import quant
 from dsv41.model.attention import Attention
 from dsv41.model.compressor import Compressor
 from dsv41.model.engram import Engram
@@ -40,7 +39,7 @@ from dsv41.model.layout import LayerRole, Layout
 from dsv41.model.mhc import HcSite, hc_mixes
 from dsv41.model.moe import Expert, MoE
 from dsv41.model.ops import Ops, ops_for, reference_ops
-from dsv41.model.rope import Rope, apply_rope
+from dsv41.model.rope import Rope
 from dsv41.model.state import DEAD, SeqState
 from dsv41.model.weights import TP_SHARDS, RankShare, SplitPlan, load_weights, part_range, tp_parts
 
@@ -405,7 +404,7 @@ class Model:
             N = ids_host.numel()
             pos_host = np.concatenate([np.arange(st, st + n, dtype=np.int64) for _, n, st, _ in segs])
             flat = dev.host_to_device(torch.cat([ids_host, torch.from_numpy(pos_host),
-                                         torch.tensor(want, dtype=torch.long)]), dv)
+                                         torch.tensor(want, dtype=torch.long, device="cpu")]), dv)
             ids, pos, rows = flat[:N], flat[N:2 * N], flat[2 * N:]
         image = image_host = None
         if any(s.token_type is not None for s in batch):
@@ -548,7 +547,7 @@ class Model:
 
     def _head(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         """Logits of the rows' streams: the final collapse, norm, head and (tensor parallelism) the gather."""
-        x = self.ops.rms_norm(self.ops.hc_collapse(streams, pre), self.norm, self.t.rms_norm_eps)
+        x = self.ops.collapse_norm(streams, pre, self.norm, self.t.rms_norm_eps)
         return self.gather_logits(self.head_logits(x))
 
     def _round_piece(self, rd: _Round, image, head: bool, meta, h, *erows) -> tuple:
@@ -618,7 +617,7 @@ class Model:
         t = self.t
         ops = blk.ops
         pre_a, post_a, comb_a = hc_mixes(streams, blk.hc_attn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
-        x = ops.rms_norm(ops.hc_collapse(streams, pre), blk.attn_norm, t.rms_norm_eps)
+        x = ops.collapse_norm(streams, pre, blk.attn_norm, t.rms_norm_eps)
         q_res, q, kv = blk.attn.project(x, cos, sin, self.qat)
         ckv = cgate = iq = iw = None
         if blk.compressor is not None:
@@ -634,9 +633,8 @@ class Model:
         """Expand the attention output into the streams, mHC mixes of the FFN site, collapse with the attention
         site's pre, ffn_norm, MoE: -> (streams, the FFN site's pre/post/comb, this rank's MoE output)."""
         t, ops = self.t, blk.ops
-        streams = ops.hc_expand(y, streams, post_a, comb_a)
+        streams, x = ops.expand_collapse_norm(y, streams, post_a, comb_a, pre_a, blk.ffn_norm, t.rms_norm_eps)
         pre_f, post_f, comb_f = hc_mixes(streams, blk.hc_ffn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
-        x = ops.rms_norm(ops.hc_collapse(streams, pre_a), blk.ffn_norm, t.rms_norm_eps)
         return streams, pre_f, post_f, comb_f, blk.moe(x, image)
 
     def _attn_out_ffn(self, blk: Block, q, keys, sel, cos, sin, streams, pre_a, post_a, comb_a,
@@ -704,8 +702,8 @@ class Model:
         """Compressed KV entries of pooled latents [g, D] whose groups start at positions gpos [g]: compress RoPE at
         the group's first position, FP4 fake-quant (E4M3 scale per 16)."""
         cos, sin = self.rope.cos_sin("compress", gpos)
-        entry = apply_rope(latent, cos, sin)
-        return quant.fp4_fake_quant_e4m3(entry, 16) if self.qat else entry
+        entry = self.ops.rope_(latent.clone(), cos, sin)      # a copy: the latent also feeds the indexer's keys
+        return self.ops.fp4_fake_quant_e4m3(entry, 16) if self.qat else entry
 
     def _index(self, blk: Block, st: SeqState, sh: dict, q, w, p, trace) -> torch.Tensor:
         t, r, ix = self.t, blk.role, blk.indexer
@@ -903,7 +901,7 @@ class Model:
         N = B * n
         extra = 0 if want is None else len(want)
         cuda = self.device.type == "cuda"
-        host = torch.empty(N * M + extra, dtype=torch.long, pin_memory=cuda)
+        host = torch.empty(N * M + extra, dtype=torch.long, device="cpu", pin_memory=cuda)
         flat = host.numpy()
         table = flat[:N * M].reshape(B, n, M)
         for name, a in blocks:

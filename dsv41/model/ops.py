@@ -69,6 +69,8 @@ class Ops:
     rope_: Callable                # (x [n, (heads,) D] float32, cos, sin, inverse) -> x rotated in place
     #                                (rope.apply_rope_)
     fp8_fake_quant: Callable       # (x, block) -> x's FP8 quantise-dequantise (quant.fp8_fake_quant: QAT's KV)
+    fp4_fake_quant_ue8m0: Callable  # (x, block) -> x's FP4 round trip, power-of-two scales (the indexer's q, keys)
+    fp4_fake_quant_e4m3: Callable   # (x, block) -> x's FP4 round trip, E4M3 scales (the compressed KV entries)
     router_scores: Callable        # (logits [n, E], temp, bias [E], bias_vl [E], image [n] bool | None) ->
     #                                (s [n, E], s + bias by row) (moe.router_scores)
     router_topk: Callable          # (scores [n, E], k) -> (values [n, k], ids [n, k] int64): the router's pick,
@@ -77,6 +79,9 @@ class Ops:
     #                                ascending index order, -1 padded (indexer.select_topk)
     hc_pre: Callable | None = None        # (streams [n, hc, H], hc_fn [NM, hc * H], eps) -> the mixes m [n, NM] or None
     #                                       where it does not apply; None: rms_norm then linear (mhc.hc_mixes)
+    hc_site_in: Callable | None = None    # (y | None, streams, post, comb, pre, weight, eps) -> (streams', x) or None
+    #                                       where it does not apply: a site's input, collapse_norm /
+    #                                       expand_collapse_norm in one launch; None: the ops one by one
     fp4_routed: Callable | None = None    # (ExpertStack, x, weights, ids, limit, shard) -> [n, H]; None: per expert
     fp4_routed_shards: Callable | None = None   # (ExpertStack with .shard, x, weights, ids, limit) -> [S, n, H]:
     #                                             each TP shard's slot sum from one grouped pass; None: shard by shard
@@ -154,6 +159,24 @@ class Ops:
         (Attention.attend; arch.md §2.6): row r's keys are pool[idx[r, j]] in j's order, -1 a masked slot."""
         return self.sparse_attend(self, q, pool, idx, sink, scale)
 
+    def collapse_norm(self, streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor | None,
+                      eps: float) -> torch.Tensor:
+        """An mHC site's input: rms_norm(hc_collapse(streams, pre), weight, eps), in one launch where the op set
+        can (the same bits)."""
+        got = None if self.hc_site_in is None else self.hc_site_in(None, streams, None, None, pre, weight, eps)
+        return got[1] if got is not None else self.rms_norm(self.hc_collapse(streams, pre), weight, eps)
+
+    def expand_collapse_norm(self, y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                             pre: torch.Tensor, weight: torch.Tensor | None,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous site's output into the streams, then the next site's input: (streams = hc_expand(y,
+        residual, post, comb), collapse_norm(streams, pre, weight, eps)), in one launch where the op set can."""
+        got = None if self.hc_site_in is None else self.hc_site_in(y, residual, post, comb, pre, weight, eps)
+        if got is not None:
+            return got
+        streams = self.hc_expand(y, residual, post, comb)
+        return streams, self.rms_norm(self.hc_collapse(streams, pre), weight, eps)
+
     def tiled(self, fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
         """linear.tiled in this op set's row tile."""
         return L.tiled(fn, *xs, rows=self.row_tile)
@@ -217,7 +240,8 @@ def reference_ops() -> Ops:
                index_scores=functools.partial(_index_scores_tiled, rows=rows),
                round_scores=functools.partial(_round_scores_padded, rows=rows), gather_round=gather_round,
                ring_write=ring_write, sparse_attend=attend_tiled, swiglu_h=moe.swiglu_h, rope_=apply_rope_,
-               fp8_fake_quant=quant.fp8_fake_quant, router_scores=moe.router_scores, router_topk=L.stable_topk,
+               fp8_fake_quant=quant.fp8_fake_quant, fp4_fake_quant_ue8m0=quant.fp4_fake_quant_ue8m0,
+               fp4_fake_quant_e4m3=quant.fp4_fake_quant_e4m3, router_scores=moe.router_scores, router_topk=L.stable_topk,
                select_topk=select_topk)
 
 
@@ -260,7 +284,7 @@ def _cuda_ops(kernels: bool) -> Ops:
         rms_norm=_kernel_rms_norm(k["rms_norm"]) if "rms_norm" in k else _tree_rms_norm,
         sinkhorn=sinkhorn,
         hc_mix=_or_fallback(k.get("hc_mix"), functools.partial(mhc.hc_mix, sinkhorn_fn=sinkhorn)),
-        hc_pre=k.get("hc_pre"),
+        hc_pre=k.get("hc_pre"), hc_site_in=k.get("hc_site_in"),
         hc_collapse=_or_fallback(k.get("hc_collapse"), mhc.hc_collapse),
         hc_expand=_or_fallback(k.get("hc_expand"), mhc.hc_expand),
         route_weights=_or_fallback(k.get("route_weights"), moe.route_weights),
@@ -272,6 +296,8 @@ def _cuda_ops(kernels: bool) -> Ops:
         swiglu_h=_or_fallback(k.get("swiglu_h"), moe.swiglu_h),
         rope_=_or_fallback(k.get("rope_"), apply_rope_),
         fp8_fake_quant=_or_fallback(k.get("fp8_fake_quant"), quant.fp8_fake_quant),
+        fp4_fake_quant_ue8m0=_or_fallback(k.get("fp4_fake_quant_ue8m0"), quant.fp4_fake_quant_ue8m0),
+        fp4_fake_quant_e4m3=_or_fallback(k.get("fp4_fake_quant_e4m3"), quant.fp4_fake_quant_e4m3),
         router_scores=_or_fallback(k.get("router_scores"), moe.router_scores),
         router_topk=_or_fallback(k.get("router_topk"), L.stable_topk),
         select_topk=_or_fallback(k.get("select_topk"), select_topk),
@@ -299,8 +325,9 @@ def _load_kernels() -> dict:
                           ("kernels.mhc", ("hc_mix", "hc_pre")),
                           ("kernels.act", ("swiglu_h",)),
                           ("kernels.rope", ("rope_",)),
-                          ("kernels.fake_quant", ("fp8_fake_quant",)),
-                          ("kernels.rowops", ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "route_weights"))):
+                          ("kernels.fake_quant", ("fp8_fake_quant", "fp4_fake_quant_ue8m0", "fp4_fake_quant_e4m3")),
+                          ("kernels.rowops", ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "hc_site_in",
+                                              "route_weights"))):
         try:
             mod = __import__(module, fromlist=list(names))
             found.update({n: getattr(mod, n) for n in names})
