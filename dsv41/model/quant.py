@@ -153,8 +153,8 @@ _E2M1_MIDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, Fa
 def _e2m1_bounds(device: torch.device) -> torch.Tensor:
     """The least magnitude of each E2M1 code 1..7: its midpoint where a tie goes up, else the float32 after it (made
     once per device, as _e2m1_table)."""
-    mids = torch.tensor([m for m, _ in _E2M1_MIDS], dtype=F32)
-    up = torch.tensor([u for _, u in _E2M1_MIDS])
+    mids = torch.tensor([m for m, _ in _E2M1_MIDS], dtype=F32, device="cpu")
+    up = torch.tensor([u for _, u in _E2M1_MIDS], device="cpu")
     return torch.where(up, mids, torch.nextafter(mids, torch.full_like(mids, math.inf))).to(device)
 
 
