@@ -121,6 +121,10 @@ def _cases():
                 "stride_head": "i32", "stride_cs": "i32", "first": "i32", "HALF": "constexpr", "HB": "constexpr",
                 "INVERSE": "constexpr"}, {"HALF": 32, "HB": rope.HEADS, "INVERSE": inverse}, {},
                {"num_warps": 4, **rope.LAUNCH})
+    yield ("rope cos / sin", rope._cos_sin_kernel,
+           {"pos_ptr": "*i64", "f_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "n": "i32",
+            "HALF": "constexpr", "BR": "constexpr", "INTERP": "constexpr"},
+           {"HALF": 32, "BR": rope.COS_SIN_ROWS, "INTERP": False}, {}, {"num_warps": 4, **rope.TRIG_LAUNCH})
     for label, (_, vmax, values, scale), block in (("fp8", fake_quant.FP8, 32), ("fp4 ue8m0", fake_quant.FP4_UE8M0, 32),
                                                    ("fp4 e4m3", fake_quant.FP4_E4M3, 16)):
         yield (f"{label} fake-quant", fake_quant._fake_quant_kernel,

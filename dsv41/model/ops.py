@@ -64,6 +64,7 @@ class Ops:
     swiglu_h: Callable             # (gate, up, limit) -> silu(min(gate, limit)) * clamp(up, ±limit) (moe.swiglu_h)
     rope_: Callable                # (x [n, (heads,) D] float32, cos, sin, inverse) -> x rotated in place
     #                                (rope.apply_rope_)
+    cos_sin: Callable              # (positions [n], inv_freq [d]) -> (cos, sin) [n, d] (rope.cos_sin)
     fp8_fake_quant: Callable       # (x, block) -> x's FP8 quantise-dequantise (quant.fp8_fake_quant: QAT's KV)
     fp4_fake_quant_ue8m0: Callable  # (x, block) -> x's FP4 round trip, power-of-two scales (the indexer's q, keys)
     fp4_fake_quant_e4m3: Callable   # (x, block) -> x's FP4 round trip, E4M3 scales (the compressed KV entries)
@@ -224,7 +225,7 @@ def reference_ops() -> Ops:
     """The CPU float32 reference: exactly the functions the model defines (the bitwise tests' path)."""
     from dsv41.model import mhc, moe, quant
     from dsv41.model.indexer import select_topk
-    from dsv41.model.rope import apply_rope_
+    from dsv41.model.rope import apply_rope_, cos_sin
     rows = L.ROW_TILE
     dense = _dense_linear(rows)
     return Ops(name="reference", row_tile=rows, dense_linear=dense, fp8_linear=_dequant_linear(dense),
@@ -235,7 +236,7 @@ def reference_ops() -> Ops:
                hc_collapse=mhc.hc_collapse, hc_expand=mhc.hc_expand, route_weights=moe.route_weights,
                index_scores=functools.partial(_index_scores_tiled, rows=rows),
                round_scores=functools.partial(_round_scores_padded, rows=rows), gather_round=gather_round,
-               sparse_attend=attend_tiled, swiglu_h=moe.swiglu_h, rope_=apply_rope_,
+               sparse_attend=attend_tiled, swiglu_h=moe.swiglu_h, rope_=apply_rope_, cos_sin=cos_sin,
                fp8_fake_quant=quant.fp8_fake_quant, fp4_fake_quant_ue8m0=quant.fp4_fake_quant_ue8m0,
                fp4_fake_quant_e4m3=quant.fp4_fake_quant_e4m3, router_scores=moe.router_scores, router_topk=L.stable_topk,
                select_topk=select_topk)
@@ -254,7 +255,7 @@ def cuda_ops(kernels: bool = True) -> Ops:
 def _cuda_ops(kernels: bool) -> Ops:
     from dsv41.model import mhc, moe, quant
     from dsv41.model.indexer import select_topk
-    from dsv41.model.rope import apply_rope_
+    from dsv41.model.rope import apply_rope_, cos_sin
     rows = CUDA_ROW_TILE
     dense = _dense_linear(rows)
     k = _load_kernels() if kernels else {}
@@ -290,6 +291,7 @@ def _cuda_ops(kernels: bool) -> Ops:
         sparse_attend=_kernel_attend(k["sparse_attn"]) if "sparse_attn" in k else attend_tiled,
         swiglu_h=_or_fallback(k.get("swiglu_h"), moe.swiglu_h),
         rope_=_or_fallback(k.get("rope_"), apply_rope_),
+        cos_sin=_or_fallback(k.get("cos_sin"), cos_sin),
         fp8_fake_quant=_or_fallback(k.get("fp8_fake_quant"), quant.fp8_fake_quant),
         fp4_fake_quant_ue8m0=_or_fallback(k.get("fp4_fake_quant_ue8m0"), quant.fp4_fake_quant_ue8m0),
         fp4_fake_quant_e4m3=_or_fallback(k.get("fp4_fake_quant_e4m3"), quant.fp4_fake_quant_e4m3),
@@ -319,7 +321,7 @@ def _load_kernels() -> dict:
                           ("kernels.router", ("router_scores",)),
                           ("kernels.mhc", ("hc_mix", "hc_pre")),
                           ("kernels.act", ("swiglu_h",)),
-                          ("kernels.rope", ("rope_",)),
+                          ("kernels.rope", ("rope_", "cos_sin")),
                           ("kernels.fake_quant", ("fp8_fake_quant", "fp4_fake_quant_ue8m0", "fp4_fake_quant_e4m3")),
                           ("kernels.rowops", ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "hc_site_in",
                                               "route_weights"))):
