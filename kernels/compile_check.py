@@ -68,12 +68,13 @@ def _cases():
            {"BR": fp4_moe.SUM_ROWS, "BH": fp4_moe.SUM_COLS, "SHARDED": True}, {}, {})
     yield from _prompt_cases(work, div)
     consts = {"HEADS": "constexpr", "D": "constexpr", "BH": "constexpr", "BJ": "constexpr", "PRECISE": "constexpr",
-              "INTERP": "constexpr"}
+              "INTERP": "constexpr", "ROWS": "constexpr"}
     attn_opts = {"num_warps": sparse_attn.NUM_WARPS, "num_stages": sparse_attn.NUM_STAGES}
-    for t, precise in (("fp32", True), ("fp32", False), ("bf16", False)):
+    for t, precise, rows in (("fp32", True, False), ("fp32", False, False), ("bf16", False, False),
+                             ("fp32", False, True)):
         c = {"HEADS": 64, "D": 512, "BH": sparse_attn.BLOCK_H, "BJ": sparse_attn.BLOCK_J, "PRECISE": precise,
-             "INTERP": False}
-        what = f"{t}{' precise' if precise else ''}"
+             "INTERP": False, "ROWS": rows}
+        what = f"{t}{' precise' if precise else ''}{', keys row by row' if rows else ''}"
         ins = {"q_ptr": f"*{t}", "pool_ptr": f"*{t}", "idx_ptr": "*i32", "sink_ptr": "*fp32"}
         yield (f"sparse_attn whole {what}", sparse_attn._whole_kernel,
                {**ins, "o_ptr": "*fp32", "K": "i32", "scale_log2e": "fp32", **consts},
@@ -83,8 +84,9 @@ def _cases():
                 **consts}, c, {(i,): div for i in range(6)}, attn_opts)
     yield ("sparse_attn combine", sparse_attn._combine_kernel,
            {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "sink_ptr": "*fp32", "o_ptr": "*fp32", "S": "constexpr",
-            "HEADS": "constexpr", "D": "constexpr", "BH": "constexpr"},
-           {"S": 10, "HEADS": 64, "D": 512, "BH": sparse_attn.COMBINE_H}, {(i,): div for i in range(4)},
+            "HEADS": "constexpr", "D": "constexpr", "BH": "constexpr", "INTERP": "constexpr"},
+           {"S": 10, "HEADS": 64, "D": 512, "BH": sparse_attn.COMBINE_H, "INTERP": False},
+           {(i,): div for i in range(4)},
            {"num_warps": 4})
 
     isig = {"D": "constexpr", "BM": "constexpr", "BN": "constexpr", "INTERP": "constexpr"}

@@ -86,6 +86,9 @@ class Ops:
     #                                       expert
     exl3_grouped: Callable | None = None  # (x [G, M, in], Exl3Weight stack, ids [G], rows [G]) -> [G, M, out]: the
     #                                       grouped EXL3 kernel exl3_routed runs (CUDA C or Triton)
+    sparse_attend_rows: Callable | None = None   # (ops, q, keys [n, K, D], valid [n, K] bool, sink, scale) ->
+    #                                              [n, h, D] or None: the gathered form in one launch (no index
+    #                                              tensor); None: as indices into the keys (Ops.attend_rows)
     fuse_linears: Callable | None = None   # (weights that take one input) -> device.FusedWeight | None: their rows
     #                                        concatenated for one launch; None: products one by one (the reference)
     fused_linear: Callable | None = None   # (x, FusedWeight) -> [each weight's float32 [n, out_i]]
@@ -173,6 +176,19 @@ class Ops:
             return got
         streams = self.hc_expand(y, residual, post, comb)
         return streams, self.rms_norm(self.hc_collapse(streams, pre), weight, eps)
+
+    def attend_rows(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+        """attend with each row's keys held row by row (a decode round's gathered keys [n, K, D], valid [n, K]
+        bool): in one launch where the op set reads them so, else as indices r·K + j into them (-1 where not
+        valid)."""
+        f = self.sparse_attend_rows
+        out = None if f is None else f(self, q, keys, valid, sink, scale)
+        if out is not None:
+            return out
+        n, K, D = keys.shape
+        slots = torch.arange(n * K, device=keys.device).view(n, K)
+        return self.attend(q, keys.reshape(n * K, D), torch.where(valid, slots, -1), sink, scale)
 
     def tiled(self, fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
         """linear.tiled in this op set's row tile."""
@@ -289,6 +305,7 @@ def _cuda_ops(kernels: bool) -> Ops:
         round_scores=_cuda_round_scores(k.get("index_scores_table"), index_scores),
         gather_round=_kernel_gather_round(k["gather_rows"]) if "gather_rows" in k else gather_round,
         sparse_attend=_kernel_attend(k["sparse_attn"]) if "sparse_attn" in k else attend_tiled,
+        sparse_attend_rows=_kernel_attend_rows(k["sparse_attn"]) if "sparse_attn" in k else None,
         swiglu_h=_or_fallback(k.get("swiglu_h"), moe.swiglu_h),
         rope_=_or_fallback(k.get("rope_"), apply_rope_),
         cos_sin=_or_fallback(k.get("cos_sin"), cos_sin),
@@ -551,6 +568,17 @@ def _kernel_attend(k: Callable) -> Callable:
         return k(q, pool, idx, sink, scale)
     attend.all_shards = takes
     return attend
+
+
+def _kernel_attend_rows(k: Callable) -> Callable:
+    """kernels/sparse_attn.py on keys held row by row (its bool-validity form: no index tensor made), where it
+    takes the shape; None otherwise (Ops.attend_rows then makes the indices)."""
+    def attend_rows(ops: Ops, q, keys, valid, sink, scale):
+        n, heads, dim = q.shape
+        if n == 0 or heads % 16 or dim < 16 or dim & (dim - 1):
+            return None
+        return k(q, keys, valid, sink, scale)
+    return attend_rows
 
 
 def _kernel_fp4_routed(k: Callable) -> Callable:
