@@ -62,10 +62,13 @@ def _cases():
             "BM": "constexpr", "BP_": "constexpr", "BN": "constexpr", "BKB": "constexpr", "ASM": "constexpr",
             "INTERP": "constexpr", "POST": "constexpr"},
            {**c4, "BN": cfg4.bn_down}, {(i,): div for i in range(10)}, opt4)
-    yield ("fp4_moe slot sum", fp4_moe._slot_sum_kernel,
-           {"y_ptr": "*fp32", "ids_ptr": "*i32", "shard_ptr": "*i32", "out_ptr": "*fp32", "N": "i32", "H": "i32",
-            "TOPK": "i32", "BR": "constexpr", "BH": "constexpr", "SHARDED": "constexpr"},
-           {"BR": fp4_moe.SUM_ROWS, "BH": fp4_moe.SUM_COLS, "SHARDED": True}, {}, {})
+    for total in (False, True):
+        yield (f"fp4_moe slot sum{' total' if total else ''}", fp4_moe._slot_sum_kernel,
+               {"y_ptr": "*fp32", "ids_ptr": "*i32", "shard_ptr": "*i32", "out_ptr": "*fp32", "a0_ptr": "*fp32",
+                "a1_ptr": "*fp32", "N": "i32", "H": "i32", "TOPK": "i32", "BR": "constexpr", "BH": "constexpr",
+                "SHARDED": "constexpr", "TOTAL": "constexpr", "ADD0": "constexpr", "ADD1": "constexpr"},
+               {"BR": fp4_moe.SUM_ROWS, "BH": fp4_moe.SUM_COLS, "SHARDED": True, "TOTAL": total, "ADD0": total,
+                "ADD1": total}, {}, {})
     yield from _prompt_cases(work, div)
     consts = {"HEADS": "constexpr", "D": "constexpr", "BH": "constexpr", "BJ": "constexpr", "PRECISE": "constexpr",
               "INTERP": "constexpr", "ROWS": "constexpr"}

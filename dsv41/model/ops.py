@@ -80,8 +80,10 @@ class Ops:
     #                                       where it does not apply: a site's input, collapse_norm /
     #                                       expand_collapse_norm in one launch; None: the ops one by one
     fp4_routed: Callable | None = None    # (ExpertStack, x, weights, ids, limit, shard) -> [n, H]; None: per expert
-    fp4_routed_shards: Callable | None = None   # (ExpertStack with .shard, x, weights, ids, limit) -> [S, n, H]:
-    #                                             each TP shard's slot sum from one grouped pass; None: shard by shard
+    fp4_routed_shards: Callable | None = None   # (ExpertStack with .shard, x, weights, ids, limit, shards,
+    #                                             addends=None) -> [S, n, H]: each TP shard's slot sum from one
+    #                                             grouped pass (addends, two shards: their total with each shard's
+    #                                             addend, [n, H] or None where not taken); None: shard by shard
     exl3_routed: Callable | None = None   # (Exl3ExpertStack, x, weights, ids, limit, grouped) -> [n, H]; None: per
     #                                       expert
     exl3_grouped: Callable | None = None  # (x [G, M, in], Exl3Weight stack, ids [G], rows [G]) -> [G, M, out]: the
@@ -152,6 +154,16 @@ class Ops:
         if f is None or not isinstance(stack, ExpertStack) or stack.shard is None:
             return None
         return f(stack, x, weights, ids, limit, shards)
+
+    def routed_total(self, stack, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float,
+                     addends: list) -> torch.Tensor | None:
+        """Σ over the TP shards, in order, of (routed_shards' shard s + addends[s]) (an addend None: nothing) in the
+        same grouped pass, [n, H]: MoE.__call__'s sum of its shards' parts, the same additions; None where this op
+        set has no such pass (then routed_shards, or shard by shard)."""
+        f = self.fp4_routed_shards
+        if f is None or not isinstance(stack, ExpertStack) or stack.shard is None or len(addends) != 2:
+            return None
+        return f(stack, x, weights, ids, limit, 2, addends=tuple(addends))
 
     def attend(self, q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -595,9 +607,9 @@ def _kernel_fp4_routed(k: Callable) -> Callable:
 def _kernel_fp4_routed_shards(k: Callable) -> Callable:
     """kernels/fp4_moe.py's grouped launch over every pair of the rank's shards once, then each shard's slot sum
     (stack.shard): one work list, one gate/up and one down launch where a pass per shard took one each."""
-    def routed_shards(stack: ExpertStack, x, weights, ids, limit, shards):
+    def routed_shards(stack: ExpertStack, x, weights, ids, limit, shards, addends=None):
         return k(x.contiguous(), stack.w13, stack.s13, stack.w2, stack.s2, stack.local[ids], weights, limit,
-                 shard_of=stack.shard, shards=shards)
+                 shard_of=stack.shard, shards=shards, addends=addends)
     return routed_shards
 
 
