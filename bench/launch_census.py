@@ -5,8 +5,8 @@ count is what bounds a graphed round there.
 Counted on the CPU: the model loaded with the CUDA op set (cuda_ops(): FP8/FP4 weights kept, the Triton kernels run
 by the interpreter), every torch op that is not a view or a bare allocation counted as one launch, every Triton
 launch as one, grouped by the innermost dsv41/kernels function that issued it (and its caller). The kernels that
-take CUDA tensors only (kernels/mhc.py, act.py, router.py, fake_quant.py, rope.py's cos_sin) are launched as on
-CUDA. The round's host work (`Model._prepare_round`: host tensors, one copy) is not counted. Prompts are fed by the reference model of the
+take CUDA tensors only (kernels/mhc.py, act.py, router.py, fake_quant.py, norm_rope_quant.py, rope.py's cos_sin)
+are launched as on CUDA. The round's host work (`Model._prepare_round`: host tensors, one copy) is not counted. Prompts are fed by the reference model of the
 same checkpoint. Not a GPU measurement: a real round's launch count differs where shapes pick other paths (the
 small checkpoint's narrow products, 4 attention heads).
 
@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 for _mod, _fn, _launch in (("kernels.mhc", "hc_mix", "launch"), ("kernels.mhc", "hc_pre", "launch_pre"),
                            ("kernels.act", "swiglu_h", "launch"), ("kernels.router", "router_scores", "launch"),
                            ("kernels.rope", "cos_sin", "launch_cos_sin"),
+                           ("kernels.norm_rope_quant", "norm_rope_quant", "launch"),
                            ("kernels.fake_quant", "fp8_fake_quant", "FP8"),
                            ("kernels.fake_quant", "fp4_fake_quant_ue8m0", "FP4_UE8M0"),
                            ("kernels.fake_quant", "fp4_fake_quant_e4m3", "FP4_E4M3")):
@@ -41,6 +42,9 @@ for _mod, _fn, _launch in (("kernels.mhc", "hc_mix", "launch"), ("kernels.mhc", 
         _m = __import__(_mod, fromlist=[_fn])
         if _mod == "kernels.fake_quant":        # one kernel, three round trips: `launch` with the kind
             setattr(_m, _fn, lambda x, block, _k=getattr(_m, _launch), _l=_m.launch: _l(x, block, _k))
+        elif _mod == "kernels.norm_rope_quant":     # where it applies
+            setattr(_m, _fn, lambda x, w, eps, c, s, inv, qt, _m=_m: _m.launch(x, w, eps, c, s, inv, qt)
+                    if _m.applies(x, w, c, qt) else None)
         else:
             setattr(_m, _fn, getattr(_m, _launch))
     except (ImportError, AttributeError):

@@ -17,7 +17,8 @@ CUDA_SMEM_LIMIT = 232448   # bytes of shared memory a Hopper block may use (227 
 
 
 def _cases():
-    from kernels import act, fake_quant, fp4_moe, fp8_linear, indexer, mhc, rope, router, sparse_attn, topk
+    from kernels import (act, fake_quant, fp4_moe, fp8_linear, indexer, mhc, norm_rope_quant, rope, router, sparse_attn,
+                         topk)
     div = [["tt.divisibility", 16]]
     sig8 = {"x_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32", "part_ptr": "*fp32",
             "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "KB": "i32",
@@ -126,6 +127,18 @@ def _cases():
                 "stride_head": "i32", "stride_cs": "i32", "first": "i32", "HALF": "constexpr", "HB": "constexpr",
                 "INVERSE": "constexpr"}, {"HALF": 32, "HB": rope.HEADS, "INVERSE": inverse}, {},
                {"num_warps": 4, **rope.LAUNCH})
+    for label, D, half, norm, quant in (("window KV", 512, 32, True, "fp8"), ("indexer q", 128, 32, False, "fp4_ue8m0"),
+                                        ("entries", 512, 32, False, "fp4_e4m3")):
+        (_, vmax, values, scale), qb = norm_rope_quant.KINDS[quant]
+        yield (f"norm / rope / quant: {label}", norm_rope_quant._norm_rope_quant_kernel,
+               {"x_ptr": "*fp32", "w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*fp32",
+                "heads": "i32", "stride_row": "i32", "stride_head": "i32", "inv_n": "fp32", "eps": "fp32",
+                "floor": "fp32", "inv_max": "fp32", "D": "constexpr", "LOG2D": "constexpr", "HALF": "constexpr",
+                "NORM": "constexpr", "INVERSE": "constexpr", "QUANT": "constexpr", "QB": "constexpr",
+                "VMAX": "constexpr", "VALUES": "constexpr", "SCALE": "constexpr", "INTERP": "constexpr"},
+               {"D": D, "LOG2D": D.bit_length() - 1, "HALF": half, "NORM": norm, "INVERSE": False, "QUANT": True,
+                "QB": qb, "VMAX": vmax, "VALUES": values, "SCALE": scale, "INTERP": False}, {},
+               {"num_warps": 4, **norm_rope_quant.LAUNCH})
     yield ("rope cos / sin", rope._cos_sin_kernel,
            {"pos_ptr": "*i64", "f_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "n": "i32",
             "HALF": "constexpr", "BR": "constexpr", "INTERP": "constexpr"},

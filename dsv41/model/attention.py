@@ -66,9 +66,7 @@ class Attention:
             q = ops.linear(q_res, self.wq_b)
         # in place: q and the normed kv are this call's own (apply_rope_: no copy of the nope dims)
         q = ops.rope_(q.view(-1, self.n_heads, self.head_dim), cos, sin)
-        kv = ops.rope_(ops.rms_norm(kva, self.kv_norm, self.eps), cos, sin)
-        if qat:
-            kv = ops.fp8_fake_quant(kv, 32)
+        kv = ops.norm_rope_quant(kva, self.kv_norm, self.eps, cos, sin, "fp8" if qat else None, own=True)
         return q_res, q, kv
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:

@@ -43,9 +43,7 @@ class Indexer:
     def queries(self, q_res: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qat: bool):
         """q [n, heads, head_dim] (compress RoPE at the query positions, FP4 fake-quant) and head weights [n, heads]."""
         q = self.ops.linear(q_res, self.wq_b).view(-1, self.n_heads, self.head_dim)
-        q = self.ops.rope_(q, cos, sin)          # the product's own output: rotated in place
-        if qat:
-            q = self.ops.fp4_fake_quant_ue8m0(q, 32)
+        q = self.ops.norm_rope_quant(q, None, 0.0, cos, sin, "fp4_ue8m0" if qat else None, own=True)
         w = self.ops.linear(x, self.weights_proj) * self.n_heads ** -0.5
         return q, w
 
@@ -53,9 +51,8 @@ class Indexer:
         """Indexer keys of new compressed entries: k_norm(wk(latent)), compress RoPE at the group's first token
         position (cos, sin: the compressed entries' own, Rope.cos_sin("compress", those positions)), FP4
         fake-quant."""
-        k = self.ops.rms_norm(self.ops.linear(latent, self.wk), self.k_norm, self.eps)
-        k = self.ops.rope_(k, cos, sin)
-        return self.ops.fp4_fake_quant_ue8m0(k, 32) if qat else k
+        return self.ops.norm_rope_quant(self.ops.linear(latent, self.wk), self.k_norm, self.eps, cos, sin,
+                                        "fp4_ue8m0" if qat else None, own=True)
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                ratio: int) -> torch.Tensor:

@@ -590,8 +590,8 @@ class Model:
         """Compressed KV entries of pooled latents [g, D]: compress RoPE at the group's first position (cos, sin:
         Rope.cos_sin("compress", those positions), shared with the indexer's keys), FP4 fake-quant (E4M3 scale per
         16)."""
-        entry = self.ops.rope_(latent.clone(), cos, sin)      # a copy: the latent also feeds the indexer's keys
-        return self.ops.fp4_fake_quant_e4m3(entry, 16) if self.qat else entry
+        # not own: the latent also feeds the indexer's keys
+        return self.ops.norm_rope_quant(latent, None, 0.0, cos, sin, "fp4_e4m3" if self.qat else None, own=False)
 
     def _index(self, blk: Block, st: SeqState, sh: dict, q, w, p, trace) -> torch.Tensor:
         t, r, ix = self.t, blk.role, blk.indexer

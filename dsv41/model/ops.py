@@ -88,6 +88,9 @@ class Ops:
     #                                       expert
     exl3_grouped: Callable | None = None  # (x [G, M, in], Exl3Weight stack, ids [G], rows [G]) -> [G, M, out]: the
     #                                       grouped EXL3 kernel exl3_routed runs (CUDA C or Triton)
+    norm_rope_quant_fn: Callable | None = None   # (x, weight | None, eps, cos, sin, inverse, quant) -> a new
+    #                                              tensor or None where it does not apply: norm_rope_quant in one
+    #                                              launch; None: the ops one by one
     sparse_attend_rows: Callable | None = None   # (ops, q, keys [n, K, D], valid [n, K] bool, sink, scale) ->
     #                                              [n, h, D] or None: the gathered form in one launch (no index
     #                                              tensor); None: as indices into the keys (Ops.attend_rows)
@@ -188,6 +191,28 @@ class Ops:
             return got
         streams = self.hc_expand(y, residual, post, comb)
         return streams, self.rms_norm(self.hc_collapse(streams, pre), weight, eps)
+
+    def norm_rope_quant(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                        sin: torch.Tensor, quant: str | None, own: bool, inverse: bool = False) -> torch.Tensor:
+        """A vector's last steps before it is stored or scored: rms_norm (where `weight` is given), RoPE on its last
+        2·d dims, QAT's fake-quant (`quant`: "fp8" -- the window KV --, "fp4_ue8m0" -- the indexer's q and keys --,
+        "fp4_e4m3" -- the compressed entries --, or None). own: the caller's own x, which may be rotated in place
+        (else it is left as it is). In one launch where the op set can, the same bits."""
+        f = self.norm_rope_quant_fn
+        got = None if f is None else f(x, weight, eps, cos, sin, inverse, quant)
+        if got is not None:
+            return got
+        y = self.rms_norm(x, weight, eps) if weight is not None else x if own else x.clone()
+        y = self.rope_(y, cos, sin, inverse)
+        if quant == "fp8":
+            return self.fp8_fake_quant(y, 32)
+        if quant == "fp4_ue8m0":
+            return self.fp4_fake_quant_ue8m0(y, 32)
+        if quant == "fp4_e4m3":
+            return self.fp4_fake_quant_e4m3(y, 16)
+        if quant is not None:
+            raise ValueError(f"norm_rope_quant: no fake-quant {quant!r}")
+        return y
 
     def attend_rows(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
                     scale: float) -> torch.Tensor:
@@ -318,6 +343,7 @@ def _cuda_ops(kernels: bool) -> Ops:
         gather_round=_kernel_gather_round(k["gather_rows"]) if "gather_rows" in k else gather_round,
         sparse_attend=_kernel_attend(k["sparse_attn"]) if "sparse_attn" in k else attend_tiled,
         sparse_attend_rows=_kernel_attend_rows(k["sparse_attn"]) if "sparse_attn" in k else None,
+        norm_rope_quant_fn=k.get("norm_rope_quant"),
         swiglu_h=_or_fallback(k.get("swiglu_h"), moe.swiglu_h),
         rope_=_or_fallback(k.get("rope_"), apply_rope_),
         cos_sin=_or_fallback(k.get("cos_sin"), cos_sin),
@@ -352,6 +378,7 @@ def _load_kernels() -> dict:
                           ("kernels.act", ("swiglu_h",)),
                           ("kernels.rope", ("rope_", "cos_sin")),
                           ("kernels.fake_quant", ("fp8_fake_quant", "fp4_fake_quant_ue8m0", "fp4_fake_quant_e4m3")),
+                          ("kernels.norm_rope_quant", ("norm_rope_quant",)),
                           ("kernels.rowops", ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "hc_site_in",
                                               "route_weights"))):
         try:
