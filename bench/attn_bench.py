@@ -84,7 +84,8 @@ def split_only(q, pool, idx, sink, scale):
     ml = torch.empty((n, S, 2, heads), dtype=torch.float32, device=q.device)
     A._split_kernel[(n * S * heads // A.BLOCK_H,)](
         q, pool, idx, sink, acc, ml, K, S, scale * 1.4426950408889634, HEADS=heads, D=dim, BH=A.BLOCK_H,
-        BJ=A.BLOCK_J, PRECISE=False, INTERP=A.INTERPRET, num_warps=A.NUM_WARPS, num_stages=A.NUM_STAGES)
+        BJ=A.BLOCK_J, PRECISE=False, INTERP=A.INTERPRET, ROWS=False, num_warps=A.NUM_WARPS,
+        num_stages=A.NUM_STAGES)
     return acc
 
 

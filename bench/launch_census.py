@@ -5,12 +5,12 @@ count is what bounds a graphed round there.
 Counted on the CPU: the model loaded with the CUDA op set (cuda_ops(): FP8/FP4 weights kept, the Triton kernels run
 by the interpreter), every torch op that is not a view or a bare allocation counted as one launch, every Triton
 launch as one, grouped by the innermost dsv41/kernels function that issued it (and its caller). The kernels that
-take CUDA tensors only (kernels/mhc.py, act.py, router.py, fake_quant.py) are launched as on CUDA. The round's host
-work (`Model._prepare_round`: host tensors, one copy) is not counted. Prompts are fed by the reference model of the
+take CUDA tensors only (kernels/mhc.py, act.py, router.py, fake_quant.py, norm_rope_quant.py, rope.py's cos_sin)
+are launched as on CUDA. The round's host work (`Model._prepare_round`: host tensors, one copy) is not counted. Prompts are fed by the reference model of the
 same checkpoint. Not a GPU measurement: a real round's launch count differs where shapes pick other paths (the
 small checkpoint's narrow products, 4 attention heads).
 
-    python bench/launch_census.py [--checkpoint DIR] [--rows 1] [--top 40] [--tag TAG] [--out FILE]
+    python bench/launch_census.py [--checkpoint DIR] [--rows 1] [--top 40] [--tag TAG] [--out FILE] [--count-only]
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ sys.path.insert(0, str(ROOT))
 # the CUDA-only kernels' launches as on CUDA (on CPU tensors their wrappers leave the op to torch)
 for _mod, _fn, _launch in (("kernels.mhc", "hc_mix", "launch"), ("kernels.mhc", "hc_pre", "launch_pre"),
                            ("kernels.act", "swiglu_h", "launch"), ("kernels.router", "router_scores", "launch"),
+                           ("kernels.rope", "cos_sin", "launch_cos_sin"),
+                           ("kernels.norm_rope_quant", "norm_rope_quant", "launch"),
                            ("kernels.fake_quant", "fp8_fake_quant", "FP8"),
                            ("kernels.fake_quant", "fp4_fake_quant_ue8m0", "FP4_UE8M0"),
                            ("kernels.fake_quant", "fp4_fake_quant_e4m3", "FP4_E4M3")):
@@ -40,6 +42,9 @@ for _mod, _fn, _launch in (("kernels.mhc", "hc_mix", "launch"), ("kernels.mhc", 
         _m = __import__(_mod, fromlist=[_fn])
         if _mod == "kernels.fake_quant":        # one kernel, three round trips: `launch` with the kind
             setattr(_m, _fn, lambda x, block, _k=getattr(_m, _launch), _l=_m.launch: _l(x, block, _k))
+        elif _mod == "kernels.norm_rope_quant":     # where it applies
+            setattr(_m, _fn, lambda x, w, eps, c, s, inv, qt, _m=_m: _m.launch(x, w, eps, c, s, inv, qt)
+                    if _m.applies(x, w, c, qt) else None)
         else:
             setattr(_m, _fn, getattr(_m, _launch))
     except (ImportError, AttributeError):
@@ -63,6 +68,16 @@ class Census(TorchDispatchMode):
         frames = [f for f in traceback.extract_stack() if f.filename.startswith(OURS)]
         return " < ".join(f.name for f in frames[-1:-3:-1]) if frames else "?"
 
+    active = False
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.off and not (func.is_view or func.overloadpacket.__name__ in NO_LAUNCH):
             self.sites[self.site()] += 1
@@ -77,6 +92,10 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--tag", default="run")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--count-only", action="store_true",
+                    help="count the Triton launches without running them (the interpreter takes hours at release "
+                         "shapes): each skipped launch zeroes its tensors instead, so the values after it are "
+                         "meaningless but the launches (which never depend on values inside a round) are counted")
     a = ap.parse_args()
     if a.checkpoint is None:
         from dsv41.api.engine import builtin_checkpoint
@@ -86,9 +105,15 @@ def main() -> int:
     run = interpreter.InterpretedFunction.run
 
     def counted(self, *args, **kw):
-        census.sites["triton:" + getattr(self.fn, "__name__", "?") + " < " + census.site()] += 1
+        if census.active:       # the census's round only (the first calls launch the same kernels)
+            census.sites["triton:" + getattr(self.fn, "__name__", "?") + " < " + census.site()] += 1
         census.off += 1
         try:
+            if a.count_only:
+                for t in list(args) + list(kw.values()):
+                    if isinstance(t, torch.Tensor):
+                        t.zero_()
+                return None
             return run(self, *args, **kw)
         finally:
             census.off -= 1
@@ -116,7 +141,8 @@ def main() -> int:
     commit = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h"], capture_output=True,
                             text=True).stdout.strip()
     lines = [f"## {a.tag}", "",
-             f"`python bench/launch_census.py --rows {a.rows} --context {a.context}` at {commit}, checkpoint "
+             f"`python bench/launch_census.py --rows {a.rows} --context {a.context}"
+             f"{' --count-only' if a.count_only else ''}` at {commit}, checkpoint "
              f"{Path(a.checkpoint).name} ({layers} layers): **{total} launches a round, {total / layers:.1f} a "
              f"layer** ({a.rows} row(s), one token each, after {a.context} tokens)", "",
              "| launches a round | site (innermost function < its caller) |", "|---|---|"]

@@ -17,7 +17,8 @@ CUDA_SMEM_LIMIT = 232448   # bytes of shared memory a Hopper block may use (227 
 
 
 def _cases():
-    from kernels import act, fake_quant, fp4_moe, fp8_linear, indexer, mhc, rope, router, sparse_attn, topk
+    from kernels import (act, fake_quant, fp4_moe, fp8_linear, indexer, mhc, norm_rope_quant, rope, router, sparse_attn,
+                         topk)
     div = [["tt.divisibility", 16]]
     sig8 = {"x_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*fp32", "part_ptr": "*fp32",
             "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "KB": "i32",
@@ -62,18 +63,22 @@ def _cases():
             "BM": "constexpr", "BP_": "constexpr", "BN": "constexpr", "BKB": "constexpr", "ASM": "constexpr",
             "INTERP": "constexpr", "POST": "constexpr"},
            {**c4, "BN": cfg4.bn_down}, {(i,): div for i in range(10)}, opt4)
-    yield ("fp4_moe slot sum", fp4_moe._slot_sum_kernel,
-           {"y_ptr": "*fp32", "ids_ptr": "*i32", "shard_ptr": "*i32", "out_ptr": "*fp32", "N": "i32", "H": "i32",
-            "TOPK": "i32", "BR": "constexpr", "BH": "constexpr", "SHARDED": "constexpr"},
-           {"BR": fp4_moe.SUM_ROWS, "BH": fp4_moe.SUM_COLS, "SHARDED": True}, {}, {})
+    for total in (False, True):
+        yield (f"fp4_moe slot sum{' total' if total else ''}", fp4_moe._slot_sum_kernel,
+               {"y_ptr": "*fp32", "ids_ptr": "*i32", "shard_ptr": "*i32", "out_ptr": "*fp32", "a0_ptr": "*fp32",
+                "a1_ptr": "*fp32", "N": "i32", "H": "i32", "TOPK": "i32", "BR": "constexpr", "BH": "constexpr",
+                "SHARDED": "constexpr", "TOTAL": "constexpr", "ADD0": "constexpr", "ADD1": "constexpr"},
+               {"BR": fp4_moe.SUM_ROWS, "BH": fp4_moe.SUM_COLS, "SHARDED": True, "TOTAL": total, "ADD0": total,
+                "ADD1": total}, {}, {})
     yield from _prompt_cases(work, div)
     consts = {"HEADS": "constexpr", "D": "constexpr", "BH": "constexpr", "BJ": "constexpr", "PRECISE": "constexpr",
-              "INTERP": "constexpr"}
+              "INTERP": "constexpr", "ROWS": "constexpr"}
     attn_opts = {"num_warps": sparse_attn.NUM_WARPS, "num_stages": sparse_attn.NUM_STAGES}
-    for t, precise in (("fp32", True), ("fp32", False), ("bf16", False)):
+    for t, precise, rows in (("fp32", True, False), ("fp32", False, False), ("bf16", False, False),
+                             ("fp32", False, True)):
         c = {"HEADS": 64, "D": 512, "BH": sparse_attn.BLOCK_H, "BJ": sparse_attn.BLOCK_J, "PRECISE": precise,
-             "INTERP": False}
-        what = f"{t}{' precise' if precise else ''}"
+             "INTERP": False, "ROWS": rows}
+        what = f"{t}{' precise' if precise else ''}{', keys row by row' if rows else ''}"
         ins = {"q_ptr": f"*{t}", "pool_ptr": f"*{t}", "idx_ptr": "*i32", "sink_ptr": "*fp32"}
         yield (f"sparse_attn whole {what}", sparse_attn._whole_kernel,
                {**ins, "o_ptr": "*fp32", "K": "i32", "scale_log2e": "fp32", **consts},
@@ -83,8 +88,9 @@ def _cases():
                 **consts}, c, {(i,): div for i in range(6)}, attn_opts)
     yield ("sparse_attn combine", sparse_attn._combine_kernel,
            {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "sink_ptr": "*fp32", "o_ptr": "*fp32", "S": "constexpr",
-            "HEADS": "constexpr", "D": "constexpr", "BH": "constexpr"},
-           {"S": 10, "HEADS": 64, "D": 512, "BH": sparse_attn.COMBINE_H}, {(i,): div for i in range(4)},
+            "HEADS": "constexpr", "D": "constexpr", "BH": "constexpr", "INTERP": "constexpr"},
+           {"S": 10, "HEADS": 64, "D": 512, "BH": sparse_attn.COMBINE_H, "INTERP": False},
+           {(i,): div for i in range(4)},
            {"num_warps": 4})
 
     isig = {"D": "constexpr", "BM": "constexpr", "BN": "constexpr", "INTERP": "constexpr"}
@@ -121,6 +127,22 @@ def _cases():
                 "stride_head": "i32", "stride_cs": "i32", "first": "i32", "HALF": "constexpr", "HB": "constexpr",
                 "INVERSE": "constexpr"}, {"HALF": 32, "HB": rope.HEADS, "INVERSE": inverse}, {},
                {"num_warps": 4, **rope.LAUNCH})
+    for label, D, half, norm, quant in (("window KV", 512, 32, True, "fp8"), ("indexer q", 128, 32, False, "fp4_ue8m0"),
+                                        ("entries", 512, 32, False, "fp4_e4m3")):
+        (_, vmax, values, scale), qb = norm_rope_quant.KINDS[quant]
+        yield (f"norm / rope / quant: {label}", norm_rope_quant._norm_rope_quant_kernel,
+               {"x_ptr": "*fp32", "w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*fp32",
+                "heads": "i32", "stride_row": "i32", "stride_head": "i32", "inv_n": "fp32", "eps": "fp32",
+                "floor": "fp32", "inv_max": "fp32", "D": "constexpr", "LOG2D": "constexpr", "HALF": "constexpr",
+                "NORM": "constexpr", "INVERSE": "constexpr", "QUANT": "constexpr", "QB": "constexpr",
+                "VMAX": "constexpr", "VALUES": "constexpr", "SCALE": "constexpr", "INTERP": "constexpr"},
+               {"D": D, "LOG2D": D.bit_length() - 1, "HALF": half, "NORM": norm, "INVERSE": False, "QUANT": True,
+                "QB": qb, "VMAX": vmax, "VALUES": values, "SCALE": scale, "INTERP": False}, {},
+               {"num_warps": 4, **norm_rope_quant.LAUNCH})
+    yield ("rope cos / sin", rope._cos_sin_kernel,
+           {"pos_ptr": "*i64", "f_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "n": "i32",
+            "HALF": "constexpr", "BR": "constexpr", "INTERP": "constexpr"},
+           {"HALF": 32, "BR": rope.COS_SIN_ROWS, "INTERP": False}, {}, {"num_warps": 4, **rope.TRIG_LAUNCH})
     for label, (_, vmax, values, scale), block in (("fp8", fake_quant.FP8, 32), ("fp4 ue8m0", fake_quant.FP4_UE8M0, 32),
                                                    ("fp4 e4m3", fake_quant.FP4_E4M3, 16)):
         yield (f"{label} fake-quant", fake_quant._fake_quant_kernel,

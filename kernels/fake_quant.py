@@ -81,6 +81,13 @@ def _fake_quant_kernel(x_ptr, out_ptr, n_blocks, floor, inv_max, VMAX: tl.conste
     ok = (b < n_blocks)[:, None]
     at = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     v = tl.load(x_ptr + at, mask=ok, other=0.0)
+    tl.store(out_ptr + at, round_trip(v, floor, inv_max, VMAX, VALUES, SCALE, INTERP), mask=ok)
+
+
+@triton.jit
+def round_trip(v, floor, inv_max, VMAX: tl.constexpr, VALUES: tl.constexpr, SCALE: tl.constexpr,
+               INTERP: tl.constexpr):
+    """The fake-quant of blocks v [blocks, block] (one per row): the kernels' shared body."""
     amax = tl.maximum(tl.max(tl.abs(v), axis=1), floor)
     r = amax * inv_max
     if SCALE == 0:      # 2^ceil(log2 r) from the exponent bits (quant.pow2_ceil)
@@ -95,7 +102,7 @@ def _fake_quant_kernel(x_ptr, out_ptr, n_blocks, floor, inv_max, VMAX: tl.conste
         q = _e4m3(q, INTERP)
     else:
         q = _e2m1(q)
-    tl.store(out_ptr + at, q * s[:, None], mask=ok)
+    return q * s[:, None]
 
 
 def _applies(x: torch.Tensor, block: int) -> bool:

@@ -323,26 +323,48 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_p
 
 
 @triton.jit
-def _slot_sum_kernel(y_ptr, ids_ptr, shard_ptr, out_ptr, N, H, TOPK, BR: tl.constexpr, BH: tl.constexpr,
-                     SHARDED: tl.constexpr):
-    """out[r] = 0 + y[r, 0] + y[r, 1] + … over the slots whose expert is on this rank (id >= 0), in slot order.
-    SHARDED: out[s, r] (s = program axis 2) the same sum over the slots whose expert is in TP shard s
-    (shard_ptr[id] == s): the other shards' slots add exact zeros, as in a pass with them masked to -1."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    c = tl.program_id(1) * BH + tl.arange(0, BH)
-    r_ok = r < N
-    ok = r_ok[:, None] & (c < H)[None, :]
-    r = r.to(tl.int64)
+def _shard_slot_sum(y_ptr, ids_ptr, shard_ptr, r, r_ok, c, ok, H, TOPK, shard, BR: tl.constexpr, BH: tl.constexpr,
+                    SHARDED: tl.constexpr):
+    """0 + y[r, 0] + y[r, 1] + … over the slots whose expert is on this rank (id >= 0), in slot order; SHARDED: only
+    those whose expert is in TP shard `shard` (shard_ptr[id] == shard): the other slots add exact zeros, as in a
+    pass with them masked to -1."""
     acc = tl.zeros((BR, BH), tl.float32)
     for j in range(TOPK):
         e = tl.load(ids_ptr + r * TOPK + j, mask=r_ok, other=-1)
         here = e >= 0
         if SHARDED:
-            here = here & (tl.load(shard_ptr + tl.maximum(e, 0), mask=here, other=-1) == tl.program_id(2))
+            here = here & (tl.load(shard_ptr + tl.maximum(e, 0), mask=here, other=-1) == shard)
         acc = acc + tl.load(y_ptr + (r * TOPK + j)[:, None] * H + c[None, :], mask=ok & here[:, None], other=0.0)
-    if SHARDED:
-        out_ptr += tl.program_id(2).to(tl.int64) * N * H
-    tl.store(out_ptr + r[:, None] * H + c[None, :], acc, mask=ok)
+    return acc
+
+
+@triton.jit
+def _slot_sum_kernel(y_ptr, ids_ptr, shard_ptr, out_ptr, a0_ptr, a1_ptr, N, H, TOPK, BR: tl.constexpr,
+                     BH: tl.constexpr, SHARDED: tl.constexpr, TOTAL: tl.constexpr, ADD0: tl.constexpr,
+                     ADD1: tl.constexpr):
+    """out[r]: the slot sum (_shard_slot_sum). SHARDED: out[s, r] (s = program axis 2) each TP shard's. TOTAL (two
+    shards): out[r] = (sum_0 [+ a0[r]]) + (sum_1 [+ a1[r]]), each shard's part with its addend (its share of the
+    shared expert, where ADDi) and the parts added in shard order: MoE.__call__'s sum over shards, one launch."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BH + tl.arange(0, BH)
+    r_ok = r < N
+    ok = r_ok[:, None] & (c < H)[None, :]
+    r = r.to(tl.int64)
+    at = r[:, None] * H + c[None, :]
+    if TOTAL:
+        acc = _shard_slot_sum(y_ptr, ids_ptr, shard_ptr, r, r_ok, c, ok, H, TOPK, 0, BR, BH, True)
+        if ADD0:
+            acc = acc + tl.load(a0_ptr + at, mask=ok, other=0.0)
+        part = _shard_slot_sum(y_ptr, ids_ptr, shard_ptr, r, r_ok, c, ok, H, TOPK, 1, BR, BH, True)
+        if ADD1:
+            part = part + tl.load(a1_ptr + at, mask=ok, other=0.0)
+        acc = acc + part
+    else:
+        acc = _shard_slot_sum(y_ptr, ids_ptr, shard_ptr, r, r_ok, c, ok, H, TOPK, tl.program_id(2), BR, BH,
+                              SHARDED)
+        if SHARDED:
+            out_ptr += tl.program_id(2).to(tl.int64) * N * H
+    tl.store(out_ptr + at, acc, mask=ok)
 
 
 @triton.jit
@@ -522,7 +544,7 @@ def check_shard_of(shard_of: torch.Tensor | None, n_exp: int, device: torch.devi
 
 def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
             expert_ids: torch.Tensor, weights: torch.Tensor, limit: float, cfg: Config | None = None,
-            shard_of: torch.Tensor | None = None, shards: int = 1) -> torch.Tensor:
+            shard_of: torch.Tensor | None = None, shards: int = 1, addends: tuple | None = None) -> torch.Tensor:
     """Σ over slots (in slot order) of w2(weight · silu(min(w1x, limit)) · clamp(w3x, ±limit)) for each row's
     experts -> float32 [n, H]; equals the routed part of `MoE.__call__` with `dequant_fp4` weights and x, h
     rounded to bf16, up to the fp32 summation order. Slots with expert id < 0 (another rank's) contribute nothing.
@@ -531,7 +553,11 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
     shard_of (int32 [E]: each stacked expert's tensor-parallel shard, 0..shards-1): one pass over every pair, then
     each shard's own slot sum -> float32 [shards, n, H]; out[s] has the bits of a call with the slots of the other
     shards' experts set to -1 (a pair's output does not depend on the other pairs of the launch, and the slot sum
-    adds the same terms in the same order)."""
+    adds the same terms in the same order). addends (with shard_of, two shards): a tensor [n, H] or None per shard
+    -> float32 [n, H], (out[0] + addends[0]) + (out[1] + addends[1]) in one launch (MoE.__call__'s sum of the
+    shards' parts with their shares of the shared expert, the same additions)."""
+    if addends is not None and (shard_of is None or shards != 2 or len(addends) != 2):
+        raise ValueError("fp4_moe: addends take shard_of over two shards, one addend (or None) each")
     cfg = cfg or config_for(x.device, x.shape[1], w13.shape[1] // 2)
     if cfg.impl == "cuda" and cfg.lean not in (0, 1, 2, 4):
         raise ValueError(f"fp4_moe: lean must be 0, 1, 2 or 4 warps, got {cfg.lean}")
@@ -545,9 +571,14 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
     top_k = expert_ids.shape[1]
     check_shard_of(shard_of, n_exp, x.device, "fp4_moe")
     sharded = shard_of is not None
-    out = torch.empty((shards, n, hidden) if sharded else (n, hidden), dtype=torch.float32, device=x.device)
+    out = torch.empty((shards, n, hidden) if sharded and addends is None else (n, hidden), dtype=torch.float32,
+                      device=x.device)
     if n == 0 or top_k == 0:
-        return out.zero_()
+        out.zero_()
+        if addends is not None:     # the slot sums are zeros: the total is the addends', added as the kernel would
+            parts = [out if a is None else out + a for a in addends]
+            return parts[0] + parts[1]
+        return out
     ids = expert_ids.to(torch.int32).contiguous()
     if cfg.impl == "cuda" and n * top_k <= 1024 and n_exp < 1024:
         tile_e, tile_start, tile_cnt, order = work_list_cuda(ids, n_exp)
@@ -585,7 +616,7 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
                     [xq, w13, s13, tile_e, tile_start, tile_cnt, order, rw, hq, hidden, inter, top_k, float(limit)])
         cuda.launch(cuda.function("decode.cu", f"moe_down_{form}", dev), (tiles, hidden // rows_b, 1), 2 * rows_b,
                     [hq, w2, s2, tile_e, tile_start, tile_cnt, order, y, hidden, inter])
-        return _slot_sum(y, ids, shard_of, out)
+        return _slot_sum(y, ids, shard_of, out, addends)
     h = torch.empty((n_pairs, inter), dtype=torch.float32, device=x.device)
     common = {"BM": BLOCK_M, "BP_": BP, "BKB": cfg.bkb, "ASM": cfg.asm, "INTERP": INTERPRET, "POST": cfg.post,
               "num_warps": cfg.warps, "num_stages": cfg.stages}
@@ -594,16 +625,21 @@ def fp4_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Ten
         BN=cfg.bn_up, **common)
     _moe_down_kernel[(tiles, hidden // cfg.bn_down)](
         h, w2, s2, tile_e, tile_start, tile_cnt, order, y, hidden, inter, BN=cfg.bn_down, **common)
-    return _slot_sum(y, ids, shard_of, out)
+    return _slot_sum(y, ids, shard_of, out, addends)
 
 
-def _slot_sum(y: torch.Tensor, ids: torch.Tensor, shard_of: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+def _slot_sum(y: torch.Tensor, ids: torch.Tensor, shard_of: torch.Tensor | None, out: torch.Tensor,
+              addends: tuple | None = None) -> torch.Tensor:
     """The pairs' outputs y [n * k, H] summed per row in slot order into out ([n, H], or [shards, n, H] per shard
-    of shard_of) in one launch."""
+    of shard_of) in one launch; addends (two shards: each shard's tensor [n, H] or None): out [n, H] the total over
+    the shards, each with its addend (_slot_sum_kernel's TOTAL)."""
     n, top_k = ids.shape
     hidden = y.shape[1]
-    shards = out.shape[0] if shard_of is not None else 1
+    total = addends is not None
+    shards = 1 if total or shard_of is None else out.shape[0]
+    a0, a1 = ((a.contiguous() if a is not None else out) for a in addends) if total else (out, out)
     _slot_sum_kernel[(triton.cdiv(n, SUM_ROWS), triton.cdiv(hidden, SUM_COLS), shards)](
-        y, ids, ids if shard_of is None else shard_of, out, n, hidden, top_k, BR=SUM_ROWS, BH=SUM_COLS,
-        SHARDED=shard_of is not None)
+        y, ids, ids if shard_of is None else shard_of, out, a0, a1, n, hidden, top_k, BR=SUM_ROWS, BH=SUM_COLS,
+        SHARDED=shard_of is not None, TOTAL=total, ADD0=total and addends[0] is not None,
+        ADD1=total and addends[1] is not None)
     return out

@@ -46,6 +46,17 @@ def _cases():
         yield (f"hc_site_in{' with the expand' if expand else ''}", rowops._hc_site_in_kernel, site,
                {"HC": 4, "BLOCK": rowops.NORM_BLOCK, "EXPAND": expand, "HAS_W": True}, {},
                {**opts, "num_warps": rowops.NORM_WARPS}, ("div.rn.f32", "sqrt.rn.f32", "mul.rn.f32", "add.rn.f32"))
+    from kernels import norm_rope_quant as nrq
+    (_, vmax, values, scale), qb = nrq.KINDS["fp8"]
+    yield ("norm / rope / fp8 quant (kernels/norm_rope_quant.py)", nrq._norm_rope_quant_kernel,
+           {"x_ptr": "*fp32", "w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*fp32",
+            "heads": "i32", "stride_row": "i32", "stride_head": "i32", "inv_n": "fp32", "eps": "fp32", "floor": "fp32",
+            "inv_max": "fp32", "D": "constexpr", "LOG2D": "constexpr", "HALF": "constexpr", "NORM": "constexpr",
+            "INVERSE": "constexpr", "QUANT": "constexpr", "QB": "constexpr", "VMAX": "constexpr", "VALUES": "constexpr",
+            "SCALE": "constexpr", "INTERP": "constexpr"},
+           {"D": 512, "LOG2D": 9, "HALF": 32, "NORM": True, "INVERSE": True, "QUANT": True, "QB": qb, "VMAX": vmax,
+            "VALUES": values, "SCALE": scale, "INTERP": False}, {}, {**opts, "num_warps": 4},
+           ("div.rn.f32", "sqrt.rn.f32", "mul.rn.f32", "add.rn.f32", "sub.rn.f32"))
     yield ("route_weights", rowops._route_weights_kernel,
            {"s_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*fp32", "n": "i32", "E": "i32", "eps": "fp32",
             "scaling": "fp32", "K": "constexpr", "KP": "constexpr", "BR": "constexpr"},

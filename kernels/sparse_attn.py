@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kernels.fp8_linear import INTERPRET, bf16_operand, mma, split_bf16
 
@@ -57,12 +58,19 @@ def _queries(q_ptr, r, h, HEADS: tl.constexpr, D: tl.constexpr, PRECISE: tl.cons
 
 @triton.jit
 def _split_state(q_hi, q_lo, pool_ptr, idx_ptr, m0, r, s, K, scale_log2e, D: tl.constexpr, BH: tl.constexpr,
-                 BJ: tl.constexpr, PRECISE: tl.constexpr, INTERP: tl.constexpr):
+                 BJ: tl.constexpr, PRECISE: tl.constexpr, INTERP: tl.constexpr, ROWS: tl.constexpr):
     """Split s of row r (keys s·BJ .. s·BJ + BJ - 1, those past K masked), a softmax from max m0 (the sink, log2
-    units) with an empty sum -> (m, l, acc) [BH], [BH], [BH, D]."""
+    units) with an empty sum -> (m, l, acc) [BH], [BH], [BH, D]. ROWS: the keys are held row by row (row r's key j
+    at pool row r·K + j) and idx_ptr is their bool validity [n, K] read as int32 words of 4 (K a multiple of 4): a
+    byte-wide load would keep the compiler from pipelining the loop as it does the index form's int32 loads (278
+    KB of shared memory instead of 150 at D 512); else the indices [n, K] into the pool."""
     d = tl.arange(0, D)
     j = s * BJ + tl.arange(0, BJ)
-    ids = tl.load(idx_ptr + r * K + j, mask=j < K, other=-1)
+    if ROWS:        # int32 as the index form's (n·K keys of a round fit)
+        word = tl.load(idx_ptr + r * (K // 4) + j // 4, mask=j < K, other=0)
+        ids = tl.where(((word >> ((j & 3) * 8)) & 0xFF) != 0, (r * K).to(tl.int32) + j, -1)
+    else:
+        ids = tl.load(idx_ptr + r * K + j, mask=j < K, other=-1)
     ok = ids >= 0
     kv = tl.load(pool_ptr + ids.to(tl.int64)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)    # [BJ, D]
     sc = tl.zeros((BH, BJ), tl.float32)
@@ -90,6 +98,17 @@ def _split_state(q_hi, q_lo, pool_ptr, idx_ptr, m0, r, s, K, scale_log2e, D: tl.
 
 
 @triton.jit
+def _sinks(sink_ptr, h, INTERP: tl.constexpr):
+    """The heads' sinks (float32 or bf16) in log2 units, sink · log2 e rounded once (as torch's float32 product:
+    mul.rn, never contracted into the fold's subtractions)."""
+    v = tl.load(sink_ptr + h).to(tl.float32)
+    if INTERP:
+        return v * LOG2E
+    else:
+        return libdevice.mul_rn(v, LOG2E)
+
+
+@triton.jit
 def _fold(m, den, acc, m_s, den_s, acc_s):
     """The running state (m, den, acc) with split state (m_s, den_s, acc_s) folded in. The run starts empty (m =
     -inf, den = acc = 0): the first fold then gives the first split's state exactly (0·0 + x·1 = x whichever
@@ -111,20 +130,19 @@ def _finish(m, den, acc, sink):
 @triton.jit
 def _whole_kernel(q_ptr, pool_ptr, idx_ptr, sink_ptr, o_ptr, K, scale_log2e, HEADS: tl.constexpr,
                   D: tl.constexpr, BH: tl.constexpr, BJ: tl.constexpr, PRECISE: tl.constexpr,
-                  INTERP: tl.constexpr):
-    """One program per (row, BH heads): every split of the row in order, each folded as it is done. sink_ptr:
-    the sinks in log2 units (sink · log2 e)."""
+                  INTERP: tl.constexpr, ROWS: tl.constexpr):
+    """One program per (row, BH heads): every split of the row in order, each folded as it is done."""
     pid = tl.program_id(0).to(tl.int64)
     r = pid // (HEADS // BH)
     h = (pid % (HEADS // BH)) * BH + tl.arange(0, BH)
     q_hi, q_lo = _queries(q_ptr, r, h, HEADS, D, PRECISE, INTERP)
-    sink = tl.load(sink_ptr + h)
+    sink = _sinks(sink_ptr, h, INTERP)
     m = tl.full((BH,), float("-inf"), tl.float32)
     den = tl.zeros((BH,), tl.float32)
     acc = tl.zeros((BH, D), tl.float32)
     for s in range(0, tl.cdiv(K, BJ)):
         m_s, den_s, acc_s = _split_state(q_hi, q_lo, pool_ptr, idx_ptr, sink, r, s, K, scale_log2e, D, BH, BJ,
-                                         PRECISE, INTERP)
+                                         PRECISE, INTERP, ROWS)
         m, den, acc = _fold(m, den, acc, m_s, den_s, acc_s)
     d = tl.arange(0, D)
     tl.store(o_ptr + (r * HEADS + h)[:, None] * D + d[None, :], _finish(m, den, acc, sink))
@@ -133,7 +151,7 @@ def _whole_kernel(q_ptr, pool_ptr, idx_ptr, sink_ptr, o_ptr, K, scale_log2e, HEA
 @triton.jit
 def _split_kernel(q_ptr, pool_ptr, idx_ptr, sink_ptr, acc_ptr, ml_ptr, K, S, scale_log2e, HEADS: tl.constexpr,
                   D: tl.constexpr, BH: tl.constexpr, BJ: tl.constexpr, PRECISE: tl.constexpr,
-                  INTERP: tl.constexpr):
+                  INTERP: tl.constexpr, ROWS: tl.constexpr):
     """One program per (row, split, BH heads), the heads fastest (a split's keys read once into L2 for all of
     them): the split's state to scratch, acc [n, S, HEADS, D] and (m, l) [n, S, 2, HEADS]."""
     pid = tl.program_id(0).to(tl.int64)
@@ -143,7 +161,7 @@ def _split_kernel(q_ptr, pool_ptr, idx_ptr, sink_ptr, acc_ptr, ml_ptr, K, S, sca
     s = rs % S
     h = hb * BH + tl.arange(0, BH)
     q_hi, q_lo = _queries(q_ptr, r, h, HEADS, D, PRECISE, INTERP)
-    sink = tl.load(sink_ptr + h)
+    sink = _sinks(sink_ptr, h, INTERP)
     m_s = sink
     den_s = tl.zeros((BH,), tl.float32)
     acc_s = tl.zeros((BH, D), tl.float32)
@@ -151,7 +169,7 @@ def _split_kernel(q_ptr, pool_ptr, idx_ptr, sink_ptr, acc_ptr, ml_ptr, K, S, sca
     # form's loop does (straight-line code keeps the fp32 key tile in registers and spills)
     for s1 in range(s, tl.minimum(s + 1, S)):
         m_s, den_s, acc_s = _split_state(q_hi, q_lo, pool_ptr, idx_ptr, sink, r, s1, K, scale_log2e, D, BH, BJ,
-                                         PRECISE, INTERP)
+                                         PRECISE, INTERP, ROWS)
     d = tl.arange(0, D)
     tl.store(acc_ptr + (rs * HEADS + h)[:, None] * D + d[None, :], acc_s)
     tl.store(ml_ptr + rs * 2 * HEADS + h, m_s)
@@ -160,7 +178,7 @@ def _split_kernel(q_ptr, pool_ptr, idx_ptr, sink_ptr, acc_ptr, ml_ptr, K, S, sca
 
 @triton.jit
 def _combine_kernel(acc_ptr, ml_ptr, sink_ptr, o_ptr, S: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
-                    BH: tl.constexpr):
+                    BH: tl.constexpr, INTERP: tl.constexpr):
     """One program per (row, BH heads): the row's S split states folded in split order, then the sink."""
     pid = tl.program_id(0).to(tl.int64)
     r = pid // (HEADS // BH)
@@ -175,26 +193,38 @@ def _combine_kernel(acc_ptr, ml_ptr, sink_ptr, o_ptr, S: tl.constexpr, HEADS: tl
         den_s = tl.load(ml_ptr + rs * 2 * HEADS + HEADS + h)
         acc_s = tl.load(acc_ptr + (rs * HEADS + h)[:, None] * D + d[None, :])
         m, den, acc = _fold(m, den, acc, m_s, den_s, acc_s)
-    tl.store(o_ptr + (r * HEADS + h)[:, None] * D + d[None, :], _finish(m, den, acc, tl.load(sink_ptr + h)))
+    tl.store(o_ptr + (r * HEADS + h)[:, None] * D + d[None, :], _finish(m, den, acc, _sinks(sink_ptr, h, INTERP)))
 
 
 def sparse_attn(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                 scale: float, precise: bool = False, form: str | None = None) -> torch.Tensor:
     """o[r, h] = Σ_j softmax_j([q[r,h]·pool[idx[r,j]] · scale]_j ∪ {sink[h]}) · pool[idx[r,j]] (the sink only in
     the denominator; idx -1 = masked) -> float32 [n, heads, D]. q float32/bf16 [n, heads, D]; pool float32/bf16
-    [P, D]; idx int32/int64 [n, K] into the pool; sink [heads]. Equals `Attention.attend(q, pool[idx.clamp(0)],
-    idx >= 0)`: up to the bf16 rounding of q, k and P by default (the release kernel's numerics, one tensor-core
-    product each); to float32's accuracy with precise=True (q, k and P as bf16 hi + lo parts, three products each;
-    on sm_90 that variant spills registers at D = 512: correct, not tuned). form: "split" or "whole" (the same
-    bits); None picks by the launch's size (whole from WHOLE_FROM (row, head block) programs)."""
+    [P, D]; idx int32/int64 [n, K] into the pool, or bool [n, K]: the keys held row by row (a decode round's
+    gathered keys [n, K, D] or [n · K, D]: row r's key j is pool row r·K + j), idx their validity (no index tensor
+    made); sink float32/bf16 [heads]. Equals `Attention.attend(q, pool[idx.clamp(0)], idx >= 0)`: up to the bf16
+    rounding of q, k and P by default (the release kernel's numerics, one tensor-core product each); to float32's
+    accuracy with precise=True (q, k and P as bf16 hi + lo parts, three products each; on sm_90 that variant spills
+    registers at D = 512: correct, not tuned). form: "split" or "whole" (the same bits); None picks by the launch's
+    size (whole from WHOLE_FROM (row, head block) programs)."""
+    rows_form = idx.dtype == torch.bool
+    if rows_form and pool.dim() == 3:
+        pool = pool.reshape(-1, pool.shape[-1])
+    if rows_form and idx.dim() == 2 and idx.shape[1] % 4:   # (the kernel reads the validity 4 bytes at a time)
+        if pool.shape[0] != idx.numel():
+            raise ValueError(f"sparse_attn: keys held row by row must be [{idx.numel()}, D], got {list(pool.shape)}")
+        idx = torch.where(idx, torch.arange(idx.numel(), device=idx.device).view(idx.shape), -1)
+        rows_form = False
     if q.dim() != 3 or pool.dim() != 2 or q.shape[2] != pool.shape[1]:
         raise ValueError(f"sparse_attn: q [n, heads, D] and pool [P, D] must agree, got {list(q.shape)}, "
                          f"{list(pool.shape)}")
     n, heads, dim = q.shape
-    if idx.dim() != 2 or idx.shape[0] != n or idx.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"sparse_attn: idx must be int [{n}, K], got {idx.dtype} {list(idx.shape)}")
-    if tuple(sink.shape) != (heads,):
-        raise ValueError(f"sparse_attn: sink must be [{heads}], got {list(sink.shape)}")
+    if idx.dim() != 2 or idx.shape[0] != n or idx.dtype not in (torch.int32, torch.int64, torch.bool):
+        raise ValueError(f"sparse_attn: idx must be int or bool [{n}, K], got {idx.dtype} {list(idx.shape)}")
+    if rows_form and pool.shape[0] != idx.numel():
+        raise ValueError(f"sparse_attn: keys held row by row must be [{idx.numel()}, D], got {list(pool.shape)}")
+    if tuple(sink.shape) != (heads,) or sink.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"sparse_attn: sink must be float32/bf16 [{heads}], got {sink.dtype} {list(sink.shape)}")
     if heads % BLOCK_H or dim & (dim - 1) or dim < 16:
         raise ValueError(f"sparse_attn: heads must be a multiple of {BLOCK_H} and D a power of two, got {heads}, {dim}")
     for name, t in (("q", q), ("pool", pool)):
@@ -213,9 +243,10 @@ def sparse_attn(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: to
     hb = heads // BLOCK_H
     if form is None:
         form = "whole" if n * hb >= WHOLE_FROM else "split"
-    q, pool, idx = q.contiguous(), pool.contiguous(), idx.to(torch.int32).contiguous()
-    sink = (sink.float() * LOG2E.value).contiguous()   # log2 units, the product made here (none to fuse)
-    common = dict(HEADS=heads, D=dim, BH=BLOCK_H, BJ=BLOCK_J, PRECISE=precise,
+    # (the kernels read the sinks as they are and scale them to log2 units, as this wrapper's product did)
+    q, pool, sink = q.contiguous(), pool.contiguous(), sink.contiguous()
+    idx = idx.contiguous().view(torch.int32) if rows_form else idx.to(torch.int32).contiguous()
+    common = dict(HEADS=heads, D=dim, BH=BLOCK_H, BJ=BLOCK_J, PRECISE=precise, ROWS=rows_form,
                   INTERP=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     scale_log2e = float(scale) * LOG2E.value
     if form == "whole":
@@ -226,5 +257,5 @@ def sparse_attn(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: to
     ml = torch.empty((n, S, 2, heads), dtype=torch.float32, device=q.device)
     _split_kernel[(n * S * hb,)](q, pool, idx, sink, acc, ml, K, S, scale_log2e, **common)
     _combine_kernel[(n * heads // COMBINE_H,)](acc, ml, sink, o, S=S, HEADS=heads, D=dim, BH=COMBINE_H,
-                                               num_warps=4)
+                                               INTERP=INTERPRET, num_warps=4)
     return o

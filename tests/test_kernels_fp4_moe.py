@@ -301,6 +301,15 @@ def _sharded_equals_masked(W, ids, wts, x, cfg, n_exp):
         masked = torch.where(shard_of[ids.clamp_min(0)] == s, ids, -1)
         assert torch.equal(got[s], fp4_moe(x, *W, masked, wts, LIMIT, cfg=cfg)), f"shard {s}"
     assert got.abs().amax() > 0
+    two = torch.tensor([0, 0, 0, 1, 1, -1, 1, 0][:n_exp], dtype=torch.int32, device=x.device)
+    parts = fp4_moe(x, *W, ids, wts, LIMIT, cfg=cfg, shard_of=two, shards=2)
+    a0 = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(x.device)
+    for adds in ((a0, None), (None, a0 * 2), (a0, a0 * 3), (None, None)):
+        total = fp4_moe(x, *W, ids, wts, LIMIT, cfg=cfg, shard_of=two, shards=2, addends=adds)
+        want = [parts[s] if a is None else parts[s] + a for s, a in enumerate(adds)]
+        assert torch.equal(total, want[0] + want[1])           # MoE.__call__'s sum over the shards, in one launch
+    with pytest.raises(ValueError):
+        fp4_moe(x, *W, ids, wts, LIMIT, cfg=cfg, shard_of=shard_of, shards=3, addends=(a0, a0, a0))
 
 
 @pytest.mark.parametrize("n", [1, 17])

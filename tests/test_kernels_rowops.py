@@ -259,7 +259,7 @@ def test_kernel_ptx_uses_only_correctly_rounded_ops():
     r = subprocess.run([sys.executable, "-m", "kernels.rowops_check"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert r.stdout.count("ok ") == 9, r.stdout
+    assert r.stdout.count("ok ") == 10, r.stdout
 
 
 # ---- CUDA --------------------------------------------------------------------------------------------------------

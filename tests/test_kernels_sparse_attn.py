@@ -154,3 +154,37 @@ def test_v41_shapes_on_gpu(precise):
             assert torch.equal(shard, o[:, hs]), f"shard {i} launched apart differs at {n} rows"
     bf = sparse_attn(q[:64].bfloat16(), pool.bfloat16(), idx[:64], sink, sc, precise=precise)
     assert torch.equal(sparse_attn(q.bfloat16(), pool.bfloat16(), idx, sink, sc, precise=precise)[:64], bf)
+
+
+@pytest.mark.parametrize("topk,form", [(12, "split"), (12, "whole"), (13, None)])
+def test_keys_held_row_by_row_equal_the_index_form_bitwise(topk, form):
+    """A decode round's gathered keys [n, K, D] with their bool validity (no index tensor; K a multiple of 4: the
+    validity read 4 bytes at a time; else the wrapper makes the indices) give the index form's bits, row by row."""
+    n, heads, dim, window = 5, 32, 64, 8
+    q, pool, idx, sink = _case(n, heads, dim, 40, window, topk, 7 + topk)
+    q, pool, idx, sink = q.to(DEV), pool.to(DEV), idx.to(DEV), sink.to(DEV)
+    keys = pool[idx.clamp(0)]                                        # [n, K, D] as the round gathers them
+    valid = idx >= 0
+    flat = torch.where(valid, torch.arange(idx.numel(), device=DEV).view(idx.shape), -1)
+    want = sparse_attn(q, keys.reshape(-1, dim), flat, sink, 0.125, form=form)
+    got = sparse_attn(q, keys, valid, sink, 0.125, form=form)
+    assert torch.equal(got, want)
+    alone = sparse_attn(q[2:3], keys[2:3], valid[2:3], sink, 0.125, form=form)
+    assert torch.equal(alone[0], got[2])
+    _close(got, q, pool, idx, sink)
+    with pytest.raises(ValueError):
+        sparse_attn(q, keys[:, :-1], valid, sink, 0.125)            # the keys must be the validity's
+
+
+def test_the_op_set_attends_gathered_keys_in_one_launch():
+    """Ops.attend_rows: the kernel's row-by-row form where it applies; the reference's (indices) the same function."""
+    from dsv41.model.ops import cuda_ops, reference_ops
+    n, heads, dim = 3, 16, 32
+    q, pool, idx, sink = _case(n, heads, dim, 30, 4, 8, 3)
+    keys, valid = pool[idx.clamp(0)], idx >= 0
+    ops, sc = cuda_ops(), dim ** -0.5
+    got = ops.attend_rows(q.to(DEV), keys.to(DEV), valid.to(DEV), sink.to(DEV), sc)
+    assert torch.equal(got, sparse_attn(q.to(DEV), keys.to(DEV), valid.to(DEV), sink.to(DEV), sc))
+    ref = reference_ops().attend_rows(q, keys, valid, sink, sc)
+    assert torch.equal(ref, _attention(sink, dim).attend(q, keys, valid))
+    _close(got, q, pool, idx, sink)

@@ -66,9 +66,7 @@ class Attention:
             q = ops.linear(q_res, self.wq_b)
         # in place: q and the normed kv are this call's own (apply_rope_: no copy of the nope dims)
         q = ops.rope_(q.view(-1, self.n_heads, self.head_dim), cos, sin)
-        kv = ops.rope_(ops.rms_norm(kva, self.kv_norm, self.eps), cos, sin)
-        if qat:
-            kv = ops.fp8_fake_quant(kv, 32)
+        kv = ops.norm_rope_quant(kva, self.kv_norm, self.eps, cos, sin, "fp8" if qat else None, own=True)
         return q_res, q, kv
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
@@ -78,17 +76,14 @@ class Attention:
         gathered, keys [n, K, D] with sel the bool validity [n, K] (a decode round's fixed shapes, its CUDA
         graphs); or a pool, keys [P, D] with sel the int64 indices [n, K] into it, -1 masked (a prompt pass: no
         [n, K, D] copy of the keys)."""
-        if sel.dtype == torch.bool:
-            n, K, D = keys.shape
-            slots = torch.arange(n * K, device=keys.device).view(n, K)
-            keys, sel = keys.reshape(n * K, D), torch.where(sel, slots, -1)
+        attend = self.ops.attend_rows if sel.dtype == torch.bool else self.ops.attend
         sink = self.attn_sink.float()
         scale = self.head_dim ** -0.5
         h = self.n_heads // self.shards
         all_shards = getattr(self.ops.sparse_attend, "all_shards", None)   # the kernel: one launch, each shard's bits
         if self.shards == 1 or (all_shards is not None and all_shards(h, self.head_dim)):
-            return self.ops.attend(q, keys, sel, sink, scale)
-        return torch.cat([self.ops.attend(q[:, i * h:(i + 1) * h], keys, sel, sink[i * h:(i + 1) * h], scale)
+            return attend(q, keys, sel, sink, scale)
+        return torch.cat([attend(q[:, i * h:(i + 1) * h], keys, sel, sink[i * h:(i + 1) * h], scale)
                           for i in range(self.shards)], dim=1)
 
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -57,8 +57,8 @@ class DSpark:
     def _stage_kv(self, blk, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """A stage's window KV of main_x rows at the main RoPE rows cos, sin."""
         m, ops = self.model, self.ops
-        kv = ops.rope_(ops.rms_norm(ops.linear(x, blk.attn.wkv), blk.attn.kv_norm, m.t.rms_norm_eps), cos, sin)
-        return ops.fp8_fake_quant(kv, 32) if m.qat else kv
+        return ops.norm_rope_quant(ops.linear(x, blk.attn.wkv), blk.attn.kv_norm, m.t.rms_norm_eps, cos, sin,
+                                   "fp8" if m.qat else None, own=True)
 
     def fill_rings(self, main_hidden: torch.Tensor, pos: torch.Tensor, segs, graphs=None, cos_sin=None) -> None:
         """Write every stage's window KV of the rows' main_x into the sequences' stage rings. graphs: the forward's

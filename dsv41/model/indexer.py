@@ -22,7 +22,6 @@ import torch
 
 from dsv41.model.linear import ROW_TILE, stable_topk, tiled
 from dsv41.model.ops import Ops, reference_ops
-from dsv41.model.rope import Rope
 
 KEY_TILE = 64
 NEG_INF = float("-inf")
@@ -44,19 +43,16 @@ class Indexer:
     def queries(self, q_res: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qat: bool):
         """q [n, heads, head_dim] (compress RoPE at the query positions, FP4 fake-quant) and head weights [n, heads]."""
         q = self.ops.linear(q_res, self.wq_b).view(-1, self.n_heads, self.head_dim)
-        q = self.ops.rope_(q, cos, sin)          # the product's own output: rotated in place
-        if qat:
-            q = self.ops.fp4_fake_quant_ue8m0(q, 32)
+        q = self.ops.norm_rope_quant(q, None, 0.0, cos, sin, "fp4_ue8m0" if qat else None, own=True)
         w = self.ops.linear(x, self.weights_proj) * self.n_heads ** -0.5
         return q, w
 
-    def keys(self, latent: torch.Tensor, positions: torch.Tensor, rope: Rope, qat: bool) -> torch.Tensor:
+    def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qat: bool) -> torch.Tensor:
         """Indexer keys of new compressed entries: k_norm(wk(latent)), compress RoPE at the group's first token
-        position, FP4 fake-quant."""
-        k = self.ops.rms_norm(self.ops.linear(latent, self.wk), self.k_norm, self.eps)
-        cos, sin = rope.cos_sin("compress", positions)
-        k = self.ops.rope_(k, cos, sin)
-        return self.ops.fp4_fake_quant_ue8m0(k, 32) if qat else k
+        position (cos, sin: the compressed entries' own, Rope.cos_sin("compress", those positions)), FP4
+        fake-quant."""
+        return self.ops.norm_rope_quant(self.ops.linear(latent, self.wk), self.k_norm, self.eps, cos, sin,
+                                        "fp4_ue8m0" if qat else None, own=True)
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                ratio: int) -> torch.Tensor:

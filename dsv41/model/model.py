@@ -228,7 +228,7 @@ class Model:
         self.cfg = cfg
         t = self.t = cfg.text
         self.layout = Layout.from_config(t)
-        self.rope = Rope(t)
+        self.rope = Rope(t, ops.cos_sin)
         self.qat = qat
         self.index_keys = index_keys
         self.comm = comm or Comm()
@@ -688,22 +688,23 @@ class Model:
             st.compressed[r.index] = kv.new_zeros((0, D))
             st.index_keys[r.index] = kv.new_zeros((0, Di))
         if g:
+            gcs = self.rope.cos_sin("compress", gpos)          # the keys' and the entries' (one computation)
             if r.owns_index_keys:
-                k = blk.indexer.keys(latent, gpos, self.rope, self.qat)
+                k = blk.indexer.keys(latent, *gcs, self.qat)
                 st.index_keys[r.index] = _append_rows(st.index_keys[r.index], k)
-            st.compressed[r.index] = _append_rows(st.compressed[r.index], self._entries(latent, gpos))
+            st.compressed[r.index] = _append_rows(st.compressed[r.index], self._entries(latent, *gcs))
         sh["kv"] = st.compressed[r.index]
         # "intended": an owner publishes its running keys on every call. "quirk" (the release): a ratio-2 owner
         # publishes only on calls that close a group; otherwise later index layers score the last published keys.
         if r.owns_index_keys and (self.index_keys == "intended" or g > 0):
             st.published_keys = (r.index, st.index_keys[r.index].shape[0])
 
-    def _entries(self, latent: torch.Tensor, gpos: torch.Tensor) -> torch.Tensor:
-        """Compressed KV entries of pooled latents [g, D] whose groups start at positions gpos [g]: compress RoPE at
-        the group's first position, FP4 fake-quant (E4M3 scale per 16)."""
-        cos, sin = self.rope.cos_sin("compress", gpos)
-        entry = self.ops.rope_(latent.clone(), cos, sin)      # a copy: the latent also feeds the indexer's keys
-        return self.ops.fp4_fake_quant_e4m3(entry, 16) if self.qat else entry
+    def _entries(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Compressed KV entries of pooled latents [g, D]: compress RoPE at the group's first position (cos, sin:
+        Rope.cos_sin("compress", those positions), shared with the indexer's keys), FP4 fake-quant (E4M3 scale per
+        16)."""
+        # not own: the latent also feeds the indexer's keys
+        return self.ops.norm_rope_quant(latent, None, 0.0, cos, sin, "fp4_e4m3" if self.qat else None, own=False)
 
     def _index(self, blk: Block, st: SeqState, sh: dict, q, w, p, trace) -> torch.Tensor:
         t, r, ix = self.t, blk.role, blk.indexer
@@ -952,9 +953,10 @@ class Model:
             self.ops.ring_write(pkv, kv, pslot, n, meta[:, c[f"pkv{L}"]])
             self.ops.ring_write(pgate, gate, pslot, n, meta[:, c[f"pgate{L}"]])
         slot = meta[:, c[f"cslot{L}"]]
-        self.ops.ring_write(rd.kvs[L], self._entries(latent, gpos), slot, n, meta[:, c[f"kv{L}"]])
+        gcs = self.rope.cos_sin("compress", gpos)              # the keys' and the entries' (one computation)
+        self.ops.ring_write(rd.kvs[L], self._entries(latent, *gcs), slot, n, meta[:, c[f"kv{L}"]])
         if r.owns_index_keys:
-            self.ops.ring_write(rd.ikeys[L], blk.indexer.keys(latent, gpos, self.rope, self.qat), slot, n,
+            self.ops.ring_write(rd.ikeys[L], blk.indexer.keys(latent, *gcs, self.qat), slot, n,
                                 meta[:, c[f"ikeys{L}"]])
 
     def _note_groups(self, L: int, rd: _Round, kv, gate) -> None:

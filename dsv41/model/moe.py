@@ -142,6 +142,12 @@ class MoE:
         if self.shards == 1:
             y = self._routed(x, weights, ids)
             return y if self.shared is None else y + next(shared_out)
+        if self.stack is not None and self.shards == 2:    # the shards' parts and their sum in the grouped pass
+            shared = [next(shared_out) if e is not None else None for e in self.shared_shards]
+            total = self.ops.routed_total(self.stack, x, weights, ids, self.limit, shared)
+            if total is not None:
+                return total
+            shared_out = iter([e for e in shared if e is not None])
         # every shard's routed sum from one grouped pass where the op set has one, else a pass per shard
         routed = None if self.stack is None else self.ops.routed_shards(self.stack, x, weights, ids, self.limit,
                                                                         self.shards)

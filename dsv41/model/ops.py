@@ -68,6 +68,7 @@ class Ops:
     swiglu_h: Callable             # (gate, up, limit) -> silu(min(gate, limit)) * clamp(up, ±limit) (moe.swiglu_h)
     rope_: Callable                # (x [n, (heads,) D] float32, cos, sin, inverse) -> x rotated in place
     #                                (rope.apply_rope_)
+    cos_sin: Callable              # (positions [n], inv_freq [d]) -> (cos, sin) [n, d] (rope.cos_sin)
     fp8_fake_quant: Callable       # (x, block) -> x's FP8 quantise-dequantise (quant.fp8_fake_quant: QAT's KV)
     fp4_fake_quant_ue8m0: Callable  # (x, block) -> x's FP4 round trip, power-of-two scales (the indexer's q, keys)
     fp4_fake_quant_e4m3: Callable   # (x, block) -> x's FP4 round trip, E4M3 scales (the compressed KV entries)
@@ -83,12 +84,20 @@ class Ops:
     #                                       where it does not apply: a site's input, collapse_norm /
     #                                       expand_collapse_norm in one launch; None: the ops one by one
     fp4_routed: Callable | None = None    # (ExpertStack, x, weights, ids, limit, shard) -> [n, H]; None: per expert
-    fp4_routed_shards: Callable | None = None   # (ExpertStack with .shard, x, weights, ids, limit) -> [S, n, H]:
-    #                                             each TP shard's slot sum from one grouped pass; None: shard by shard
+    fp4_routed_shards: Callable | None = None   # (ExpertStack with .shard, x, weights, ids, limit, shards,
+    #                                             addends=None) -> [S, n, H]: each TP shard's slot sum from one
+    #                                             grouped pass (addends, two shards: their total with each shard's
+    #                                             addend, [n, H] or None where not taken); None: shard by shard
     exl3_routed: Callable | None = None   # (Exl3ExpertStack, x, weights, ids, limit, grouped) -> [n, H]; None: per
     #                                       expert
     exl3_grouped: Callable | None = None  # (x [G, M, in], Exl3Weight stack, ids [G], rows [G]) -> [G, M, out]: the
     #                                       grouped EXL3 kernel exl3_routed runs (CUDA C or Triton)
+    norm_rope_quant_fn: Callable | None = None   # (x, weight | None, eps, cos, sin, inverse, quant) -> a new
+    #                                              tensor or None where it does not apply: norm_rope_quant in one
+    #                                              launch; None: the ops one by one
+    sparse_attend_rows: Callable | None = None   # (ops, q, keys [n, K, D], valid [n, K] bool, sink, scale) ->
+    #                                              [n, h, D] or None: the gathered form in one launch (no index
+    #                                              tensor); None: as indices into the keys (Ops.attend_rows)
     fuse_linears: Callable | None = None   # (weights that take one input) -> device.FusedWeight | None: their rows
     #                                        concatenated for one launch; None: products one by one (the reference)
     fused_linear: Callable | None = None   # (x, FusedWeight) -> [each weight's float32 [n, out_i]]
@@ -153,6 +162,16 @@ class Ops:
             return None
         return f(stack, x, weights, ids, limit, shards)
 
+    def routed_total(self, stack, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, limit: float,
+                     addends: list) -> torch.Tensor | None:
+        """Σ over the TP shards, in order, of (routed_shards' shard s + addends[s]) (an addend None: nothing) in the
+        same grouped pass, [n, H]: MoE.__call__'s sum of its shards' parts, the same additions; None where this op
+        set has no such pass (then routed_shards, or shard by shard)."""
+        f = self.fp4_routed_shards
+        if f is None or not isinstance(stack, ExpertStack) or stack.shard is None or len(addends) != 2:
+            return None
+        return f(stack, x, weights, ids, limit, 2, addends=tuple(addends))
+
     def attend(self, q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
                scale: float) -> torch.Tensor:
         """Each row's heads over its own key set (K = V), the per-head sink in the softmax denominator only
@@ -176,6 +195,41 @@ class Ops:
             return got
         streams = self.hc_expand(y, residual, post, comb)
         return streams, self.rms_norm(self.hc_collapse(streams, pre), weight, eps)
+
+    def norm_rope_quant(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                        sin: torch.Tensor, quant: str | None, own: bool, inverse: bool = False) -> torch.Tensor:
+        """A vector's last steps before it is stored or scored: rms_norm (where `weight` is given), RoPE on its last
+        2·d dims, QAT's fake-quant (`quant`: "fp8" -- the window KV --, "fp4_ue8m0" -- the indexer's q and keys --,
+        "fp4_e4m3" -- the compressed entries --, or None). own: the caller's own x, which may be rotated in place
+        (else it is left as it is). In one launch where the op set can, the same bits."""
+        f = self.norm_rope_quant_fn
+        got = None if f is None else f(x, weight, eps, cos, sin, inverse, quant)
+        if got is not None:
+            return got
+        y = self.rms_norm(x, weight, eps) if weight is not None else x if own else x.clone()
+        y = self.rope_(y, cos, sin, inverse)
+        if quant == "fp8":
+            return self.fp8_fake_quant(y, 32)
+        if quant == "fp4_ue8m0":
+            return self.fp4_fake_quant_ue8m0(y, 32)
+        if quant == "fp4_e4m3":
+            return self.fp4_fake_quant_e4m3(y, 16)
+        if quant is not None:
+            raise ValueError(f"norm_rope_quant: no fake-quant {quant!r}")
+        return y
+
+    def attend_rows(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+        """attend with each row's keys held row by row (a decode round's gathered keys [n, K, D], valid [n, K]
+        bool): in one launch where the op set reads them so, else as indices r·K + j into them (-1 where not
+        valid)."""
+        f = self.sparse_attend_rows
+        out = None if f is None else f(self, q, keys, valid, sink, scale)
+        if out is not None:
+            return out
+        n, K, D = keys.shape
+        slots = torch.arange(n * K, device=keys.device).view(n, K)
+        return self.attend(q, keys.reshape(n * K, D), torch.where(valid, slots, -1), sink, scale)
 
     def tiled(self, fn: Callable[..., torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
         """linear.tiled in this op set's row tile."""
@@ -228,7 +282,7 @@ def reference_ops() -> Ops:
     """The CPU float32 reference: exactly the functions the model defines (the bitwise tests' path)."""
     from dsv41.model import mhc, moe, quant
     from dsv41.model.indexer import select_topk
-    from dsv41.model.rope import apply_rope_
+    from dsv41.model.rope import apply_rope_, cos_sin
     rows = L.ROW_TILE
     dense = _dense_linear(rows)
     return Ops(name="reference", row_tile=rows, dense_linear=dense, fp8_linear=_dequant_linear(dense),
@@ -240,6 +294,7 @@ def reference_ops() -> Ops:
                index_scores=functools.partial(_index_scores_tiled, rows=rows),
                round_scores=functools.partial(_round_scores_padded, rows=rows), gather_round=gather_round,
                ring_write=ring_write, sparse_attend=attend_tiled, swiglu_h=moe.swiglu_h, rope_=apply_rope_,
+               cos_sin=cos_sin,
                fp8_fake_quant=quant.fp8_fake_quant, fp4_fake_quant_ue8m0=quant.fp4_fake_quant_ue8m0,
                fp4_fake_quant_e4m3=quant.fp4_fake_quant_e4m3, router_scores=moe.router_scores, router_topk=L.stable_topk,
                select_topk=select_topk)
@@ -258,7 +313,7 @@ def cuda_ops(kernels: bool = True) -> Ops:
 def _cuda_ops(kernels: bool) -> Ops:
     from dsv41.model import mhc, moe, quant
     from dsv41.model.indexer import select_topk
-    from dsv41.model.rope import apply_rope_
+    from dsv41.model.rope import apply_rope_, cos_sin
     rows = CUDA_ROW_TILE
     dense = _dense_linear(rows)
     k = _load_kernels() if kernels else {}
@@ -293,8 +348,11 @@ def _cuda_ops(kernels: bool) -> Ops:
         gather_round=_kernel_gather_round(k["gather_rows"]) if "gather_rows" in k else gather_round,
         ring_write=_kernel_ring_write(k["scatter_rows"]) if "scatter_rows" in k else ring_write,
         sparse_attend=_kernel_attend(k["sparse_attn"]) if "sparse_attn" in k else attend_tiled,
+        sparse_attend_rows=_kernel_attend_rows(k["sparse_attn"]) if "sparse_attn" in k else None,
+        norm_rope_quant_fn=k.get("norm_rope_quant"),
         swiglu_h=_or_fallback(k.get("swiglu_h"), moe.swiglu_h),
         rope_=_or_fallback(k.get("rope_"), apply_rope_),
+        cos_sin=_or_fallback(k.get("cos_sin"), cos_sin),
         fp8_fake_quant=_or_fallback(k.get("fp8_fake_quant"), quant.fp8_fake_quant),
         fp4_fake_quant_ue8m0=_or_fallback(k.get("fp4_fake_quant_ue8m0"), quant.fp4_fake_quant_ue8m0),
         fp4_fake_quant_e4m3=_or_fallback(k.get("fp4_fake_quant_e4m3"), quant.fp4_fake_quant_e4m3),
@@ -324,8 +382,9 @@ def _load_kernels() -> dict:
                           ("kernels.router", ("router_scores",)),
                           ("kernels.mhc", ("hc_mix", "hc_pre")),
                           ("kernels.act", ("swiglu_h",)),
-                          ("kernels.rope", ("rope_",)),
+                          ("kernels.rope", ("rope_", "cos_sin")),
                           ("kernels.fake_quant", ("fp8_fake_quant", "fp4_fake_quant_ue8m0", "fp4_fake_quant_e4m3")),
+                          ("kernels.norm_rope_quant", ("norm_rope_quant",)),
                           ("kernels.rowops", ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "hc_site_in",
                                               "route_weights"))):
         try:
@@ -600,6 +659,17 @@ def _kernel_attend(k: Callable) -> Callable:
     return attend
 
 
+def _kernel_attend_rows(k: Callable) -> Callable:
+    """kernels/sparse_attn.py on keys held row by row (its bool-validity form: no index tensor made), where it
+    takes the shape; None otherwise (Ops.attend_rows then makes the indices)."""
+    def attend_rows(ops: Ops, q, keys, valid, sink, scale):
+        n, heads, dim = q.shape
+        if n == 0 or heads % 16 or dim < 16 or dim & (dim - 1):
+            return None
+        return k(q, keys, valid, sink, scale)
+    return attend_rows
+
+
 def _kernel_fp4_routed(k: Callable) -> Callable:
     """kernels/fp4_moe.py's grouped launch over the layer's stack; slots of experts outside `shard` (another TP
     shard's) get -1, contributing nothing, as another rank's do."""
@@ -614,9 +684,9 @@ def _kernel_fp4_routed(k: Callable) -> Callable:
 def _kernel_fp4_routed_shards(k: Callable) -> Callable:
     """kernels/fp4_moe.py's grouped launch over every pair of the rank's shards once, then each shard's slot sum
     (stack.shard): one work list, one gate/up and one down launch where a pass per shard took one each."""
-    def routed_shards(stack: ExpertStack, x, weights, ids, limit, shards):
+    def routed_shards(stack: ExpertStack, x, weights, ids, limit, shards, addends=None):
         return k(x.contiguous(), stack.w13, stack.s13, stack.w2, stack.s2, stack.local[ids], weights, limit,
-                 shard_of=stack.shard, shards=shards)
+                 shard_of=stack.shard, shards=shards, addends=addends)
     return routed_shards
 
 

@@ -41,7 +41,8 @@ def yarn_inv_freq(theta: float, dim: int, factor: float, beta_fast: float, beta_
 class Rope:
     """Both inverse-frequency tables of a config and the cos/sin at given positions."""
 
-    def __init__(self, t: TextConfig):
+    def __init__(self, t: TextConfig, cos_sin_fn=None):
+        self.cos_sin_fn = cos_sin_fn or cos_sin     # the op set's (Ops.cos_sin), given at load
         d = t.qk_rope_head_dim
         rs = t.rope_scaling
         self.dim = d
@@ -52,9 +53,15 @@ class Rope:
         }
 
     def cos_sin(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [n, dim/2] float32 at integer positions [n] (cos and sin round alike on every SIMD path)."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[kind][None, :]
-        return torch.cos(freqs), torch.sin(freqs)
+        """cos, sin [n, dim/2] float32 at integer positions [n] of the table `kind`."""
+        return self.cos_sin_fn(positions, self.inv_freq[kind])
+
+
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of the angles positions [n] (as float32) times inv_freq [d] -> [n, d] each (cos and sin round alike
+    on every SIMD path)."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cos(freqs), torch.sin(freqs)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
