@@ -146,7 +146,7 @@ def main() -> None:
         return attention
 
     # the history: the per-sequence path's _history, a round's parts (inside its one piece since issue 25)
-    for name in ("_history", "_window_round", "_compress_round", "_index_round", "_with_compressed"):
+    for name in ("_history", "_round_keys", "_compress_round", "_index_round"):
         if hasattr(model, name):
             setattr(model, name, attention_side(getattr(model, name)))
     prepare = getattr(model, "_prepare_round", None)

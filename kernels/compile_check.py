@@ -139,6 +139,14 @@ def _cases():
                {"D": D, "LOG2D": D.bit_length() - 1, "HALF": half, "NORM": norm, "INVERSE": False, "QUANT": True,
                 "QB": qb, "VMAX": vmax, "VALUES": values, "SCALE": scale, "INTERP": False}, {},
                {"num_warps": 4, **norm_rope_quant.LAUNCH})
+    from kernels import round_gather
+    for comp in (False, True):
+        yield (f"round keys{' with the compressed entries' if comp else ''}", round_gather._round_keys_kernel,
+               {"ring_tab": "*i64", "rsel_ptr": "*i64", "nsel_ptr": "*i64", "kv_ptr": "*fp32", "pos_ptr": "*i64",
+                "comp_tab": "*i64", "topk_ptr": "*i64", "keys_ptr": "*fp32", "valid_ptr": "*i8", "W": "i32",
+                "T": "i32", "rts": "i32", "ss": "i32", "cts": "i32", "ts": "i32", "ps": "i32", "D": "constexpr",
+                "BK": "constexpr", "COMP": "constexpr"},
+               {"D": 512, "BK": round_gather.BLOCK_K, "COMP": comp}, {}, {"num_warps": 4})
     yield ("rope cos / sin", rope._cos_sin_kernel,
            {"pos_ptr": "*i64", "f_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "n": "i32",
             "HALF": "constexpr", "BR": "constexpr", "INTERP": "constexpr"},

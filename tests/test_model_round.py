@@ -28,12 +28,12 @@ def _tokens(n, seed):
 
 def _count_rounds(monkeypatch):
     calls = []
-    orig = Model._window_round           # every layer of a round, eager history or whole-layer piece, reads it
+    orig = Model._round_keys             # every layer of a round, eager history or whole-layer piece, reads it
 
     def spy(self, *a, **k):
         calls.append(1)
         return orig(self, *a, **k)
-    monkeypatch.setattr(Model, "_window_round", spy)
+    monkeypatch.setattr(Model, "_round_keys", spy)
     return calls
 
 

@@ -919,15 +919,12 @@ class Model:
         in one gather, the ring writes in one _foreach_copy_, the compressor's groups pooled together, one scoring
         of all rows against their own (padded) keys, one top-k; every row gets the bits the loop gives it."""
         r = blk.role
-        wkeys, valid = self._window_round(blk, rd, kv, rd.meta)
-        if r.ratio == 0:
-            return wkeys, valid
         if blk.compressor is not None:
             self._compress_round(blk, rd, ckv, cgate, rd.meta)
             self._note_groups(r.index, rd, ckv, cgate)
         if blk.indexer is not None:
             rd.topk = self._index_round(blk, rd, iq, iw, trace)
-        return self._with_compressed(blk, rd, wkeys, valid, rd.topk, rd.meta)
+        return self._round_keys(blk, rd, kv, rd.meta, rd.topk if r.ratio else None)
 
     def _compress_round(self, blk: Block, rd: _Round, kv, gate, meta) -> None:
         """A KV source's compressor for every sequence of the round, through the round's tables: row i of a
@@ -967,28 +964,21 @@ class Model:
             rd.states[b].note_group_rows(L, first, torch.cat([okv, kv[b * n:(b + 1) * n]]),
                                          torch.cat([ogate, gate[b * n:(b + 1) * n]]))
 
-    def _window_round(self, blk: Block, rd: _Round, kv, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's window keys [N, W, D] and their validity [N, W], then the new rows written into the rings:
-        the rows before the round from the rings through the round's address table (read before the writes: a
-        verify round's later rows overwrite slots its earlier rows still read), the rest from kv; no per-sequence
-        work (the reference op set's functions loop over rd.rings). meta: the round's [rows, M] metadata (a CUDA
-        graph's padded copy)."""
+    def _round_keys(self, blk: Block, rd: _Round, kv, meta, topk) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's key set [N, K, D] and its validity: the W window keys (the rows before the round from the
+        rings through the round's address table, the rest from kv), then (topk given) the top-k compressed entries
+        of the layer's KV source through the round's table of the sources' buffers (Ops.round_keys: one launch on
+        the kernels' op set); then the new rows written into the rings (after the reads: a verify round's later
+        rows overwrite slots its earlier rows still read). No per-sequence work (the reference op set's functions
+        loop over rd.rings). meta: the round's [rows, M] metadata (a CUDA graph's padded copy)."""
         W, L, c = self.t.sliding_window, blk.role.index, rd.cols
-        rsel = meta[:, c["rsel"]:c["rsel"] + W]
-        nsel = meta[:, c["nsel"]:c["nsel"] + W]
         table = meta[:, c[f"ring{L}"]]
-        old = self.ops.gather_round(rd.rings[L], rsel, rd.n, table)
-        wkeys = torch.where((nsel >= 0)[:, :, None], kv[nsel.clamp(min=0)], old)
+        src = blk.role.kv_source
+        keys = self.ops.round_keys(rd.rings[L], table, meta[:, c["rsel"]:c["rsel"] + W],
+                                   meta[:, c["nsel"]:c["nsel"] + W], kv, meta[:, c["pos"]:c["pos"] + W], rd.n,
+                                   *((rd.kvs[src], meta[:, c[f"kv{src}"]], topk) if topk is not None else ()))
         self.ops.ring_write(rd.rings[L], kv, meta[:, c["wslot"]], rd.n, table)
-        return wkeys, meta[:, c["pos"]:c["pos"] + W] >= 0
-
-    def _with_compressed(self, blk: Block, rd: _Round, wkeys, valid, topk, meta) -> tuple[torch.Tensor,
-                                                                                          torch.Tensor]:
-        """The window keys followed by each row's top-k compressed entries of its layer's KV source (through the
-        round's table of the sources' buffers), and their validity."""
-        table = meta[:, rd.cols[f"kv{blk.role.kv_source}"]]
-        ckeys = self.ops.gather_round(rd.kvs[blk.role.kv_source], topk, rd.n, table)
-        return torch.cat([wkeys, ckeys], dim=1), torch.cat([valid, topk >= 0], dim=1)
+        return keys
 
     def one_piece(self, blk: Block) -> bool:
         """Whether a round runs this layer as one piece (`_layer_round`, one CUDA graph): one rank, and a history
@@ -1004,15 +994,13 @@ class Model:
         _attn_out_ffn -> (streams, pre, this layer's top-k or None). Its arguments are all row-first, so it is one
         CUDA graph per layer and row bucket; the ring writes make it run once per call (graphs.py `dry`)."""
         pre_a, post_a, comb_a, q, kv, ckv, cgate, iq, iw = self._attn_in(blk, streams, pre, cos, sin, ccos, csin)
-        keys, sel = self._window_round(blk, rd, kv, meta)
         own = cand = None
         if blk.compressor is not None:
             self._compress_round(blk, rd, ckv, cgate, meta)
         if blk.indexer is not None:
             own = topk = self._index_round(blk, rd, iq, iw, trace, meta, cand=topk)
             cand = rd.cand if blk.role.candidate_source else None
-        if blk.role.ratio:
-            keys, sel = self._with_compressed(blk, rd, keys, sel, topk, meta)
+        keys, sel = self._round_keys(blk, rd, kv, meta, topk if blk.role.ratio else None)
         grouped = blk.compressor is not None and blk.role.ratio > 1     # its rows: a marked state's rollback
         return (*self._attn_out_ffn(blk, q, keys, sel, cos, sin, streams, pre_a, post_a, comb_a, image=image), own,
                 cand, ckv if grouped else None, cgate if grouped else None)

@@ -95,6 +95,8 @@ class Ops:
     norm_rope_quant_fn: Callable | None = None   # (x, weight | None, eps, cos, sin, inverse, quant) -> a new
     #                                              tensor or None where it does not apply: norm_rope_quant in one
     #                                              launch; None: the ops one by one
+    round_keys_fn: Callable | None = None   # (ring_table, rsel, nsel, kv, pos, comp_table | None, topk | None) ->
+    #                                         (keys, valid): Ops.round_keys in one launch; None: its ops
     sparse_attend_rows: Callable | None = None   # (ops, q, keys [n, K, D], valid [n, K] bool, sink, scale) ->
     #                                              [n, h, D] or None: the gathered form in one launch (no index
     #                                              tensor); None: as indices into the keys (Ops.attend_rows)
@@ -217,6 +219,27 @@ class Ops:
         if quant is not None:
             raise ValueError(f"norm_rope_quant: no fake-quant {quant!r}")
         return y
+
+    def round_keys(self, rings: list, ring_table: torch.Tensor, rsel: torch.Tensor, nsel: torch.Tensor,
+                   kv: torch.Tensor, pos: torch.Tensor, n: int, comps: list | None = None,
+                   comp_table: torch.Tensor | None = None,
+                   topk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode round's key sets (attention's gathered form): row r's W window keys -- the round's own rows
+        kv[nsel] where nsel >= 0, else its sequence's ring (rings / ring_table[r]) at rsel -- then (topk [N, T]
+        given) its compressed entries (comps / comp_table[r]) at topk; -1 picks a zero row -> (keys [N, W + T, D],
+        valid [N, W + T]: pos >= 0, then topk >= 0). In one launch where the op set can (a copy either way)."""
+        f = self.round_keys_fn
+        if f is not None and ring_table is not None and (topk is None or comp_table is not None):
+            got = f(ring_table, rsel, nsel, kv, pos, comp_table, topk)
+            if got is not None:
+                return got
+        old = self.gather_round(rings, rsel, n, ring_table)
+        keys = torch.where((nsel >= 0)[:, :, None], kv[nsel.clamp(min=0)], old)
+        valid = pos >= 0
+        if topk is None:
+            return keys, valid
+        ckeys = self.gather_round(comps, topk, n, comp_table)
+        return torch.cat([keys, ckeys], dim=1), torch.cat([valid, topk >= 0], dim=1)
 
     def attend_rows(self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
                     scale: float) -> torch.Tensor:
@@ -347,6 +370,7 @@ def _cuda_ops(kernels: bool) -> Ops:
         round_scores=_cuda_round_scores(k.get("index_scores_table"), index_scores),
         gather_round=_kernel_gather_round(k["gather_rows"]) if "gather_rows" in k else gather_round,
         ring_write=_kernel_ring_write(k["scatter_rows"]) if "scatter_rows" in k else ring_write,
+        round_keys_fn=_kernel_round_keys(k["round_keys"]) if "round_keys" in k else None,
         sparse_attend=_kernel_attend(k["sparse_attn"]) if "sparse_attn" in k else attend_tiled,
         sparse_attend_rows=_kernel_attend_rows(k["sparse_attn"]) if "sparse_attn" in k else None,
         norm_rope_quant_fn=k.get("norm_rope_quant"),
@@ -376,7 +400,7 @@ def _load_kernels() -> dict:
                           ("kernels.fp4_moe", ("fp4_moe",)),
                           ("kernels.prompt_gemm", ("prompt_fp8_linear",)),
                           ("kernels.indexer", ("index_scores", "index_scores_table")),
-                          ("kernels.round_gather", ("gather_rows", "scatter_rows")),
+                          ("kernels.round_gather", ("gather_rows", "scatter_rows", "round_keys")),
                           ("kernels.sparse_attn", ("sparse_attn",)),
                           ("kernels.topk", ("router_topk", "select_topk")),
                           ("kernels.router", ("router_scores",)),
@@ -621,6 +645,16 @@ def _kernel_ring_write(k: Callable) -> Callable:
             return ring_write(rings, rows, slots, n)
         k(table, slots, rows)
     return write
+
+
+def _kernel_round_keys(k: Callable) -> Callable:
+    """kernels/round_gather.round_keys where it takes the call (float32 rows, D a power of two), else None."""
+    def round_keys(ring_table, rsel, nsel, kv, pos, comp_table, topk):
+        D = kv.shape[1]
+        if D & (D - 1) or kv.dtype != torch.float32 or rsel.stride() != nsel.stride():
+            return None
+        return k(ring_table, rsel, nsel, kv, pos, comp_table, topk)
+    return round_keys
 
 
 def attend_tiled(ops: Ops, q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
