@@ -154,6 +154,14 @@ def _cases():
     yield ("swiglu", act._swiglu_kernel,
            {"g_ptr": "*fp32", "u_ptr": "*fp32", "h_ptr": "*fp32", "n": "i32", "limit": "fp32", "INTERP": "constexpr",
             "BLOCK": "constexpr"}, {"INTERP": False, "BLOCK": act.BLOCK}, {}, {"num_warps": 4, **act.LAUNCH})
+    yield ("mhc site mixes (one launch)", mhc._hc_site_mixes_kernel,
+           {"x_ptr": "*fp32", "fn_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "m_ptr": "*fp32",
+            "s_ptr": "*fp32", "b_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32",
+            "n": "i32", "K": "i32", "stride_x": "i32", "S": "i32", "inv_k": "fp32", "norm_eps": "fp32", "iters": "i32",
+            "hc_eps": "fp32", "KC": "constexpr", "BK": "constexpr", "NM": "constexpr", "NMP": "constexpr",
+            "BR": "constexpr", "HC": "constexpr", "INTERP": "constexpr"},
+           {"KC": mhc.PRE_KC, "BK": mhc.PRE_BK, "NM": 24, "NMP": 32, "BR": mhc.PRE_ROWS, "HC": 4, "INTERP": False}, {},
+           {"num_warps": mhc.PRE_WARPS, **mhc.LAUNCH})
     yield ("mhc pre partial products", mhc._hc_pre_partial_kernel,
            {"x_ptr": "*fp32", "fn_ptr": "*fp32", "part_ptr": "*fp32", "n": "i32", "K": "i32", "stride_x": "i32",
             "KC": "constexpr", "BK": "constexpr", "NM": "constexpr", "NMP": "constexpr", "BR": "constexpr"},

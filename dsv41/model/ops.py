@@ -76,6 +76,8 @@ class Ops:
     #                                ascending index order, -1 padded (indexer.select_topk)
     hc_pre: Callable | None = None        # (streams [n, hc, H], hc_fn [NM, hc * H], eps) -> the mixes m [n, NM] or None
     #                                       where it does not apply; None: rms_norm then linear (mhc.hc_mixes)
+    hc_site_mixes: Callable | None = None  # (streams, hc_fn, scale, base, hc, iters, hc_eps, norm_eps) -> (pre, post,
+    #                                        comb) or None where it does not apply: hc_pre and hc_mix in one launch
     hc_site_in: Callable | None = None    # (y | None, streams, post, comb, pre, weight, eps) -> (streams', x) or None
     #                                       where it does not apply: a site's input, collapse_norm /
     #                                       expand_collapse_norm in one launch; None: the ops one by one
@@ -334,7 +336,7 @@ def _cuda_ops(kernels: bool) -> Ops:
         rms_norm=_kernel_rms_norm(k["rms_norm"]) if "rms_norm" in k else _tree_rms_norm,
         sinkhorn=sinkhorn,
         hc_mix=_or_fallback(k.get("hc_mix"), functools.partial(mhc.hc_mix, sinkhorn_fn=sinkhorn)),
-        hc_pre=k.get("hc_pre"), hc_site_in=k.get("hc_site_in"),
+        hc_pre=k.get("hc_pre"), hc_site_in=k.get("hc_site_in"), hc_site_mixes=k.get("hc_site_mixes"),
         hc_collapse=_or_fallback(k.get("hc_collapse"), mhc.hc_collapse),
         hc_expand=_or_fallback(k.get("hc_expand"), mhc.hc_expand),
         route_weights=_or_fallback(k.get("route_weights"), moe.route_weights),
@@ -374,7 +376,7 @@ def _load_kernels() -> dict:
                           ("kernels.sparse_attn", ("sparse_attn",)),
                           ("kernels.topk", ("router_topk", "select_topk")),
                           ("kernels.router", ("router_scores",)),
-                          ("kernels.mhc", ("hc_mix", "hc_pre")),
+                          ("kernels.mhc", ("hc_mix", "hc_pre", "hc_site_mixes")),
                           ("kernels.act", ("swiglu_h",)),
                           ("kernels.rope", ("rope_", "cos_sin")),
                           ("kernels.fake_quant", ("fp8_fake_quant", "fp4_fake_quant_ue8m0", "fp4_fake_quant_e4m3")),
