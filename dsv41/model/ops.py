@@ -626,7 +626,7 @@ def _kernel_fp4_routed(k: Callable) -> Callable:
     """kernels/fp4_moe.py's grouped launch over the layer's stack; slots of experts outside `shard` (another TP
     shard's) get -1, contributing nothing, as another rank's do."""
     def routed(stack: ExpertStack, x, weights, ids, limit, shard):
-        local = stack.local[ids]
+        local = stack.local_ids(ids)
         if shard is not None:
             local = torch.where((ids >= shard.start) & (ids < shard.stop), local, -1)
         return k(x.contiguous(), stack.w13, stack.s13, stack.w2, stack.s2, local, weights, limit)
@@ -637,7 +637,7 @@ def _kernel_fp4_routed_shards(k: Callable) -> Callable:
     """kernels/fp4_moe.py's grouped launch over every pair of the rank's shards once, then each shard's slot sum
     (stack.shard): one work list, one gate/up and one down launch where a pass per shard took one each."""
     def routed_shards(stack: ExpertStack, x, weights, ids, limit, shards, addends=None):
-        return k(x.contiguous(), stack.w13, stack.s13, stack.w2, stack.s2, stack.local[ids], weights, limit,
+        return k(x.contiguous(), stack.w13, stack.s13, stack.w2, stack.s2, stack.local_ids(ids), weights, limit,
                  shard_of=stack.shard, shards=shards, addends=addends)
     return routed_shards
 
