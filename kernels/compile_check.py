@@ -116,6 +116,14 @@ def _cases():
                 "BR": "constexpr", "INTERP": "constexpr"},
                {"HAS_IMG": img, "BE": 512, "BR": router.ROWS, "INTERP": False}, {},
                {"num_warps": 4, **router.LAUNCH})
+    for img in (False, True):
+        yield (f"route (scores, pick, weights){' image rows' if img else ''}", router._route_kernel,
+               {"z_ptr": "*fp32", "bias_ptr": "*fp32", "vl_ptr": "*fp32", "img_ptr": "*u8", "w_ptr": "*fp32",
+                "ids_ptr": "*i64", "n": "i32", "E": "i32", "inv": "fp32", "eps": "fp32", "scaling": "fp32",
+                "K": "constexpr", "KP": "constexpr", "HAS_IMG": "constexpr", "BE": "constexpr", "BR": "constexpr",
+                "INTERP": "constexpr"},
+               {"K": 6, "KP": 8, "HAS_IMG": img, "BE": 512, "BR": router.ROWS, "INTERP": False}, {},
+               {"num_warps": 4, **router.LAUNCH})
     yield ("mhc mixes (pre, post, softmax, Sinkhorn)", mhc._hc_mix_kernel,
            {"m_ptr": "*fp32", "s_ptr": "*fp32", "b_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32",
             "comb_ptr": "*fp32", "n": "i32", "stride_m": "i32", "iters": "i32", "eps": "fp32", "HC": "constexpr",

@@ -74,6 +74,9 @@ class Ops:
     #                                value descending, ties to the lower id (linear.stable_topk)
     select_topk: Callable          # (scores [n, T], k) -> [n, k] int64: the indexer's top-k finite entries in
     #                                ascending index order, -1 padded (indexer.select_topk)
+    route_fn: Callable | None = None      # (logits [n, E], temp, bias, bias_vl, image, k, scaling) -> (weights, ids)
+    #                                       or None where it does not apply: MoE.route after the gate in one launch
+    #                                       (router_scores, router_topk, route_weights); None: the three
     hc_pre: Callable | None = None        # (streams [n, hc, H], hc_fn [NM, hc * H], eps) -> the mixes m [n, NM] or None
     #                                       where it does not apply; None: rms_norm then linear (mhc.hc_mixes)
     hc_site_mixes: Callable | None = None  # (streams, hc_fn, scale, base, hc, iters, hc_eps, norm_eps) -> (pre, post,
@@ -337,6 +340,7 @@ def _cuda_ops(kernels: bool) -> Ops:
         sinkhorn=sinkhorn,
         hc_mix=_or_fallback(k.get("hc_mix"), functools.partial(mhc.hc_mix, sinkhorn_fn=sinkhorn)),
         hc_pre=k.get("hc_pre"), hc_site_in=k.get("hc_site_in"), hc_site_mixes=k.get("hc_site_mixes"),
+        route_fn=k.get("route"),
         hc_collapse=_or_fallback(k.get("hc_collapse"), mhc.hc_collapse),
         hc_expand=_or_fallback(k.get("hc_expand"), mhc.hc_expand),
         route_weights=_or_fallback(k.get("route_weights"), moe.route_weights),
@@ -375,7 +379,7 @@ def _load_kernels() -> dict:
                           ("kernels.round_gather", ("gather_rows",)),
                           ("kernels.sparse_attn", ("sparse_attn",)),
                           ("kernels.topk", ("router_topk", "select_topk")),
-                          ("kernels.router", ("router_scores",)),
+                          ("kernels.router", ("router_scores", "route")),
                           ("kernels.mhc", ("hc_mix", "hc_pre", "hc_site_mixes")),
                           ("kernels.act", ("swiglu_h",)),
                           ("kernels.rope", ("rope_", "cos_sin")),
