@@ -32,7 +32,9 @@ sys.path.insert(0, str(ROOT))
 
 # the CUDA-only kernels' launches as on CUDA (on CPU tensors their wrappers leave the op to torch)
 for _mod, _fn, _launch in (("kernels.mhc", "hc_mix", "launch"), ("kernels.mhc", "hc_pre", "launch_pre"),
+                           ("kernels.mhc", "hc_site_mixes", "launch_site"),
                            ("kernels.act", "swiglu_h", "launch"), ("kernels.router", "router_scores", "launch"),
+                           ("kernels.router", "route", "launch_route"),
                            ("kernels.rope", "cos_sin", "launch_cos_sin"),
                            ("kernels.norm_rope_quant", "norm_rope_quant", "launch"),
                            ("kernels.fake_quant", "fp8_fake_quant", "FP8"),

@@ -116,6 +116,14 @@ def _cases():
                 "BR": "constexpr", "INTERP": "constexpr"},
                {"HAS_IMG": img, "BE": 512, "BR": router.ROWS, "INTERP": False}, {},
                {"num_warps": 4, **router.LAUNCH})
+    for img in (False, True):
+        yield (f"route (scores, pick, weights){' image rows' if img else ''}", router._route_kernel,
+               {"z_ptr": "*fp32", "bias_ptr": "*fp32", "vl_ptr": "*fp32", "img_ptr": "*u8", "w_ptr": "*fp32",
+                "ids_ptr": "*i64", "n": "i32", "E": "i32", "inv": "fp32", "eps": "fp32", "scaling": "fp32",
+                "K": "constexpr", "KP": "constexpr", "HAS_IMG": "constexpr", "BE": "constexpr", "BR": "constexpr",
+                "INTERP": "constexpr"},
+               {"K": 6, "KP": 8, "HAS_IMG": img, "BE": 512, "BR": router.ROWS, "INTERP": False}, {},
+               {"num_warps": 4, **router.LAUNCH})
     yield ("mhc mixes (pre, post, softmax, Sinkhorn)", mhc._hc_mix_kernel,
            {"m_ptr": "*fp32", "s_ptr": "*fp32", "b_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32",
             "comb_ptr": "*fp32", "n": "i32", "stride_m": "i32", "iters": "i32", "eps": "fp32", "HC": "constexpr",
@@ -162,6 +170,14 @@ def _cases():
     yield ("swiglu", act._swiglu_kernel,
            {"g_ptr": "*fp32", "u_ptr": "*fp32", "h_ptr": "*fp32", "n": "i32", "limit": "fp32", "INTERP": "constexpr",
             "BLOCK": "constexpr"}, {"INTERP": False, "BLOCK": act.BLOCK}, {}, {"num_warps": 4, **act.LAUNCH})
+    yield ("mhc site mixes (one launch)", mhc._hc_site_mixes_kernel,
+           {"x_ptr": "*fp32", "fn_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "m_ptr": "*fp32",
+            "s_ptr": "*fp32", "b_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32",
+            "n": "i32", "K": "i32", "stride_x": "i32", "S": "i32", "inv_k": "fp32", "norm_eps": "fp32", "iters": "i32",
+            "hc_eps": "fp32", "KC": "constexpr", "BK": "constexpr", "NM": "constexpr", "NMP": "constexpr",
+            "BR": "constexpr", "HC": "constexpr", "INTERP": "constexpr"},
+           {"KC": mhc.PRE_KC, "BK": mhc.PRE_BK, "NM": 24, "NMP": 32, "BR": mhc.PRE_ROWS, "HC": 4, "INTERP": False}, {},
+           {"num_warps": mhc.PRE_WARPS, **mhc.LAUNCH})
     yield ("mhc pre partial products", mhc._hc_pre_partial_kernel,
            {"x_ptr": "*fp32", "fn_ptr": "*fp32", "part_ptr": "*fp32", "n": "i32", "K": "i32", "stride_x": "i32",
             "KC": "constexpr", "BK": "constexpr", "NM": "constexpr", "NMP": "constexpr", "BR": "constexpr"},

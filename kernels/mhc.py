@@ -58,7 +58,15 @@ def _sigmoid(x, INTERP: tl.constexpr):
 @triton.jit
 def _hc_mix_kernel(m_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr, n, stride_m, iters, eps,
                    HC: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr):
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    _mix_rows(m_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr, n, stride_m, iters, eps, tl.program_id(0), HC, BR,
+              INTERP)
+
+
+@triton.jit
+def _mix_rows(m_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr, n, stride_m, iters, eps, block,
+              HC: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr):
+    """Rows block·BR .. of the mixes m -> pre, post, comb (hc_mix)."""
+    rows = block * BR + tl.arange(0, BR)
     ok = rows < n
     r64 = rows.to(tl.int64)
     j = tl.arange(0, HC)
@@ -94,13 +102,19 @@ def _hc_mix_kernel(m_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr, n, stride_m
 @triton.jit
 def _hc_pre_partial_kernel(x_ptr, fn_ptr, part_ptr, n, K, stride_x, KC: tl.constexpr, BK: tl.constexpr,
                            NM: tl.constexpr, NMP: tl.constexpr, BR: tl.constexpr):
-    """Program (row block, K chunk): each row's dots with the NM mix weights over its chunk of the flattened
-    streams, and its sum of squares there -> part[chunk, row, 0:NM], part[chunk, row, NM]. The chunk's steps run in
-    order, each a fixed-shape product (a row's sums never see another row)."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    """Program (row block, K chunk): _pre_partial."""
+    _pre_partial(x_ptr, fn_ptr, part_ptr, n, K, stride_x, tl.program_id(0), tl.program_id(1), KC, BK, NM, NMP, BR)
+
+
+@triton.jit
+def _pre_partial(x_ptr, fn_ptr, part_ptr, n, K, stride_x, block, chunk, KC: tl.constexpr, BK: tl.constexpr,
+                 NM: tl.constexpr, NMP: tl.constexpr, BR: tl.constexpr):
+    """Each row's dots with the NM mix weights over its chunk of the flattened streams, and its sum of squares
+    there -> part[chunk, row, 0:NM], part[chunk, row, NM]. The chunk's steps run in order, each a fixed-shape
+    product (a row's sums never see another row)."""
+    rows = block * BR + tl.arange(0, BR)
     ok = rows < n
     r64 = rows.to(tl.int64)
-    chunk = tl.program_id(1)
     j = tl.arange(0, NMP)
     acc = tl.zeros((BR, NMP), dtype=tl.float32)
     sq = tl.zeros((BR,), dtype=tl.float32)
@@ -119,9 +133,14 @@ def _hc_pre_partial_kernel(x_ptr, fn_ptr, part_ptr, n, K, stride_x, KC: tl.const
 @triton.jit
 def _hc_pre_combine_kernel(part_ptr, m_ptr, n, S, inv_k, eps, NM: tl.constexpr, NMP: tl.constexpr,
                            BR: tl.constexpr):
+    _pre_combine(part_ptr, m_ptr, n, S, inv_k, eps, tl.program_id(0), NM, NMP, BR)
+
+
+@triton.jit
+def _pre_combine(part_ptr, m_ptr, n, S, inv_k, eps, block, NM: tl.constexpr, NMP: tl.constexpr, BR: tl.constexpr):
     """m = (Σ_chunks dots) · rsqrt(Σ_chunks squares · (1/K) + eps) per row, the chunks summed in order (arch.md
     2.4: one statistic per token, applied after the product)."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rows = block * BR + tl.arange(0, BR)
     ok = rows < n
     r64 = rows.to(tl.int64)
     j = tl.arange(0, NMP)
@@ -133,6 +152,25 @@ def _hc_pre_combine_kernel(part_ptr, m_ptr, n, S, inv_k, eps, NM: tl.constexpr, 
         sq += tl.load(base + NM, mask=ok, other=0.0)
     r = tl.div_rn(tl.full(sq.shape, 1.0, tl.float32), tl.sqrt_rn(sq * inv_k + eps))
     tl.store(m_ptr + r64[:, None] * NM + j[None, :], dots * r[:, None], mask=ok[:, None] & (j < NM)[None, :])
+
+
+@triton.jit
+def _hc_site_mixes_kernel(x_ptr, fn_ptr, part_ptr, cnt_ptr, m_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr, n, K,
+                          stride_x, S, inv_k, norm_eps, iters, hc_eps, KC: tl.constexpr, BK: tl.constexpr,
+                          NM: tl.constexpr, NMP: tl.constexpr, BR: tl.constexpr, HC: tl.constexpr,
+                          INTERP: tl.constexpr):
+    """An mHC site's mixes in one launch: program (row block, K chunk) stores its chunk's partial (_pre_partial);
+    the last of a row block's S programs to arrive sums them in chunk order (_pre_combine) and runs hc_mix on the
+    block's rows (_mix_rows): the two kernels' and hc_mix's bits, whichever program arrives last."""
+    block = tl.program_id(0)
+    _pre_partial(x_ptr, fn_ptr, part_ptr, n, K, stride_x, block, tl.program_id(1), KC, BK, NM, NMP, BR)
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel")
+    if done == S - 1:
+        _pre_combine(part_ptr, m_ptr, n, S, inv_k, norm_eps, block, NM, NMP, BR)
+        tl.debug_barrier()                              # the block's m, whole, before its rows are mixed
+        _mix_rows(m_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr, n, NM, iters, hc_eps, block, HC, BR, INTERP)
+        tl.atomic_xchg(cnt_ptr + block, 0)              # ready for the next launch (and the next graph replay)
 
 
 PRE_KC, PRE_BK, PRE_ROWS, PRE_WARPS = 256, 32, 16, 4   # BK 64 at 4 warps spills (compile_check)
@@ -168,6 +206,49 @@ def launch_pre(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torc
         _hc_pre_combine_kernel[(grid,)](part, m, n, S, inv_count(K), _f32(norm_eps), NM=NM, NMP=NMP, BR=PRE_ROWS,
                                         num_warps=1, **LAUNCH)
     return m
+
+
+def hc_site_mixes(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
+                  iters: int, hc_eps: float, norm_eps: float) -> tuple | None:
+    """(pre, post, comb) of an mHC site from its streams [n, hc, H] in one launch: hc_pre then hc_mix, their bits
+    (the same functions; the last program of a row block to finish its chunk completes the block). On CUDA where
+    both apply, else None (the caller runs them apart)."""
+    if (streams.device.type != "cuda" or hc != 4 or streams.dtype != torch.float32 or fn.dtype != torch.float32
+            or streams.dim() != 3 or streams.shape[1] != hc or fn.dim() != 2
+            or fn.shape != ((2 + hc) * hc, streams.shape[1] * streams.shape[2]) or iters < 1
+            or any(t.dtype != torch.float32 for t in (scale, base))):
+        return None
+    return launch_site(streams, fn, scale, base, hc, iters, hc_eps, norm_eps)
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def launch_site(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
+                iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hc_site_mixes' kernel itself, on CUDA tensors or (TRITON_INTERPRET=1) CPU ones."""
+    n = streams.shape[0]
+    x = streams.reshape(n, -1)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    K, NM = x.shape[1], fn.shape[0]
+    S = triton.cdiv(K, PRE_KC)
+    pre = torch.empty((n, hc), dtype=torch.float32, device=x.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty((n, hc, hc), dtype=torch.float32, device=x.device)
+    if n:
+        blocks = triton.cdiv(n, PRE_ROWS)
+        cnt = _counters.get(x.device)
+        if cnt is None or cnt.numel() < blocks:       # zeroed; each launch leaves it zeroed again
+            cnt = _counters[x.device] = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=x.device)
+        part = torch.empty((S, n, NM + 1), dtype=torch.float32, device=x.device)
+        m = torch.empty((n, NM), dtype=torch.float32, device=x.device)
+        _hc_site_mixes_kernel[(blocks, S)](x, fn.contiguous(), part, cnt, m, scale.contiguous(), base.contiguous(),
+                                           pre, post, comb, n, K, x.stride(0), S, inv_count(K), _f32(norm_eps),
+                                           int(iters), _f32(hc_eps), KC=PRE_KC, BK=PRE_BK, NM=NM,
+                                           NMP=max(16, triton.next_power_of_2(NM)), BR=PRE_ROWS, HC=hc,
+                                           INTERP=INTERPRET, num_warps=PRE_WARPS, **LAUNCH)
+    return pre, post, comb
 
 
 def hc_mix(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,

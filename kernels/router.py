@@ -85,3 +85,73 @@ def launch(z: torch.Tensor, temp: float, bias: torch.Tensor, bias_vl: torch.Tens
                                                       BR=ROWS, INTERP=INTERPRET, num_warps=4,
                                                       **LAUNCH)
     return s, sb
+
+
+@triton.jit
+def _route_kernel(z_ptr, bias_ptr, vl_ptr, img_ptr, w_ptr, ids_ptr, n, E, inv, eps, scaling, K: tl.constexpr,
+                  KP: tl.constexpr, HAS_IMG: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr):
+    """The whole route of a block of rows in one program: the scores as _router_scores_kernel, the pick as
+    kernels/topk.py's router kernel (the largest s + bias, ties to the lower id, -0.0 as +0.0), the weights as
+    rowops' route_weights (s at the picks over their slot-order sum + eps, × scaling): their bits, in registers."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    ok = rows < n
+    rows = rows.to(tl.int64)
+    cols = tl.arange(0, BE)
+    valid = ok[:, None] & (cols < E)[None, :]
+    at = rows[:, None] * E + cols[None, :]
+    y = tl.load(z_ptr + at, mask=valid, other=0.0) * inv
+    s = tl.sqrt_rn(_softplus(y, INTERP))
+    b = tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
+    if HAS_IMG:
+        img = tl.load(img_ptr + rows, mask=ok, other=0) != 0
+        vl = tl.load(vl_ptr + cols, mask=cols < E, other=0.0)[None, :]
+        b = tl.where(img[:, None], vl, b)
+    v = tl.where(valid, s + b, float("-inf"))
+    v = tl.where(v == 0.0, 0.0, v)
+    left = valid
+    jj = tl.arange(0, KP)[None, :]
+    total = tl.zeros((BR,), tl.float32)
+    wk = tl.zeros((BR, KP), tl.float32)
+    for j in tl.static_range(K):
+        m = tl.max(tl.where(left, v, float("-inf")), axis=1)
+        i = tl.min(tl.where(left & (v == m[:, None]), cols[None, :], BE), axis=1)
+        left = left & (cols[None, :] != i[:, None])
+        i = tl.minimum(i, E - 1)
+        w = tl.max(tl.where(cols[None, :] == i[:, None], s, -1.0), axis=1)       # s at the pick (s >= 0)
+        tl.store(ids_ptr + rows * K + j, i.to(tl.int64), mask=ok)
+        wk = tl.where(jj == j, w[:, None], wk)
+        if j == 0:
+            total = w
+        else:
+            total = total + w
+    tl.store(w_ptr + rows[:, None] * K + jj, tl.div_rn(wk, total[:, None] + eps) * scaling, mask=ok[:, None] & (jj < K))
+
+
+def route(z: torch.Tensor, temp: float, bias: torch.Tensor, bias_vl: torch.Tensor, image: torch.Tensor | None, k: int,
+          scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """MoE.route after the gate's product, in one launch: (weights [n, k] float32, ids [n, k] int64) from the logits
+    z [n, E] (E <= 1024, 1 < k <= E, k a power of two or not) on CUDA; None where it does not apply (the op set
+    composes router_scores, router_topk and route_weights)."""
+    if (z.device.type != "cuda" or z.dim() != 2 or z.dtype != torch.float32 or not 1 < k <= z.shape[1] <= 1024
+            or bias.dtype != torch.float32 or bias_vl.dtype != torch.float32):
+        return None
+    return launch_route(z, temp, bias, bias_vl, image, k, scaling)
+
+
+def launch_route(z: torch.Tensor, temp: float, bias: torch.Tensor, bias_vl: torch.Tensor, image: torch.Tensor | None,
+                 k: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel itself, on CUDA tensors or (TRITON_INTERPRET=1) CPU ones."""
+    from kernels.rowops import _f32
+    z = z.contiguous()
+    n, E = z.shape
+    w = torch.empty((n, k), dtype=torch.float32, device=z.device)
+    ids = torch.empty((n, k), dtype=torch.int64, device=z.device)
+    if n:
+        img = z if image is None else image.contiguous().view(torch.uint8)
+        be = triton.next_power_of_2(E)
+        _route_kernel[(triton.cdiv(n, ROWS),)](z, bias.contiguous(), bias_vl.contiguous(), img, w, ids, n, E,
+                                               inv_count(temp), _f32(1e-20), _f32(scaling), K=k,
+                                               KP=triton.next_power_of_2(k),
+                                               HAS_IMG=image is not None, BE=be, BR=ROWS, INTERP=INTERPRET,
+                                               num_warps=4, **LAUNCH)
+    return w, ids

@@ -98,3 +98,35 @@ def test_kernel_equals_torch_on_cuda(n):
     for a, b in zip(got, want):
         assert torch.equal(a, b), (a - b).abs().max().item()
     assert "hc_mix" in cuda_ops().kernels
+
+
+@pytest.mark.skipif(not kmhc.INTERPRET, reason="the kernel on CPU tensors needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("n", [1, 21, 40])
+def test_site_mixes_in_one_launch_equal_the_product_then_the_mixes(n):
+    """hc_site_mixes: each row block's last program to arrive completes it; the bits of hc_pre's two launches then
+    hc_mix's (under the interpreter, both with numpy's exp), a row alone == among others, the counters left zeroed."""
+    x, fn = _streams(n, 7 + n, hidden=200)
+    _, scale, base = _parts(2, 3)
+    got = kmhc.launch_site(x, fn, scale, base, HC, 20, 1e-6, 1e-20)
+    want = kmhc.launch(kmhc.launch_pre(x, fn, 1e-20), scale, base, HC, 20, 1e-6)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    alone = kmhc.launch_site(x[n - 1:], fn, scale, base, HC, 20, 1e-6, 1e-20)
+    for a, b in zip(alone, got):
+        assert torch.equal(a[0], b[n - 1])
+    assert not kmhc._counters[x.device].any()
+    assert kmhc.hc_site_mixes(x, fn, scale, base, HC, 20, 1e-6, 1e-20) is None     # CPU tensors: apart
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 33, 64])
+def test_site_mixes_equal_the_two_kernels_on_cuda(n):
+    x, fn = _streams(n, 5, hidden=5120, device="cuda")
+    _, scale, base = _parts(2, 3, "cuda")
+    got = kmhc.hc_site_mixes(x, fn, scale, base, HC, 20, 1e-6, 1e-20)
+    assert got is not None and "hc_site_mixes" in cuda_ops().kernels
+    want = kmhc.hc_mix(kmhc.hc_pre(x, fn, 1e-20), scale, base, HC, 20, 1e-6)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for a, b in zip(kmhc.hc_site_mixes(x[:1], fn, scale, base, HC, 20, 1e-6, 1e-20), got):
+        assert torch.equal(a[0], b[0])

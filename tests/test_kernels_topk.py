@@ -214,3 +214,39 @@ def test_router_scores_gpu_bitwise_torch(rows):
             got = router.router_scores(z, temp, bias, bias_vl, img)
             want = router_scores(z, temp, bias, bias_vl, img)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (temp, img is None)
+
+
+@interp
+@pytest.mark.parametrize("E,k", [(384, 6), (256, 8), (16, 4)])
+def test_the_route_in_one_launch_equals_the_three_kernels(E, k):
+    """kernels/router.route: scores, pick and weights in one program per row block, the bits of router.launch,
+    topk.router_topk and rowops.route_weights launched one after another (the interpreter's stand-ins on both
+    sides), image rows with their own bias, a row alone == among others."""
+    from kernels import rowops
+    g = torch.Generator().manual_seed(E + k)
+    z = _logits(g, 9, E)
+    z[3] = 0.5                                                     # a row of ties: the lowest ids
+    bias, bias_vl = torch.randn(E, generator=g) * 0.1, torch.randn(E, generator=g) * 0.1
+    for img in (None, torch.tensor([i % 3 == 0 for i in range(9)])):
+        w, ids = router.launch_route(z, 1.0, bias, bias_vl, img, k, 1.5)
+        s, sb = router.launch(z, 1.0, bias, bias_vl, img)
+        want_ids = topk.router_topk(sb, k)[1]
+        assert torch.equal(ids, want_ids)
+        assert torch.equal(w, rowops.route_weights(s, want_ids, 1.5))
+        w1, ids1 = router.launch_route(z[4:5], 1.0, bias, bias_vl, None if img is None else img[4:5], k, 1.5)
+        assert torch.equal(ids1[0], ids[4]) and torch.equal(w1[0], w[4])
+    assert router.route(z, 1.0, bias, bias_vl, None, k, 1.5) is None         # CPU tensors: the three ops
+
+
+@pytest.mark.gpu
+def test_the_route_in_one_launch_equals_the_op_sets_three_on_cuda():
+    from dsv41.model.moe import route_weights
+    g = torch.Generator().manual_seed(2)
+    z = _logits(g, 64, 384).cuda()
+    bias, bias_vl = (torch.randn(384, generator=g) * 0.1).cuda(), (torch.randn(384, generator=g) * 0.1).cuda()
+    img = (torch.arange(64) % 5 == 0).cuda()
+    w, ids = router.route(z, 1.0, bias, bias_vl, img, 6, 1.5)
+    s, sb = router_scores(z, 1.0, bias, bias_vl, img)
+    want_ids = cuda_ops().router_topk(sb, 6)[1]
+    assert torch.equal(ids, want_ids)
+    assert torch.equal(w, route_weights(s, want_ids, 1.5))

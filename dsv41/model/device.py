@@ -206,6 +206,12 @@ class ExpertStack:
     s2: torch.Tensor
     local: torch.Tensor
     shard: torch.Tensor | None = None
+    identity: bool = False     # local is the identity (every expert on this rank, in id order): ids need no map
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> places in the stack (-1: not here); the ids themselves where the map is the identity
+        (one gather launch fewer a layer)."""
+        return ids if self.identity else self.local[ids]
 
 
 def shard_stack(stack: ExpertStack, ranges: list[range]) -> None:
@@ -243,4 +249,4 @@ def stack_experts(experts: dict, n_experts: int) -> ExpertStack | None:
         ex.w3 = Fp4Weight(w13[j, inter:], s13[j, inter:])
         ex.w2 = Fp4Weight(w2[j], s2[j])
         local[e] = j
-    return ExpertStack(w13, s13, w2, s2, local)
+    return ExpertStack(w13, s13, w2, s2, local, identity=ids == list(range(n_experts)))

@@ -38,6 +38,10 @@ def hc_mixes(streams: torch.Tensor, site: HcSite, sinkhorn_iters: int, hc_eps: f
     """streams [n, hc, H] -> pre [n, hc], post [n, hc], comb [n, hc, hc] (comb[:, j, k]: stream j -> k)."""
     ops = site.ops
     n, hc, _ = streams.shape
+    if ops.hc_site_mixes is not None:     # the product and the mixes in one launch (the same bits)
+        got = ops.hc_site_mixes(streams, site.fn, site.scale, site.base, hc, sinkhorn_iters, hc_eps, norm_eps)
+        if got is not None:
+            return got
     m = ops.hc_pre(streams, site.fn, norm_eps) if ops.hc_pre is not None else None
     if m is None:       # the reference's order: the normalised streams times hc_fn
         m = ops.linear(ops.rms_norm(streams.reshape(n, -1), None, norm_eps), site.fn)

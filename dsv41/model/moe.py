@@ -130,8 +130,12 @@ class MoE:
 
     def route(self, x: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [n, k] float32, expert ids [n, k]) in slot order."""
-        s, biased = self.ops.router_scores(self.ops.linear(x, self.gate), self.gate_temp, self.bias, self.bias_vl,
-                                           image)
+        logits = self.ops.linear(x, self.gate)
+        if self.ops.route_fn is not None and self.top_k > 1:     # the three ops in one launch (the same bits)
+            got = self.ops.route_fn(logits, self.gate_temp, self.bias, self.bias_vl, image, self.top_k, self.scaling)
+            if got is not None:
+                return got
+        s, biased = self.ops.router_scores(logits, self.gate_temp, self.bias, self.bias_vl, image)
         _, ids = self.ops.router_topk(biased, self.top_k)
         return self.ops.route_weights(s, ids, self.scaling), ids
 

@@ -78,8 +78,13 @@ class Ops:
     #                                value descending, ties to the lower id (linear.stable_topk)
     select_topk: Callable          # (scores [n, T], k) -> [n, k] int64: the indexer's top-k finite entries in
     #                                ascending index order, -1 padded (indexer.select_topk)
+    route_fn: Callable | None = None      # (logits [n, E], temp, bias, bias_vl, image, k, scaling) -> (weights, ids)
+    #                                       or None where it does not apply: MoE.route after the gate in one launch
+    #                                       (router_scores, router_topk, route_weights); None: the three
     hc_pre: Callable | None = None        # (streams [n, hc, H], hc_fn [NM, hc * H], eps) -> the mixes m [n, NM] or None
     #                                       where it does not apply; None: rms_norm then linear (mhc.hc_mixes)
+    hc_site_mixes: Callable | None = None  # (streams, hc_fn, scale, base, hc, iters, hc_eps, norm_eps) -> (pre, post,
+    #                                        comb) or None where it does not apply: hc_pre and hc_mix in one launch
     hc_site_in: Callable | None = None    # (y | None, streams, post, comb, pre, weight, eps) -> (streams', x) or None
     #                                       where it does not apply: a site's input, collapse_norm /
     #                                       expand_collapse_norm in one launch; None: the ops one by one
@@ -362,7 +367,8 @@ def _cuda_ops(kernels: bool) -> Ops:
         rms_norm=_kernel_rms_norm(k["rms_norm"]) if "rms_norm" in k else _tree_rms_norm,
         sinkhorn=sinkhorn,
         hc_mix=_or_fallback(k.get("hc_mix"), functools.partial(mhc.hc_mix, sinkhorn_fn=sinkhorn)),
-        hc_pre=k.get("hc_pre"), hc_site_in=k.get("hc_site_in"),
+        hc_pre=k.get("hc_pre"), hc_site_in=k.get("hc_site_in"), hc_site_mixes=k.get("hc_site_mixes"),
+        route_fn=k.get("route"),
         hc_collapse=_or_fallback(k.get("hc_collapse"), mhc.hc_collapse),
         hc_expand=_or_fallback(k.get("hc_expand"), mhc.hc_expand),
         route_weights=_or_fallback(k.get("route_weights"), moe.route_weights),
@@ -403,8 +409,8 @@ def _load_kernels() -> dict:
                           ("kernels.round_gather", ("gather_rows", "scatter_rows", "round_keys")),
                           ("kernels.sparse_attn", ("sparse_attn",)),
                           ("kernels.topk", ("router_topk", "select_topk")),
-                          ("kernels.router", ("router_scores",)),
-                          ("kernels.mhc", ("hc_mix", "hc_pre")),
+                          ("kernels.router", ("router_scores", "route")),
+                          ("kernels.mhc", ("hc_mix", "hc_pre", "hc_site_mixes")),
                           ("kernels.act", ("swiglu_h",)),
                           ("kernels.rope", ("rope_", "cos_sin")),
                           ("kernels.fake_quant", ("fp8_fake_quant", "fp4_fake_quant_ue8m0", "fp4_fake_quant_e4m3")),
@@ -708,7 +714,7 @@ def _kernel_fp4_routed(k: Callable) -> Callable:
     """kernels/fp4_moe.py's grouped launch over the layer's stack; slots of experts outside `shard` (another TP
     shard's) get -1, contributing nothing, as another rank's do."""
     def routed(stack: ExpertStack, x, weights, ids, limit, shard):
-        local = stack.local[ids]
+        local = stack.local_ids(ids)
         if shard is not None:
             local = torch.where((ids >= shard.start) & (ids < shard.stop), local, -1)
         return k(x.contiguous(), stack.w13, stack.s13, stack.w2, stack.s2, local, weights, limit)
@@ -719,7 +725,7 @@ def _kernel_fp4_routed_shards(k: Callable) -> Callable:
     """kernels/fp4_moe.py's grouped launch over every pair of the rank's shards once, then each shard's slot sum
     (stack.shard): one work list, one gate/up and one down launch where a pass per shard took one each."""
     def routed_shards(stack: ExpertStack, x, weights, ids, limit, shards, addends=None):
-        return k(x.contiguous(), stack.w13, stack.s13, stack.w2, stack.s2, stack.local[ids], weights, limit,
+        return k(x.contiguous(), stack.w13, stack.s13, stack.w2, stack.s2, stack.local_ids(ids), weights, limit,
                  shard_of=stack.shard, shards=shards, addends=addends)
     return routed_shards
 
