@@ -152,8 +152,9 @@ def _hc_expand_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, H, HC: tl.con
 
 
 @triton.jit
-def _hc_site_in_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, streams_ptr, pre_ptr, w_ptr, x_ptr, buf_ptr, H, inv_n,
-                       eps, HC: tl.constexpr, BLOCK: tl.constexpr, EXPAND: tl.constexpr, HAS_W: tl.constexpr):
+def _hc_site_in_kernel(y_ptr, y2_ptr, res_ptr, post_ptr, comb_ptr, streams_ptr, pre_ptr, w_ptr, x_ptr, buf_ptr, H,
+                       inv_n, eps, HC: tl.constexpr, BLOCK: tl.constexpr, EXPAND: tl.constexpr, HAS_W: tl.constexpr,
+                       Y2: tl.constexpr):
     """A site's input in one program per row: (EXPAND) the streams = hc_expand(y, residual, post, comb), stored;
     x = hc_collapse(streams, pre) into x's row, then rms_norm in place. Each element by the operations of
     _hc_expand_kernel, _hc_collapse_kernel and _rms_norm_kernel (the same bits as the three launches); stream by
@@ -166,6 +167,8 @@ def _hc_site_in_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, streams_ptr, pre_ptr,
         m = cols < H
         if EXPAND:
             y = tl.load(y_ptr + r * H + cols, mask=m, other=0.0)
+            if Y2:          # y the sum of two partials, in order (the TP shards' wo_b products)
+                y = y + tl.load(y2_ptr + r * H + cols, mask=m, other=0.0)
         u = tl.zeros([BLOCK], tl.float32)
         for k in tl.static_range(HC):
             if EXPAND:      # stream k: post_k·y + ((comb[0,k]·x_0 + comb[1,k]·x_1) + …)
@@ -292,10 +295,16 @@ def hc_site_in(y: torch.Tensor | None, streams: torch.Tensor, post: torch.Tensor
                pre: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple | None:
     """An mHC site's input in one launch: y None: (streams, rms_norm(hc_collapse(streams, pre), weight, eps)); else
     the streams are first hc_expand(y, streams, post, comb) (the previous site's output added): the bits of the
-    three kernels (or of the CUDA op set's torch forms). None where it does not apply (dtypes, hc, a weight not
-    float32 [H]): the caller composes the ops."""
+    three kernels (or of the CUDA op set's torch forms). y may be a pair of partials (y0, y1): y = y0 + y1 first.
+    None where it does not apply (dtypes, hc, a weight not float32 [H], more than two partials): the caller
+    composes the ops."""
     _check_device(streams, "hc_site_in")
     n, hc, hidden = streams.shape
+    y2 = None
+    if isinstance(y, tuple):
+        if len(y) != 2 or any(t.shape != y[0].shape or t.dtype != torch.float32 for t in y):
+            return None
+        y, y2 = y[0], y[1].contiguous()
     ts = (streams, pre) if y is None else (streams, pre, y, post, comb)
     if (not _mix_ok(*ts) or hc & (hc - 1) or tuple(pre.shape) != (n, hc)
             or (weight is not None and (weight.dtype != torch.float32 or tuple(weight.shape) != (hidden,)))
@@ -309,9 +318,9 @@ def hc_site_in(y: torch.Tensor | None, streams: torch.Tensor, post: torch.Tensor
         buf = torch.empty((n, 2 * ((hidden + 1) // 2)), dtype=torch.float32, device=streams.device)
         w = weight.contiguous() if weight is not None else x
         yy, pp, cc = (x, pre, pre) if y is None else (y.contiguous(), post.contiguous(), comb.contiguous())
-        _hc_site_in_kernel[(n,)](yy, res, pp, cc, out, pre.contiguous(), w, x, buf, hidden, inv_count(hidden),
-                                 _f32(eps), HC=hc, BLOCK=NORM_BLOCK, EXPAND=y is not None, HAS_W=weight is not None,
-                                 num_warps=NORM_WARPS, **LAUNCH)
+        _hc_site_in_kernel[(n,)](yy, y2 if y2 is not None else yy, res, pp, cc, out, pre.contiguous(), w, x, buf,
+                                 hidden, inv_count(hidden), _f32(eps), HC=hc, BLOCK=NORM_BLOCK, EXPAND=y is not None,
+                                 HAS_W=weight is not None, Y2=y2 is not None, num_warps=NORM_WARPS, **LAUNCH)
     return out, x
 
 

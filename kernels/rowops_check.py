@@ -39,12 +39,13 @@ def _cases():
     yield ("hc_expand", rowops._hc_expand_kernel,
            {"y_ptr": "*fp32", "res_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32", "out_ptr": "*fp32", **elem},
            {"HC": 4, "BLOCK": rowops.ELEM_BLOCK}, {}, {**opts, "num_warps": 4}, ("mul.rn.f32", "add.rn.f32"))
-    site = {"y_ptr": "*fp32", "res_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32", "streams_ptr": "*fp32",
+    site = {"y_ptr": "*fp32", "y2_ptr": "*fp32", "res_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32", "streams_ptr": "*fp32",
             "pre_ptr": "*fp32", "w_ptr": "*fp32", "x_ptr": "*fp32", "buf_ptr": "*fp32", "H": "i32", "inv_n": "fp32",
-            "eps": "fp32", "HC": "constexpr", "BLOCK": "constexpr", "EXPAND": "constexpr", "HAS_W": "constexpr"}
+            "eps": "fp32", "HC": "constexpr", "BLOCK": "constexpr", "EXPAND": "constexpr", "HAS_W": "constexpr",
+            "Y2": "constexpr"}
     for expand in (True, False):
         yield (f"hc_site_in{' with the expand' if expand else ''}", rowops._hc_site_in_kernel, site,
-               {"HC": 4, "BLOCK": rowops.NORM_BLOCK, "EXPAND": expand, "HAS_W": True}, {},
+               {"HC": 4, "BLOCK": rowops.NORM_BLOCK, "EXPAND": expand, "HAS_W": True, "Y2": expand}, {},
                {**opts, "num_warps": rowops.NORM_WARPS}, ("div.rn.f32", "sqrt.rn.f32", "mul.rn.f32", "add.rn.f32"))
     from kernels import norm_rope_quant as nrq
     (_, vmax, values, scale), qb = nrq.KINDS["fp8"]

@@ -212,6 +212,12 @@ def test_site_input_in_one_launch_equals_the_three_kernels_bitwise(hidden, weigh
     want_x = rowops.rms_norm(rowops.hc_collapse(want_s, pre), w, eps)
     assert torch.equal(s2, want_s) and torch.equal(s2.signbit(), want_s.signbit())
     assert torch.equal(x2, want_x) and torch.equal(x2.signbit(), want_x.signbit())
+    ya = torch.randn(y.shape, generator=g).to(dev)                    # two TP shards' partials, added first
+    s3, x3 = rowops.hc_site_in((ya, y - ya), streams, post, comb, pre, w, eps)
+    want_s3 = rowops.hc_expand(ya + (y - ya), streams, post, comb)
+    assert torch.equal(s3, want_s3) and torch.equal(x3, rowops.rms_norm(rowops.hc_collapse(want_s3, pre), w, eps))
+    got3 = reference_ops().expand_collapse_norm((ya, y - ya), streams, post, comb, pre, w, eps)
+    assert torch.equal(got3[0], reference_ops().hc_expand(ya + (y - ya), streams, post, comb))
     a_s, a_x = rowops.hc_site_in(y[2:3], streams[2:3], post[2:3], comb[2:3], pre[2:3], w, eps)   # a row alone
     assert torch.equal(a_s[0], s2[2]) and torch.equal(a_x[0], x2[2])
     ops = cuda_ops()

@@ -622,5 +622,9 @@ def test_projections_sharing_an_input_in_one_launch():
         if ops is CUDA:
             assert moe.shared_in.outs == (128, 128, 128, 128)
             assert sh.w1.q.data_ptr() == moe.shared_in.w.q.data_ptr() == shards[0].w1.q.data_ptr()
+            from dsv41.model.moe import _one_run
+            parts = CUDA.linear_parts(x, moe.shared_in)            # the shards' gates (and ups) lie one after another:
+            assert _one_run(parts[:2]) is not None                  # their SwiGLU in one launch
+            assert _one_run([parts[0], parts[2]]) is None
         outs.append(moe(x))
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().amax() > 0

@@ -86,9 +86,10 @@ class Attention:
         return torch.cat([attend(q[:, i * h:(i + 1) * h], keys, sel, sink[i * h:(i + 1) * h], scale)
                           for i in range(self.shards)], dim=1)
 
-    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, parts: bool = False):
         """Inverse RoPE at the query position, grouped wo_a, then wo_b: o [n, heads, D] -> [n, H] (this rank's
-        partial sum when tensor-parallel)."""
+        partial sum when tensor-parallel). parts: the TP shards' wo_b products as a tuple, for the caller to add in
+        shard order (one rank's round adds them in its next launch: Ops.expand_collapse_norm)."""
         n = o.shape[0]
         o = self.ops.rope_(o, cos, sin, True)       # o is the attend's own output
         groups = self.wo_a.shape[0] // self.o_lora
@@ -97,8 +98,10 @@ class Attention:
         if self.shards == 1:
             return lin(mid, self.wo_b)
         c = mid.shape[1] // self.shards
+        ys = tuple(lin(mid[:, i * c:(i + 1) * c], w) for i, w in enumerate(self.wo_b_shards))
+        if parts:
+            return ys
         y = None
-        for i, w in enumerate(self.wo_b_shards):    # the partials in shard order, as ranks add theirs
-            part = lin(mid[:, i * c:(i + 1) * c], w)
+        for part in ys:                             # the partials in shard order, as ranks add theirs
             y = part if y is None else y + part
         return y

@@ -631,7 +631,8 @@ class Model:
 
     def _ffn(self, blk: Block, y, streams, pre_a, post_a, comb_a, image=None) -> tuple:
         """Expand the attention output into the streams, mHC mixes of the FFN site, collapse with the attention
-        site's pre, ffn_norm, MoE: -> (streams, the FFN site's pre/post/comb, this rank's MoE output)."""
+        site's pre, ffn_norm, MoE: -> (streams, the FFN site's pre/post/comb, this rank's MoE output). y: the
+        attention output, or a tuple of its TP shards' partials, added in order first."""
         t, ops = self.t, blk.ops
         streams, x = ops.expand_collapse_norm(y, streams, post_a, comb_a, pre_a, blk.ffn_norm, t.rms_norm_eps)
         pre_f, post_f, comb_f = hc_mixes(streams, blk.hc_ffn, t.hc_sinkhorn_iters, t.hc_eps, t.rms_norm_eps)
@@ -640,8 +641,8 @@ class Model:
     def _attn_out_ffn(self, blk: Block, q, keys, sel, cos, sin, streams, pre_a, post_a, comb_a,
                       image=None) -> tuple:
         """_attn_out, _ffn and the last expand as one piece (one rank: nothing crosses between them)."""
-        y, = self._attn_out(blk, q, keys, sel, cos, sin)
-        streams, pre_f, post_f, comb_f, y = self._ffn(blk, y, streams, pre_a, post_a, comb_a, image)
+        y = blk.attn.output(blk.attn.attend(q, keys, sel), cos, sin, parts=True)    # the shards' partials (added
+        streams, pre_f, post_f, comb_f, y = self._ffn(blk, y, streams, pre_a, post_a, comb_a, image)  # by _ffn)
         return blk.ops.hc_expand(y, streams, post_f, comb_f), pre_f
 
     def _history(self, blk: Block, kv, ckv, cgate, iq, iw, pos, segs, shared, trace,

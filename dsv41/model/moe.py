@@ -55,6 +55,18 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, e: Expert, limit: float, o
     return ops.linear(ops.swiglu_h(gate, up, limit), e.w2)
 
 
+def _one_run(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """Equal contiguous tensors that lie one after another in one storage (a fused launch's part blocks) as one
+    [len * rows, cols] view; None where they do not."""
+    first = parts[0]
+    if not first.is_contiguous() or any(p.shape != first.shape or not p.is_contiguous()
+                                        or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                                        or p.storage_offset() != first.storage_offset() + i * first.numel()
+                                        for i, p in enumerate(parts)):
+        return None
+    return first.as_strided((len(parts) * first.shape[0], *first.shape[1:]), first.stride())
+
+
 def router_scores(z: torch.Tensor, temp: float, bias: torch.Tensor, bias_vl: torch.Tensor,
                   image: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's scores from its logits z [n, E]: s = sqrt(softplus(z / temp)), and the selection's input
@@ -126,6 +138,10 @@ class MoE:
             return [swiglu(x, e, self.limit, ops=self.ops) for e in live]
         outs = self.ops.linear_parts(x, self.shared_in)
         k = len(live)
+        gates, ups = _one_run(outs[:k]), _one_run(outs[k:])
+        if k > 1 and gates is not None and ups is not None:   # every shard's SwiGLU in one elementwise launch
+            h = self.ops.swiglu_h(gates, ups, self.limit).view(k, *outs[0].shape)
+            return [self.ops.linear(h[i], e.w2) for i, e in enumerate(live)]
         return [swiglu_down(outs[i], outs[k + i], e, self.limit, self.ops) for i, e in enumerate(live)]
 
     def route(self, x: torch.Tensor, image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

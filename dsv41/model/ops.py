@@ -85,8 +85,8 @@ class Ops:
     #                                       where it does not apply; None: rms_norm then linear (mhc.hc_mixes)
     hc_site_mixes: Callable | None = None  # (streams, hc_fn, scale, base, hc, iters, hc_eps, norm_eps) -> (pre, post,
     #                                        comb) or None where it does not apply: hc_pre and hc_mix in one launch
-    hc_site_in: Callable | None = None    # (y | None, streams, post, comb, pre, weight, eps) -> (streams', x) or None
-    #                                       where it does not apply: a site's input, collapse_norm /
+    hc_site_in: Callable | None = None    # (y | (y0, y1) | None, streams, post, comb, pre, weight, eps) -> (streams',
+    #                                       x) or None where it does not apply: a site's input, collapse_norm /
     #                                       expand_collapse_norm in one launch; None: the ops one by one
     fp4_routed: Callable | None = None    # (ExpertStack, x, weights, ids, limit, shard) -> [n, H]; None: per expert
     fp4_routed_shards: Callable | None = None   # (ExpertStack with .shard, x, weights, ids, limit, shards,
@@ -196,10 +196,16 @@ class Ops:
                              pre: torch.Tensor, weight: torch.Tensor | None,
                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous site's output into the streams, then the next site's input: (streams = hc_expand(y,
-        residual, post, comb), collapse_norm(streams, pre, weight, eps)), in one launch where the op set can."""
+        residual, post, comb), collapse_norm(streams, pre, weight, eps)), in one launch where the op set can. y may
+        be a tuple of partials (the TP shards' wo_b products), added in order first (in that launch too)."""
         got = None if self.hc_site_in is None else self.hc_site_in(y, residual, post, comb, pre, weight, eps)
         if got is not None:
             return got
+        if isinstance(y, tuple):
+            total = y[0]
+            for part in y[1:]:
+                total = total + part
+            y = total
         streams = self.hc_expand(y, residual, post, comb)
         return streams, self.rms_norm(self.hc_collapse(streams, pre), weight, eps)
 
