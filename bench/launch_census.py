@@ -1,14 +1,14 @@
 """Launches a decode round issues on the CUDA path, by call site (issue 24's budget: <= 20 a layer). At one row each
-launch is a few microseconds of GPU time, more than a layer's bytes once the host is out of the round, so the
-count is what bounds a graphed round there.
+launch is a few microseconds of GPU time, more than a layer's bytes once the host is out of the round, so the count
+is what bounds a graphed round there.
 
 Counted on the CPU: the model loaded with the CUDA op set (cuda_ops(): FP8/FP4 weights kept, the Triton kernels run
 by the interpreter), every torch op that is not a view or a bare allocation counted as one launch, every Triton
 launch as one, grouped by the innermost dsv41/kernels function that issued it (and its caller). The kernels that
-take CUDA tensors only (kernels/mhc.py, act.py, router.py, fake_quant.py, norm_rope_quant.py, rope.py's cos_sin)
-are launched as on CUDA. The round's host work (`Model._prepare_round`: host tensors, one copy) is not counted. Prompts are fed by the reference model of the
-same checkpoint. Not a GPU measurement: a real round's launch count differs where shapes pick other paths (the
-small checkpoint's narrow products, 4 attention heads).
+take CUDA tensors only (kernels/mhc.py, act.py, router.py, fake_quant.py, norm_rope_quant.py, compress_pool.py,
+rope.py's cos_sin) are launched as on CUDA. The round's host work (`Model._prepare_round`: host tensors, one copy)
+is not counted. Prompts are fed by the reference model of the same checkpoint. Not a GPU measurement: a real round's
+launch count differs where shapes pick other paths (the small checkpoint's narrow products, 4 attention heads).
 
     python bench/launch_census.py [--checkpoint DIR] [--rows 1] [--top 40] [--tag TAG] [--out FILE] [--count-only]
 """
@@ -36,6 +36,7 @@ for _mod, _fn, _launch in (("kernels.mhc", "hc_mix", "launch"), ("kernels.mhc", 
                            ("kernels.act", "swiglu_h", "launch"), ("kernels.router", "router_scores", "launch"),
                            ("kernels.router", "route", "launch_route"),
                            ("kernels.rope", "cos_sin", "launch_cos_sin"),
+                           ("kernels.compress_pool", "pool_norm", "launch"),
                            ("kernels.norm_rope_quant", "norm_rope_quant", "launch"),
                            ("kernels.fake_quant", "fp8_fake_quant", "FP8"),
                            ("kernels.fake_quant", "fp4_fake_quant_ue8m0", "FP4_UE8M0"),

@@ -155,6 +155,12 @@ def _cases():
                 "T": "i32", "rts": "i32", "ss": "i32", "cts": "i32", "ts": "i32", "ps": "i32", "D": "constexpr",
                 "BK": "constexpr", "COMP": "constexpr"},
                {"D": 512, "BK": round_gather.BLOCK_K, "COMP": comp}, {}, {"num_warps": 4})
+    from kernels import compress_pool
+    for r in (4, 128):
+        yield (f"compressor pool + norm, ratio {r}", compress_pool._pool_norm_kernel,
+               {"kv_ptr": "*fp32", "gate_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32", "inv_n": "fp32",
+                "eps": "fp32", "R": "constexpr", "D": "constexpr", "LOG2D": "constexpr", "INTERP": "constexpr"},
+               {"R": r, "D": 512, "LOG2D": 9, "INTERP": False}, {}, {"num_warps": 4, **compress_pool.LAUNCH})
     yield ("rope cos / sin", rope._cos_sin_kernel,
            {"pos_ptr": "*i64", "f_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "n": "i32",
             "HALF": "constexpr", "BR": "constexpr", "INTERP": "constexpr"},

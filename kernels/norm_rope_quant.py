@@ -32,6 +32,18 @@ KINDS = {"fp8": (fake_quant.FP8, 32), "fp4_ue8m0": (fake_quant.FP4_UE8M0, 32), "
 
 
 @triton.jit
+def row_norm(x, w_ptr, inv_n, eps, D: tl.constexpr, LOG2D: tl.constexpr):
+    """rowops' norm of a row x [D] (D a power of two) held in registers: its tree (x_i·x_i + x_{i+D/2}·x_{i+D/2}),
+    then halves added level by level, each level's pair one add), x · rsqrt(mean + eps) · w."""
+    s = x * x
+    for lvl in tl.static_range(LOG2D):
+        s = tl.sum(tl.reshape(s, [2, D >> (lvl + 1)]), axis=0)
+    total = tl.sum(s, axis=0)                           # the last level's one element
+    rstd = tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(total * inv_n + eps))
+    return (x * rstd) * tl.load(w_ptr + tl.arange(0, D))
+
+
+@triton.jit
 def _norm_rope_quant_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_row, stride_head, inv_n, eps,
                             floor, inv_max, D: tl.constexpr, LOG2D: tl.constexpr, HALF: tl.constexpr,
                             NORM: tl.constexpr, INVERSE: tl.constexpr, QUANT: tl.constexpr, QB: tl.constexpr,
@@ -41,14 +53,8 @@ def _norm_rope_quant_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stri
     h = pid % heads
     d = tl.arange(0, D)
     x = tl.load(x_ptr + row * stride_row + h * stride_head + d)
-    if NORM:        # rowops._norm_row's tree: (x_i·x_i + x_{i+D/2}·x_{i+D/2}), then halves added level by level
-        s = x * x
-        for lvl in tl.static_range(LOG2D):
-            s = tl.sum(tl.reshape(s, [2, D >> (lvl + 1)]), axis=0)
-        total = tl.sum(s, axis=0)                       # the last level's one element
-        rstd = tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(total * inv_n + eps))
-        x = x * rstd
-        x = x * tl.load(w_ptr + d)
+    if NORM:
+        x = row_norm(x, w_ptr, inv_n, eps, D, LOG2D)
     even, odd = tl.split(tl.reshape(x, [D // 2, 2]))   # pair p: (x_2p, x_2p+1)
     p = tl.arange(0, D // 2)
     first = D // 2 - HALF                               # the pairs before it pass through

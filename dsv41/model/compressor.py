@@ -63,7 +63,12 @@ class Compressor:
 
     def pool(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """Closed groups kv, gate [g, ratio, D] -> latents [g, D] pre-RoPE (elementwise per group: a group's bits
-        do not depend on the others)."""
+        do not depend on the others); in one launch where the op set can (kernels/compress_pool.py: the same
+        bits)."""
+        if self.ops.pool_norm is not None:
+            got = self.ops.pool_norm(kv, gate, self.norm, self.eps)
+            if got is not None:
+                return got
         # Softmax over the r tokens of a group, channel by channel, written out so the order is fixed.
         top = gate[:, 0]
         for t in range(1, self.ratio):

@@ -78,6 +78,8 @@ class Ops:
     #                                value descending, ties to the lower id (linear.stable_topk)
     select_topk: Callable          # (scores [n, T], k) -> [n, k] int64: the indexer's top-k finite entries in
     #                                ascending index order, -1 padded (indexer.select_topk)
+    pool_norm: Callable | None = None     # (kv, gate [g, r, D], norm weight, eps) -> latents [g, D] or None where it
+    #                                       does not apply: Compressor.pool in one launch; None: its torch ops
     route_fn: Callable | None = None      # (logits [n, E], temp, bias, bias_vl, image, k, scaling) -> (weights, ids)
     #                                       or None where it does not apply: MoE.route after the gate in one launch
     #                                       (router_scores, router_topk, route_weights); None: the three
@@ -374,7 +376,7 @@ def _cuda_ops(kernels: bool) -> Ops:
         sinkhorn=sinkhorn,
         hc_mix=_or_fallback(k.get("hc_mix"), functools.partial(mhc.hc_mix, sinkhorn_fn=sinkhorn)),
         hc_pre=k.get("hc_pre"), hc_site_in=k.get("hc_site_in"), hc_site_mixes=k.get("hc_site_mixes"),
-        route_fn=k.get("route"),
+        route_fn=k.get("route"), pool_norm=k.get("pool_norm"),
         hc_collapse=_or_fallback(k.get("hc_collapse"), mhc.hc_collapse),
         hc_expand=_or_fallback(k.get("hc_expand"), mhc.hc_expand),
         route_weights=_or_fallback(k.get("route_weights"), moe.route_weights),
@@ -421,6 +423,7 @@ def _load_kernels() -> dict:
                           ("kernels.rope", ("rope_", "cos_sin")),
                           ("kernels.fake_quant", ("fp8_fake_quant", "fp4_fake_quant_ue8m0", "fp4_fake_quant_e4m3")),
                           ("kernels.norm_rope_quant", ("norm_rope_quant",)),
+                          ("kernels.compress_pool", ("pool_norm",)),
                           ("kernels.rowops", ("rms_norm", "sinkhorn", "hc_collapse", "hc_expand", "hc_site_in",
                                               "route_weights"))):
         try:
