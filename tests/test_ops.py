@@ -596,6 +596,16 @@ def test_projections_sharing_an_input_in_one_launch():
     cos, sin = torch.ones(5, 16, device=DEVICE) * 0.6, torch.ones(5, 16, device=DEVICE) * 0.8
     for u, v in zip(a.project(x, cos, sin, False), b.project(x, cos, sin, False)):
         assert torch.equal(u, v)
+    # wq_b over two TP shards (views of its rows): one launch at one row, the shards' products side by side
+    wq_b = parts["wq_b"]
+    a.shards, a.wq_b_shards = 2, [wq_b[:64], wq_b[64:]]
+    a.fused_q = CUDA.fuse_parts(wq_b, (64, 64))
+    assert a.fused_q is not None and a.fused_q.w is wq_b and REF.fuse_parts is None
+    many = a.project(x, cos, sin, False)                    # 5 rows: the shards' products apart (linear_cat)
+    for r in (0, 3):
+        one = a.project(x[r:r + 1], cos[r:r + 1], sin[r:r + 1], False)
+        for u, v in zip(one, many):
+            assert torch.equal(u[0], v[r])                  # a row alone (one launch) == among five
     # compressor (bf16 weights)
     bf = [(torch.randn(64, H, generator=g) / 16).bfloat16().to(DEVICE) for _ in range(2)]
     ca = Compressor(layer=0, ratio=2, wkv=bf[0], wgate=bf[1], norm=torch.ones(64, device=DEVICE), eps=1e-6, ops=CUDA)
@@ -622,9 +632,9 @@ def test_projections_sharing_an_input_in_one_launch():
         if ops is CUDA:
             assert moe.shared_in.outs == (128, 128, 128, 128)
             assert sh.w1.q.data_ptr() == moe.shared_in.w.q.data_ptr() == shards[0].w1.q.data_ptr()
-            from dsv41.model.moe import _one_run
+            from dsv41.model.device import one_run
             parts = CUDA.linear_parts(x, moe.shared_in)            # the shards' gates (and ups) lie one after another:
-            assert _one_run(parts[:2]) is not None                  # their SwiGLU in one launch
-            assert _one_run([parts[0], parts[2]]) is None
+            assert one_run(parts[:2]) is not None                   # their SwiGLU in one launch
+            assert one_run([parts[0], parts[2]]) is None
         outs.append(moe(x))
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().amax() > 0

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv41.model.device import FusedWeight
+from dsv41.model.device import FusedWeight, one_run
 from dsv41.model.ops import Ops, reference_ops
 
 
@@ -41,6 +41,8 @@ class Attention:
     wo_b_shards: list | None = None         # wo_b's columns per shard (contiguous copies)
     ops: Ops = field(default_factory=reference_ops)   # the model's op set (given at load; dsv41/model/ops.py)
     fused_in: FusedWeight | None = None     # wq_a and wkv (both take x) for one launch (Ops.fuse; made here)
+    fused_q: FusedWeight | None = None      # wq_b over its TP shards' rows, one launch (Ops.fuse_parts; set with
+    #                                         the shards)
 
     def __post_init__(self):
         if self.fused_in is None:
@@ -60,7 +62,13 @@ class Attention:
         else:
             qa, kva = ops.linear(x, self.wq_a), ops.linear(x, self.wkv)
         q_res = ops.rms_norm(qa, self.q_norm, self.eps)
-        if self.shards > 1:
+        q = None
+        if self.shards > 1 and self.fused_q is not None and q_res.shape[0] == 1:
+            # one row: the shards' products in one launch, whose part blocks then lie side by side (each part's bits)
+            q = one_run(ops.linear_parts(q_res, self.fused_q))
+        if q is not None:
+            q = q.view(1, -1)
+        elif self.shards > 1:
             q = ops.linear_cat(q_res, self.wq_b_shards)     # the shards' products side by side, no cat copy
         else:
             q = ops.linear(q_res, self.wq_b)

@@ -158,6 +158,18 @@ class FusedWeight:
         return self.rows(i, i + 1)
 
 
+def one_run(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """Equal contiguous tensors that lie one after another in one storage (a fused launch's part blocks) as one
+    [len * rows, cols] view; None where they do not."""
+    first = parts[0]
+    if not first.is_contiguous() or any(p.shape != first.shape or not p.is_contiguous()
+                                        or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                                        or p.storage_offset() != first.storage_offset() + i * first.numel()
+                                        for i, p in enumerate(parts)):
+        return None
+    return first.as_strided((len(parts) * first.shape[0], *first.shape[1:]), first.stride())
+
+
 def fuse_rows(weights: list) -> Fp8Weight | torch.Tensor | None:
     """The weights' rows concatenated (a copy), or None where they are not all FP8 (each in whole 32-row scale
     blocks) or all bf16 tensors with one input width."""

@@ -208,6 +208,8 @@ def _shard_block(attn: Attention, moe: MoE, shards: int, n_experts: int, plan: S
     if plan.heads:
         # the column shards are copies: the whole wo_b they replace is not kept (the rows' shards are views)
         attn.shards, attn.wq_b_shards, attn.wo_b_shards, attn.wo_b = shards, wq_b, wo_b, None
+        if attn.ops.fuse_parts is not None:     # the shards' rows are wq_b's: one launch over them, no copy
+            attn.fused_q = attn.ops.fuse_parts(attn.wq_b, tuple(int(w.shape[0]) for w in wq_b))
     moe.shards = shards
     moe.shard_ranges = [part_range(n_experts, rank * shards + i, plan.parts) for i in range(shards)]
     moe.shared_shards = shared_shards

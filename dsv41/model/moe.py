@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv41.model.device import ExpertStack, FusedWeight
+from dsv41.model.device import ExpertStack, FusedWeight, one_run
 from dsv41.model.linear import silu, softplus
 from dsv41.model.ops import Ops, reference_ops
 
@@ -53,18 +53,6 @@ def swiglu(x: torch.Tensor, e: Expert, limit: float, weight: torch.Tensor | None
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, e: Expert, limit: float, ops: Ops) -> torch.Tensor:
     """`swiglu` from its two products w1x, w3x already computed (a fused launch: MoE.shared_in)."""
     return ops.linear(ops.swiglu_h(gate, up, limit), e.w2)
-
-
-def _one_run(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """Equal contiguous tensors that lie one after another in one storage (a fused launch's part blocks) as one
-    [len * rows, cols] view; None where they do not."""
-    first = parts[0]
-    if not first.is_contiguous() or any(p.shape != first.shape or not p.is_contiguous()
-                                        or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                                        or p.storage_offset() != first.storage_offset() + i * first.numel()
-                                        for i, p in enumerate(parts)):
-        return None
-    return first.as_strided((len(parts) * first.shape[0], *first.shape[1:]), first.stride())
 
 
 def router_scores(z: torch.Tensor, temp: float, bias: torch.Tensor, bias_vl: torch.Tensor,
@@ -138,7 +126,7 @@ class MoE:
             return [swiglu(x, e, self.limit, ops=self.ops) for e in live]
         outs = self.ops.linear_parts(x, self.shared_in)
         k = len(live)
-        gates, ups = _one_run(outs[:k]), _one_run(outs[k:])
+        gates, ups = one_run(outs[:k]), one_run(outs[k:])
         if k > 1 and gates is not None and ups is not None:   # every shard's SwiGLU in one elementwise launch
             h = self.ops.swiglu_h(gates, ups, self.limit).view(k, *outs[0].shape)
             return [self.ops.linear(h[i], e.w2) for i, e in enumerate(live)]

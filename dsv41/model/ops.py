@@ -109,6 +109,8 @@ class Ops:
     #                                              tensor); None: as indices into the keys (Ops.attend_rows)
     fuse_linears: Callable | None = None   # (weights that take one input) -> device.FusedWeight | None: their rows
     #                                        concatenated for one launch; None: products one by one (the reference)
+    fuse_parts: Callable | None = None     # (w, outs) -> FusedWeight over w itself (its rows already the parts, in
+    #                                        order: no copy) | None, where the op set computes them in one launch
     fused_linear: Callable | None = None   # (x, FusedWeight) -> [each weight's float32 [n, out_i]]
     cat_linear: Callable | None = None     # (ops, x, [weights]) -> float32 [n, Σ out_i]: the products side by side in
     #                                        one result; None: torch.cat of the linears
@@ -358,11 +360,12 @@ def _cuda_ops(kernels: bool) -> Ops:
         index_scores = _kernel_index_scores(k["index_scores"], index_scores)
     fp8 = _dequant_linear(dense)
     grouped = _grouped_linear
-    fuse = fused = cat = None
+    fuse = fused = cat = fuse_parts = None
     if "fp8_linear" in k:
         fp8 = _kernel_fp8_linear(k["fp8_linear"])
         grouped = _kernel_grouped_linear(k["fp8_linear_grouped"], fp8)
         fuse, fused = _kernel_fuse(k["multi_config"]), _kernel_fused_linear(k["fp8_linear_multi"])
+        fuse_parts = _kernel_fuse_parts(k["multi_config"])
         if "prompt_fp8_linear" in k:
             fp8, grouped, fused, cat = _prompt_fp8_linear(k["prompt_fp8_linear"], fp8, grouped, fused)
     kdense = _kernel_dense_linear(k["bf16_linear"], dense) if "bf16_linear" in k else dense
@@ -399,7 +402,7 @@ def _cuda_ops(kernels: bool) -> Ops:
         select_topk=_or_fallback(k.get("select_topk"), select_topk),
         fp4_routed=_kernel_fp4_routed(k["fp4_moe"]) if "fp4_moe" in k else None,
         fp4_routed_shards=_kernel_fp4_routed_shards(k["fp4_moe"]) if "fp4_moe" in k else None,
-        fuse_linears=fuse, fused_linear=fused, cat_linear=cat,
+        fuse_linears=fuse, fused_linear=fused, cat_linear=cat, fuse_parts=fuse_parts,
         stacks_experts=True,
         # the fallbacks' per-expert MoE waits for the device (ids.unique): those rounds run eagerly
         graphs="fp4_moe" in k,
@@ -503,6 +506,17 @@ def _kernel_fuse(multi_config: Callable) -> Callable:
         cfg = multi_config(outs, int(w.shape[1]), w.device, fp8)
         return None if cfg is None else FusedWeight(w, outs, cfg)
     return fuse
+
+
+def _kernel_fuse_parts(multi_config: Callable) -> Callable:
+    """A weight whose rows are already several weights' (the TP shards' wq_b rows: views of it) as a FusedWeight
+    over itself, where kernels/fp8_linear.py's kernel takes the parts in one launch with each part's bits."""
+    def fuse_parts(w, outs: tuple[int, ...]) -> FusedWeight | None:
+        if not isinstance(w, Fp8Weight) or sum(outs) != w.shape[0]:
+            return None
+        cfg = multi_config(tuple(outs), int(w.shape[1]), w.device, True)
+        return None if cfg is None else FusedWeight(w, tuple(outs), cfg)
+    return fuse_parts
 
 
 def _kernel_fused_linear(k: Callable) -> Callable:
