@@ -14,22 +14,13 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from kernels.mhc import LAUNCH, _exp   # libdevice's expf (numpy's under the interpreter), no FTZ
 from kernels.norm_rope_quant import row_norm
 from kernels.numerics import inv_count
 from kernels.rowops import _f32
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-LAUNCH = {} if INTERPRET else {"enable_fp_fusion": False, "enable_reflect_ftz": False}   # torch: no FTZ
-
-
-@triton.jit
-def _exp(x, INTERP: tl.constexpr):
-    if INTERP:
-        return tl.exp(x)
-    else:
-        return libdevice.exp(x)
 
 
 @triton.jit

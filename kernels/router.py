@@ -41,21 +41,29 @@ def _softplus(y, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _router_scores_kernel(z_ptr, bias_ptr, vl_ptr, img_ptr, s_ptr, sb_ptr, n, E, inv, HAS_IMG: tl.constexpr,
-                          BE: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr):
+def _scores(z_ptr, bias_ptr, vl_ptr, img_ptr, n, E, inv, HAS_IMG: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr,
+            INTERP: tl.constexpr):
+    """A block of rows' scores s and their bias by row b -> (rows, ok, cols, valid, at, s, b)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     ok = rows < n
     rows = rows.to(tl.int64)
     cols = tl.arange(0, BE)
-    m = ok[:, None] & (cols < E)[None, :]
+    valid = ok[:, None] & (cols < E)[None, :]
     at = rows[:, None] * E + cols[None, :]
-    y = tl.load(z_ptr + at, mask=m, other=0.0) * inv
+    y = tl.load(z_ptr + at, mask=valid, other=0.0) * inv
     s = tl.sqrt_rn(_softplus(y, INTERP))
     b = tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
     if HAS_IMG:
         img = tl.load(img_ptr + rows, mask=ok, other=0) != 0
         vl = tl.load(vl_ptr + cols, mask=cols < E, other=0.0)[None, :]
         b = tl.where(img[:, None], vl, b)
+    return rows, ok, cols, valid, at, s, b
+
+
+@triton.jit
+def _router_scores_kernel(z_ptr, bias_ptr, vl_ptr, img_ptr, s_ptr, sb_ptr, n, E, inv, HAS_IMG: tl.constexpr,
+                          BE: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr):
+    rows, ok, cols, m, at, s, b = _scores(z_ptr, bias_ptr, vl_ptr, img_ptr, n, E, inv, HAS_IMG, BE, BR, INTERP)
     tl.store(s_ptr + at, s, mask=m)
     tl.store(sb_ptr + at, s + b, mask=m)
 
@@ -93,19 +101,7 @@ def _route_kernel(z_ptr, bias_ptr, vl_ptr, img_ptr, w_ptr, ids_ptr, n, E, inv, e
     """The whole route of a block of rows in one program: the scores as _router_scores_kernel, the pick as
     kernels/topk.py's router kernel (the largest s + bias, ties to the lower id, -0.0 as +0.0), the weights as
     rowops' route_weights (s at the picks over their slot-order sum + eps, × scaling): their bits, in registers."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    ok = rows < n
-    rows = rows.to(tl.int64)
-    cols = tl.arange(0, BE)
-    valid = ok[:, None] & (cols < E)[None, :]
-    at = rows[:, None] * E + cols[None, :]
-    y = tl.load(z_ptr + at, mask=valid, other=0.0) * inv
-    s = tl.sqrt_rn(_softplus(y, INTERP))
-    b = tl.load(bias_ptr + cols, mask=cols < E, other=0.0)[None, :]
-    if HAS_IMG:
-        img = tl.load(img_ptr + rows, mask=ok, other=0) != 0
-        vl = tl.load(vl_ptr + cols, mask=cols < E, other=0.0)[None, :]
-        b = tl.where(img[:, None], vl, b)
+    rows, ok, cols, valid, at, s, b = _scores(z_ptr, bias_ptr, vl_ptr, img_ptr, n, E, inv, HAS_IMG, BE, BR, INTERP)
     v = tl.where(valid, s + b, float("-inf"))
     v = tl.where(v == 0.0, 0.0, v)
     left = valid
