@@ -66,12 +66,9 @@ class Attention:
         if self.shards > 1 and self.fused_q is not None and q_res.shape[0] == 1:
             # one row: the shards' products in one launch, whose part blocks then lie side by side (each part's bits)
             q = one_run(ops.linear_parts(q_res, self.fused_q))
-        if q is not None:
-            q = q.view(1, -1)
-        elif self.shards > 1:
-            q = ops.linear_cat(q_res, self.wq_b_shards)     # the shards' products side by side, no cat copy
-        else:
-            q = ops.linear(q_res, self.wq_b)
+        if q is None:
+            # the shards' products side by side (no cat copy), or the one product
+            q = ops.linear_cat(q_res, self.wq_b_shards) if self.shards > 1 else ops.linear(q_res, self.wq_b)
         # in place: q and the normed kv are this call's own (apply_rope_: no copy of the nope dims)
         q = ops.rope_(q.view(-1, self.n_heads, self.head_dim), cos, sin)
         kv = ops.norm_rope_quant(kva, self.kv_norm, self.eps, cos, sin, "fp8" if qat else None, own=True)

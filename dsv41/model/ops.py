@@ -710,16 +710,18 @@ def _kernel_attend(k: Callable) -> Callable:
     D not a power of two) run the reference form. Its `all_shards(heads, dim)`: whether one call over several TP
     shards' heads gives each shard's bits, shards of `heads` heads each (the kernel computes every head apart; the
     reference's products do not)."""
-    def takes(heads: int, dim: int) -> bool:
-        return heads % 16 == 0 and dim >= 16 and not dim & (dim - 1)
-
     def attend(ops: Ops, q, pool, idx, sink, scale):
         n, heads, dim = q.shape
-        if n == 0 or not takes(heads, dim):
+        if n == 0 or not _attn_takes(heads, dim):
             return attend_tiled(ops, q, pool, idx, sink, scale)
         return k(q, pool, idx, sink, scale)
-    attend.all_shards = takes
+    attend.all_shards = _attn_takes
     return attend
+
+
+def _attn_takes(heads: int, dim: int) -> bool:
+    """The shapes kernels/sparse_attn.py takes: heads a multiple of 16, D a power of two >= 16."""
+    return heads % 16 == 0 and dim >= 16 and not dim & (dim - 1)
 
 
 def _kernel_attend_rows(k: Callable) -> Callable:
@@ -727,7 +729,7 @@ def _kernel_attend_rows(k: Callable) -> Callable:
     takes the shape; None otherwise (Ops.attend_rows then makes the indices)."""
     def attend_rows(ops: Ops, q, keys, valid, sink, scale):
         n, heads, dim = q.shape
-        if n == 0 or heads % 16 or dim < 16 or dim & (dim - 1):
+        if n == 0 or not _attn_takes(heads, dim):
             return None
         return k(q, keys, valid, sink, scale)
     return attend_rows
