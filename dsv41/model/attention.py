@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv41.model.device import FusedWeight, one_run
-from dsv41.model.ops import Ops, reference_ops
+from dsv41.model.ops import Ops, reference_ops, shard_sum
 
 
 @dataclass
@@ -104,9 +104,4 @@ class Attention:
             return lin(mid, self.wo_b)
         c = mid.shape[1] // self.shards
         ys = tuple(lin(mid[:, i * c:(i + 1) * c], w) for i, w in enumerate(self.wo_b_shards))
-        if parts:
-            return ys
-        y = None
-        for part in ys:                             # the partials in shard order, as ranks add theirs
-            y = part if y is None else y + part
-        return y
+        return ys if parts else shard_sum(ys)

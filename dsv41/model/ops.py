@@ -205,12 +205,7 @@ class Ops:
         got = None if self.hc_site_in is None else self.hc_site_in(y, residual, post, comb, pre, weight, eps)
         if got is not None:
             return got
-        if isinstance(y, tuple):
-            total = y[0]
-            for part in y[1:]:
-                total = total + part
-            y = total
-        streams = self.hc_expand(y, residual, post, comb)
+        streams = self.hc_expand(shard_sum(y) if isinstance(y, tuple) else y, residual, post, comb)
         return streams, self.rms_norm(self.hc_collapse(streams, pre), weight, eps)
 
     def norm_rope_quant(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
@@ -542,6 +537,14 @@ def _exl3_kernel_linear(k: Callable) -> Callable:
         outs = [k(x.contiguous(), w.kernel_weight(i)).float() for i in range(len(w.blocks))]
         return torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
     return exl3_linear
+
+
+def shard_sum(parts) -> torch.Tensor:
+    """TP shards' partial products added in shard order, as the ranks' all-reduce adds them (its bits)."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
 
 
 def tree_row_mean(x: torch.Tensor) -> torch.Tensor:
