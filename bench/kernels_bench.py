@@ -265,6 +265,55 @@ class Report:
         self.path.write_text("\n".join(self.head + self.rows) + "\n")
 
 
+def _try_time(calls):
+    """time_calls, or the error's first line (a fallback that cannot be captured in a graph)."""
+    try:
+        return time_calls(calls)
+    except Exception as exc:  # noqa: BLE001 -- report it in the table, time the rest
+        torch.cuda.synchronize()
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:60] if str(exc) else ''}"
+
+
+def rowops_section(rep, rows):
+    """An mHC site's mixes (hc_site_mixes at each K chunk of the sweep; its serve chunk is mhc.PRE_KC), a site's
+    input (expand + collapse + norm: the register form and the scratch-row form) and the norms at 5120 and 1280,
+    beside the CUDA op set's torch fallbacks. Bytes: what the call must read and write once."""
+    from dsv41.model import mhc as model_mhc
+    from dsv41.model.ops import cuda_ops
+    from kernels import mhc, rowops
+    hc, H, NM = 4, 5120, 24
+    fn = torch.randn(NM, hc * H, device="cuda") * 0.01
+    base, scale = torch.randn(NM, device="cuda"), torch.rand(3, device="cuda") + 0.5
+    fb = cuda_ops(kernels=False)
+    for n in rows:
+        streams = torch.randn(n, hc, H, device="cuda")
+        nbytes = streams.numel() * 4 + fn.numel() * 4
+        for kc in (256, 512, 1024, 2048):
+            t = _try_time([lambda kc=kc: mhc.launch_site(streams, fn, scale, base, hc, 20, 1e-6, 1e-20, kc=kc)])
+            rep.add("mHC site mixes (one launch)", n, f"K chunk {kc}{' (served)' if kc == mhc.PRE_KC else ''}",
+                    nbytes, t)
+        site = model_mhc.HcSite(fn=fn, base=base, scale=scale, ops=fb)
+        rep.add("mHC site mixes: torch fallbacks", n, "-", nbytes,
+                _try_time([lambda: model_mhc.hc_mixes(streams, site, 20, 1e-6, 1e-20)]))
+        y, y2 = torch.randn(n, H, device="cuda"), torch.randn(n, H, device="cuda")
+        pre, post = torch.rand(n, hc, device="cuda"), torch.rand(n, hc, device="cuda")
+        comb = torch.rand(n, hc, hc, device="cuda")
+        w = torch.rand(H, device="cuda") + 0.5
+        nbytes = n * H * 4 * (2 + hc + hc + 1)
+        keep = rowops.REG_ELEMENTS
+        for form, limit in (("registers", keep), ("scratch row", 0)):
+            rowops.REG_ELEMENTS = limit
+            t = _try_time([lambda: rowops.hc_site_in((y, y2), streams, post, comb, pre, w, 1e-6)])
+            rep.add("site input (expand of two partials + collapse + norm)", n, form, nbytes, t)
+            for width in (5120, 1280):
+                xw = torch.randn(n, width, device="cuda")
+                t = _try_time([lambda xw=xw: rowops.rms_norm(xw, w[:width], 1e-6)])
+                rep.add(f"rms_norm [{width}]", n, form, n * width * 8, t)
+        rowops.REG_ELEMENTS = keep
+        rep.add("site input: torch fallbacks", n, "-", nbytes,
+                _try_time([lambda: fb.expand_collapse_norm((y, y2), streams, post, comb, pre, w, 1e-6)]))
+
+
 def short(cfg) -> str:
     return repr(cfg).replace("Config", "").replace(" ", "")
 
@@ -275,8 +324,9 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="time every configuration candidate per shape")
     ap.add_argument("--rows", default=",".join(map(str, DECODE_ROWS)))
     ap.add_argument("--commit", default=os.environ.get("DSV41_COMMIT", ""))
-    ap.add_argument("--only", choices=("all", "linear", "experts"), default="all",
-                    help="time only the FP8/bf16 linears or only the routed experts (with their grouped-mm column)")
+    ap.add_argument("--only", choices=("all", "linear", "experts", "rowops"), default="all",
+                    help="time only the FP8/bf16 linears, only the routed experts (with their grouped-mm column), or "
+                         "only the mHC site kernels and the norms (with the torch fallbacks beside them)")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
@@ -286,6 +336,10 @@ def main() -> int:
     rep = Report(args.out, "Decode kernels at V4.1 shapes" + (": configuration sweep" if args.sweep else ""),
                  bw, mm, commit_of(args.commit))
 
+    if args.only == "rowops":
+        rowops_section(rep, sorted(set(rows) | {2048}))
+        print(f"wrote {args.out}")
+        return 0
     for name, out_f, in_f in (FP8 + BF16 if args.only != "experts" else []):
         is_fp8 = (name, out_f, in_f) in FP8
         nbytes = out_f * in_f + (triton.cdiv(out_f, 32) * (in_f // 32) if is_fp8 else out_f * in_f)

@@ -15,8 +15,8 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from kernels.mhc import _exp
 from kernels.rowops import _f32
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -32,10 +32,7 @@ def _swiglu_kernel(g_ptr, u_ptr, h_ptr, n, limit, INTERP: tl.constexpr, BLOCK: t
     u = tl.load(u_ptr + i, mask=ok, other=0.0)
     g = tl.where(g > limit, limit, g)
     u = tl.where(u < -limit, -limit, tl.where(u > limit, limit, u))
-    if INTERP:
-        e = tl.exp(-g)
-    else:
-        e = libdevice.exp(-g)
+    e = _exp(-g, INTERP)                           # libdevice's expf (numpy's under the interpreter)
     tl.store(h_ptr + i, tl.div_rn(g, 1.0 + e) * u, mask=ok)
 
 

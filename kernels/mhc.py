@@ -118,7 +118,7 @@ def _pre_partial(x_ptr, fn_ptr, part_ptr, n, K, stride_x, block, chunk, KC: tl.c
     j = tl.arange(0, NMP)
     acc = tl.zeros((BR, NMP), dtype=tl.float32)
     sq = tl.zeros((BR,), dtype=tl.float32)
-    for k0 in tl.static_range(0, KC, BK):
+    for k0 in tl.range(0, KC, BK):                   # (unrolled, a 1024 chunk spills)
         kk = chunk * KC + k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + r64[:, None] * stride_x + kk[None, :], mask=ok[:, None] & (kk < K)[None, :], other=0.0)
         w = tl.load(fn_ptr + j[:, None].to(tl.int64) * K + kk[None, :], mask=(j < NM)[:, None] & (kk < K)[None, :],
@@ -131,22 +131,25 @@ def _pre_partial(x_ptr, fn_ptr, part_ptr, n, K, stride_x, block, chunk, KC: tl.c
 
 
 @triton.jit
-def _hc_pre_combine_kernel(part_ptr, m_ptr, n, S, inv_k, eps, NM: tl.constexpr, NMP: tl.constexpr,
+def _hc_pre_combine_kernel(part_ptr, m_ptr, n, inv_k, eps, S: tl.constexpr, NM: tl.constexpr, NMP: tl.constexpr,
                            BR: tl.constexpr):
-    _pre_combine(part_ptr, m_ptr, n, S, inv_k, eps, tl.program_id(0), NM, NMP, BR)
+    _pre_combine(part_ptr, m_ptr, n, inv_k, eps, tl.program_id(0), S, NM, NMP, BR)
 
 
 @triton.jit
-def _pre_combine(part_ptr, m_ptr, n, S, inv_k, eps, block, NM: tl.constexpr, NMP: tl.constexpr, BR: tl.constexpr):
+def _pre_combine(part_ptr, m_ptr, n, inv_k, eps, block, S: tl.constexpr, NM: tl.constexpr, NMP: tl.constexpr,
+                 BR: tl.constexpr):
     """m = (Σ_chunks dots) · rsqrt(Σ_chunks squares · (1/K) + eps) per row, the chunks summed in order (arch.md
-    2.4: one statistic per token, applied after the product)."""
+    2.4: one statistic per token, applied after the product). The chunk loop is unrolled (S a constexpr): its
+    loads do not wait on each other's adds, where a loop over a runtime S paid a load latency per chunk (~0.5 µs
+    each, 80 of them at hc · H = 20480: 44 µs a site at one row on the H200)."""
     rows = block * BR + tl.arange(0, BR)
     ok = rows < n
     r64 = rows.to(tl.int64)
     j = tl.arange(0, NMP)
     dots = tl.zeros((BR, NMP), dtype=tl.float32)
     sq = tl.zeros((BR,), dtype=tl.float32)
-    for c in range(S):
+    for c in tl.static_range(S):
         base = part_ptr + (c * n + r64) * (NM + 1)
         dots += tl.load(base[:, None] + j[None, :], mask=ok[:, None] & (j < NM)[None, :], other=0.0)
         sq += tl.load(base + NM, mask=ok, other=0.0)
@@ -156,7 +159,7 @@ def _pre_combine(part_ptr, m_ptr, n, S, inv_k, eps, block, NM: tl.constexpr, NMP
 
 @triton.jit
 def _hc_site_mixes_kernel(x_ptr, fn_ptr, part_ptr, cnt_ptr, m_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr, n, K,
-                          stride_x, S, inv_k, norm_eps, iters, hc_eps, KC: tl.constexpr, BK: tl.constexpr,
+                          stride_x, inv_k, norm_eps, iters, hc_eps, S: tl.constexpr, KC: tl.constexpr, BK: tl.constexpr,
                           NM: tl.constexpr, NMP: tl.constexpr, BR: tl.constexpr, HC: tl.constexpr,
                           INTERP: tl.constexpr):
     """An mHC site's mixes in one launch: program (row block, K chunk) stores its chunk's partial (_pre_partial);
@@ -167,7 +170,7 @@ def _hc_site_mixes_kernel(x_ptr, fn_ptr, part_ptr, cnt_ptr, m_ptr, s_ptr, b_ptr,
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel")
     if done == S - 1:
-        _pre_combine(part_ptr, m_ptr, n, S, inv_k, norm_eps, block, NM, NMP, BR)
+        _pre_combine(part_ptr, m_ptr, n, inv_k, norm_eps, block, S, NM, NMP, BR)
         tl.debug_barrier()                              # the block's m, whole, before its rows are mixed
         _mix_rows(m_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr, n, NM, iters, hc_eps, block, HC, BR, INTERP)
         tl.atomic_xchg(cnt_ptr + block, 0)              # ready for the next launch (and the next graph replay)
@@ -188,7 +191,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Te
     return launch_pre(streams, fn, norm_eps)
 
 
-def launch_pre(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+def launch_pre(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, kc: int = PRE_KC) -> torch.Tensor:
     """hc_pre's kernels themselves, on CUDA tensors or (TRITON_INTERPRET=1) CPU ones."""
     n = streams.shape[0]
     x = streams.reshape(n, -1)
@@ -196,14 +199,14 @@ def launch_pre(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torc
         x = x.contiguous()
     K, NM = x.shape[1], fn.shape[0]
     NMP = max(16, triton.next_power_of_2(NM))
-    S = triton.cdiv(K, PRE_KC)
+    S = triton.cdiv(K, kc)
     m = torch.empty((n, NM), dtype=torch.float32, device=x.device)
     if n:
         part = torch.empty((S, n, NM + 1), dtype=torch.float32, device=x.device)
         grid = triton.cdiv(n, PRE_ROWS)
-        _hc_pre_partial_kernel[(grid, S)](x, fn.contiguous(), part, n, K, x.stride(0), KC=PRE_KC, BK=PRE_BK, NM=NM,
+        _hc_pre_partial_kernel[(grid, S)](x, fn.contiguous(), part, n, K, x.stride(0), KC=kc, BK=PRE_BK, NM=NM,
                                           NMP=NMP, BR=PRE_ROWS, num_warps=PRE_WARPS, **LAUNCH)
-        _hc_pre_combine_kernel[(grid,)](part, m, n, S, inv_count(K), _f32(norm_eps), NM=NM, NMP=NMP, BR=PRE_ROWS,
+        _hc_pre_combine_kernel[(grid,)](part, m, n, inv_count(K), _f32(norm_eps), S=S, NM=NM, NMP=NMP, BR=PRE_ROWS,
                                         num_warps=1, **LAUNCH)
     return m
 
@@ -225,14 +228,16 @@ _counters: dict[torch.device, torch.Tensor] = {}
 
 
 def launch_site(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
-                iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hc_site_mixes' kernel itself, on CUDA tensors or (TRITON_INTERPRET=1) CPU ones."""
+                iters: int, hc_eps: float, norm_eps: float,
+                kc: int = PRE_KC) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hc_site_mixes' kernel itself, on CUDA tensors or (TRITON_INTERPRET=1) CPU ones (kc: the K chunk, for the
+    bench's sweep; the op set's is PRE_KC, hc_pre's)."""
     n = streams.shape[0]
     x = streams.reshape(n, -1)
     if x.stride(1) != 1:
         x = x.contiguous()
     K, NM = x.shape[1], fn.shape[0]
-    S = triton.cdiv(K, PRE_KC)
+    S = triton.cdiv(K, kc)
     pre = torch.empty((n, hc), dtype=torch.float32, device=x.device)
     post = torch.empty_like(pre)
     comb = torch.empty((n, hc, hc), dtype=torch.float32, device=x.device)
@@ -244,8 +249,8 @@ def launch_site(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, ba
         part = torch.empty((S, n, NM + 1), dtype=torch.float32, device=x.device)
         m = torch.empty((n, NM), dtype=torch.float32, device=x.device)
         _hc_site_mixes_kernel[(blocks, S)](x, fn.contiguous(), part, cnt, m, scale.contiguous(), base.contiguous(),
-                                           pre, post, comb, n, K, x.stride(0), S, inv_count(K), _f32(norm_eps),
-                                           int(iters), _f32(hc_eps), KC=PRE_KC, BK=PRE_BK, NM=NM,
+                                           pre, post, comb, n, K, x.stride(0), inv_count(K), _f32(norm_eps),
+                                           int(iters), _f32(hc_eps), S=S, KC=kc, BK=PRE_BK, NM=NM,
                                            NMP=max(16, triton.next_power_of_2(NM)), BR=PRE_ROWS, HC=hc,
                                            INTERP=INTERPRET, num_warps=PRE_WARPS, **LAUNCH)
     return pre, post, comb

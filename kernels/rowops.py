@@ -37,6 +37,25 @@ from kernels.numerics import inv_count
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 NORM_BLOCK, NORM_WARPS = 1024, 4
+REG_ELEMENTS, REG_WARPS = 8192, 8     # rows whose [P, OP] tile is at most this many elements stay in registers
+
+
+def tree_shape(n: int) -> dict | None:
+    """The register tile of a row of n (_tree_cols): n = ODD · P, P the largest power of two dividing n; the
+    constexprs of the register kernels, or None where the padded tile would pass REG_ELEMENTS (the scratch-row
+    kernels take those rows)."""
+    if n <= 0:
+        return None
+    p = n & -n
+    odd = n // p
+    op = triton.next_power_of_2(odd)
+    if p * op > REG_ELEMENTS or op > 16:           # the tail's moves are [OP, OP] selections: a few survivors
+        return None
+    tail, length = 0, odd
+    while length > 1:
+        length = length // 2 + length % 2
+        tail += 1
+    return {"P": p, "OP": op, "LOG_P": p.bit_length() - 1, "ODD": odd, "TAIL": tail}
 SINK_ROWS = 32
 LAUNCH = {} if INTERPRET else {"enable_fp_fusion": False}
 
@@ -46,6 +65,16 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, buf_ptr, N, inv_n, eps, HAS_W: tl.co
     r = tl.program_id(0).to(tl.int64)
     _norm_row(x_ptr + r * N, w_ptr, out_ptr + r * N, buf_ptr + r * (2 * ((N + 1) // 2)), N, inv_n, eps, HAS_W,
               BLOCK)
+
+
+@triton.jit
+def _rms_norm_reg_kernel(x_ptr, w_ptr, out_ptr, N, inv_n, eps, HAS_W: tl.constexpr, P: tl.constexpr,
+                         OP: tl.constexpr, LOG_P: tl.constexpr, ODD: tl.constexpr, TAIL: tl.constexpr):
+    """_rms_norm_kernel with the row and its tree in registers (rows up to REG_ELEMENTS padded): the same bits."""
+    r = tl.program_id(0).to(tl.int64)
+    cols, m = _tree_cols(P, OP, ODD)
+    x = tl.load(x_ptr + r * N + cols, mask=m, other=0.0)
+    tl.store(out_ptr + r * N + cols, _normed(x, w_ptr, cols, m, inv_n, eps, HAS_W, P, OP, LOG_P, ODD, TAIL), mask=m)
 
 
 @triton.jit
@@ -152,41 +181,107 @@ def _hc_expand_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, H, HC: tl.con
 
 
 @triton.jit
+def _site_cols(y_ptr, y2_ptr, res_ptr, post_ptr, comb_ptr, streams_ptr, pre_ptr, r, H, cols, m, HC: tl.constexpr,
+               EXPAND: tl.constexpr, Y2: tl.constexpr):
+    """Row r's columns `cols` (any shape, masked by m) of a site's input: (EXPAND) the streams = hc_expand(y,
+    residual, post, comb), stored; -> the collapse u = hc_collapse(streams, pre) there. Each element by the
+    operations of _hc_expand_kernel and _hc_collapse_kernel; stream by stream (a [HC, BLOCK] tile's rows picked by
+    a sum would lose a -0.0's sign in the interpreter's sum)."""
+    if EXPAND:
+        y = tl.load(y_ptr + r * H + cols, mask=m, other=0.0)
+        if Y2:              # y the sum of two partials, in order (the TP shards' wo_b products)
+            y = y + tl.load(y2_ptr + r * H + cols, mask=m, other=0.0)
+    for k in tl.static_range(HC):
+        if EXPAND:          # stream k: post_k·y + ((comb[0,k]·x_0 + comb[1,k]·x_1) + …)
+            acc = tl.load(comb_ptr + r * HC * HC + k) * tl.load(res_ptr + r * HC * H + cols, mask=m, other=0.0)
+            for j in tl.static_range(1, HC):
+                acc = acc + (tl.load(comb_ptr + (r * HC + j) * HC + k)
+                             * tl.load(res_ptr + (r * HC + j) * H + cols, mask=m, other=0.0))
+            st = tl.load(post_ptr + r * HC + k) * y + acc
+            tl.store(streams_ptr + (r * HC + k) * H + cols, st, mask=m)
+        else:
+            st = tl.load(streams_ptr + (r * HC + k) * H + cols, mask=m, other=0.0)
+        if k == 0:          # the collapse: ((pre_0·s_0 + pre_1·s_1) + …)
+            u = tl.load(pre_ptr + r * HC) * st
+        else:
+            u = u + tl.load(pre_ptr + r * HC + k) * st
+    return u
+
+
+@triton.jit
 def _hc_site_in_kernel(y_ptr, y2_ptr, res_ptr, post_ptr, comb_ptr, streams_ptr, pre_ptr, w_ptr, x_ptr, buf_ptr, H,
                        inv_n, eps, HC: tl.constexpr, BLOCK: tl.constexpr, EXPAND: tl.constexpr, HAS_W: tl.constexpr,
                        Y2: tl.constexpr):
-    """A site's input in one program per row: (EXPAND) the streams = hc_expand(y, residual, post, comb), stored;
-    x = hc_collapse(streams, pre) into x's row, then rms_norm in place. Each element by the operations of
-    _hc_expand_kernel, _hc_collapse_kernel and _rms_norm_kernel (the same bits as the three launches); stream by
-    stream (a [HC, BLOCK] tile's rows picked by a sum would lose a -0.0's sign in the interpreter's sum)."""
+    """A site's input in one program per row (rows too long for _hc_site_in_reg_kernel): _site_cols block by
+    block into x's row, then rms_norm in place (the scratch-row tree): the bits of the three launches."""
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     xr = x_ptr + r * H
     for c in range(0, H, BLOCK):
         cols = c + offs
         m = cols < H
-        if EXPAND:
-            y = tl.load(y_ptr + r * H + cols, mask=m, other=0.0)
-            if Y2:          # y the sum of two partials, in order (the TP shards' wo_b products)
-                y = y + tl.load(y2_ptr + r * H + cols, mask=m, other=0.0)
-        u = tl.zeros([BLOCK], tl.float32)
-        for k in tl.static_range(HC):
-            if EXPAND:      # stream k: post_k·y + ((comb[0,k]·x_0 + comb[1,k]·x_1) + …)
-                acc = tl.load(comb_ptr + r * HC * HC + k) * tl.load(res_ptr + r * HC * H + cols, mask=m, other=0.0)
-                for j in tl.static_range(1, HC):
-                    acc = acc + (tl.load(comb_ptr + (r * HC + j) * HC + k)
-                                 * tl.load(res_ptr + (r * HC + j) * H + cols, mask=m, other=0.0))
-                st = tl.load(post_ptr + r * HC + k) * y + acc
-                tl.store(streams_ptr + (r * HC + k) * H + cols, st, mask=m)
-            else:
-                st = tl.load(streams_ptr + (r * HC + k) * H + cols, mask=m, other=0.0)
-            if k == 0:      # the collapse: ((pre_0·s_0 + pre_1·s_1) + …)
-                u = tl.load(pre_ptr + r * HC) * st
-            else:
-                u = u + tl.load(pre_ptr + r * HC + k) * st
+        u = _site_cols(y_ptr, y2_ptr, res_ptr, post_ptr, comb_ptr, streams_ptr, pre_ptr, r, H, cols, m, HC, EXPAND,
+                       Y2)
         tl.store(xr + cols, u, mask=m)
     tl.debug_barrier()                                 # the row's collapse, whole, before its norm reads it
     _norm_row(xr, w_ptr, xr, buf_ptr + r * (2 * ((H + 1) // 2)), H, inv_n, eps, HAS_W, BLOCK)
+
+
+@triton.jit
+def _hc_site_in_reg_kernel(y_ptr, y2_ptr, res_ptr, post_ptr, comb_ptr, streams_ptr, pre_ptr, w_ptr, x_ptr, H, inv_n,
+                           eps, HC: tl.constexpr, EXPAND: tl.constexpr, HAS_W: tl.constexpr, Y2: tl.constexpr,
+                           P: tl.constexpr, OP: tl.constexpr, LOG_P: tl.constexpr, ODD: tl.constexpr,
+                           TAIL: tl.constexpr):
+    """_hc_site_in_kernel with the row in registers (its tree in registers too: _tree_total), one program per row:
+    the same bits without the scratch row's level-by-level round trips."""
+    r = tl.program_id(0).to(tl.int64)
+    cols, m = _tree_cols(P, OP, ODD)
+    u = _site_cols(y_ptr, y2_ptr, res_ptr, post_ptr, comb_ptr, streams_ptr, pre_ptr, r, H, cols, m, HC, EXPAND, Y2)
+    tl.store(x_ptr + r * H + cols, _normed(u, w_ptr, cols, m, inv_n, eps, HAS_W, P, OP, LOG_P, ODD, TAIL), mask=m)
+
+
+@triton.jit
+def _tree_cols(P: tl.constexpr, OP: tl.constexpr, ODD: tl.constexpr):
+    """A row of N = ODD · P elements (P a power of two, ODD odd <= OP) as a [P, OP] tile: element c·ODD + j at
+    [c, j], columns j >= ODD masked off. Then the tree's level that pairs i with i + N/2 pairs tile row c with
+    c + P/2 (same j): a reshape to [2, P/2, OP] and a sum over its first axis (one add)."""
+    c = tl.arange(0, P)
+    j = tl.arange(0, OP)
+    cols = c[:, None] * ODD + j[None, :]
+    return cols, (j < ODD)[None, :] & (c >= 0)[:, None]
+
+
+@triton.jit
+def _tree_total(x, P: tl.constexpr, OP: tl.constexpr, LOG_P: tl.constexpr, ODD: tl.constexpr, TAIL: tl.constexpr):
+    """Σ_tree(x·x) (numerics.tree_row_sum of the squares) of a row held as _tree_cols' [P, OP] tile (masked
+    columns 0): the LOG_P halving levels as reshape-and-add, then tree_row_sum's levels on the ODD survivors (TAIL
+    of them: L -> L//2 + L%2), each element moved by a masked sum whose other terms are +0.0 (exact: squares are
+    >= 0)."""
+    s = x * x
+    for lvl in tl.static_range(LOG_P):
+        s = tl.sum(tl.reshape(s, [2, P >> (lvl + 1), OP]), axis=0)
+    s = tl.reshape(s, [OP])
+    i = tl.arange(0, OP)
+    length = ODD
+    for _ in tl.static_range(TAIL):
+        half = length // 2
+        shifted = tl.sum(tl.where(i[None, :] == i[:, None] + half, s[None, :], 0.0), axis=1)    # s[i + half]
+        last = tl.sum(tl.where(i == length - 1, s, 0.0), axis=0)
+        s = tl.where(i < half, s + shifted, tl.where((i == half) & (length % 2 == 1), last, 0.0))
+        length = half + length % 2
+    return tl.sum(tl.where(i == 0, s, 0.0), axis=0)
+
+
+@triton.jit
+def _normed(x, w_ptr, cols, m, inv_n, eps, HAS_W: tl.constexpr, P: tl.constexpr, OP: tl.constexpr,
+            LOG_P: tl.constexpr, ODD: tl.constexpr, TAIL: tl.constexpr):
+    """x · (1 / sqrt(Σ_tree(x·x) · (1/n) + eps)) · w of a row held as a _tree_cols tile (_norm_row's operations)."""
+    total = _tree_total(tl.where(m, x, 0.0), P, OP, LOG_P, ODD, TAIL)
+    rstd = tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(total * inv_n + eps))
+    y = x * rstd
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=m, other=0.0)
+    return y
 
 
 @triton.jit
@@ -233,6 +328,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if rows == 0 or n_cols == 0:
         return out.reshape(shape)
     w = weight.float().contiguous() if weight is not None else x2
+    tile = tree_shape(n_cols)
+    if tile is not None:
+        _rms_norm_reg_kernel[(rows,)](x2, w, out, n_cols, inv_count(n_cols), _f32(eps), HAS_W=weight is not None,
+                                      **tile, num_warps=REG_WARPS, **LAUNCH)
+        return out.reshape(shape)
     buf = torch.empty((rows, 2 * ((n_cols + 1) // 2)), dtype=torch.float32, device=x.device)
     _rms_norm_kernel[(rows,)](x2, w, out, buf, n_cols, inv_count(n_cols), _f32(eps), HAS_W=weight is not None,
                               BLOCK=NORM_BLOCK, num_warps=NORM_WARPS, **LAUNCH)
@@ -315,9 +415,16 @@ def hc_site_in(y: torch.Tensor | None, streams: torch.Tensor, post: torch.Tensor
     res = streams.contiguous()
     out = res if y is None else torch.empty((n, hc, hidden), dtype=torch.float32, device=streams.device)
     if n and hidden:
-        buf = torch.empty((n, 2 * ((hidden + 1) // 2)), dtype=torch.float32, device=streams.device)
         w = weight.contiguous() if weight is not None else x
         yy, pp, cc = (x, pre, pre) if y is None else (y.contiguous(), post.contiguous(), comb.contiguous())
+        tile = tree_shape(hidden)
+        if tile is not None:
+            _hc_site_in_reg_kernel[(n,)](yy, y2 if y2 is not None else yy, res, pp, cc, out, pre.contiguous(), w, x,
+                                         hidden, inv_count(hidden), _f32(eps), HC=hc, EXPAND=y is not None,
+                                         HAS_W=weight is not None, Y2=y2 is not None, **tile, num_warps=REG_WARPS,
+                                         **LAUNCH)
+            return out, x
+        buf = torch.empty((n, 2 * ((hidden + 1) // 2)), dtype=torch.float32, device=streams.device)
         _hc_site_in_kernel[(n,)](yy, y2 if y2 is not None else yy, res, pp, cc, out, pre.contiguous(), w, x, buf,
                                  hidden, inv_count(hidden), _f32(eps), HC=hc, BLOCK=NORM_BLOCK, EXPAND=y is not None,
                                  HAS_W=weight is not None, Y2=y2 is not None, num_warps=NORM_WARPS, **LAUNCH)

@@ -30,6 +30,13 @@ def _cases():
         yield (f"rms_norm{' weighted' if has_w else ''}", rowops._rms_norm_kernel, norm,
                {"HAS_W": has_w, "BLOCK": rowops.NORM_BLOCK}, {}, {**opts, "num_warps": rowops.NORM_WARPS},
                ("div.rn.f32", "sqrt.rn.f32", "mul.rn.f32", "add.rn.f32"))
+    reg = {"x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "inv_n": "fp32", "eps": "fp32",
+           "HAS_W": "constexpr", "P": "constexpr", "OP": "constexpr", "LOG_P": "constexpr", "ODD": "constexpr",
+           "TAIL": "constexpr"}
+    for width in (5120, 1280):      # the hidden size (5 x 1024: a tail of three levels), the q LoRA rank
+        yield (f"rms_norm in registers, {width} wide", rowops._rms_norm_reg_kernel, reg,
+               {"HAS_W": True, **rowops.tree_shape(width)}, {}, {**opts, "num_warps": rowops.REG_WARPS},
+               ("div.rn.f32", "sqrt.rn.f32", "mul.rn.f32", "add.rn.f32"))
     yield ("sinkhorn", rowops._sinkhorn_kernel,
            {"c_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "iters": "i32", "eps": "fp32", "HC": "constexpr",
             "BR": "constexpr"}, {"HC": 4, "BR": rowops.SINK_ROWS}, {}, {**opts, "num_warps": 1}, ("div.rn.f32",))
@@ -47,6 +54,11 @@ def _cases():
         yield (f"hc_site_in{' with the expand' if expand else ''}", rowops._hc_site_in_kernel, site,
                {"HC": 4, "BLOCK": rowops.NORM_BLOCK, "EXPAND": expand, "HAS_W": True, "Y2": expand}, {},
                {**opts, "num_warps": rowops.NORM_WARPS}, ("div.rn.f32", "sqrt.rn.f32", "mul.rn.f32", "add.rn.f32"))
+    site_reg = {**{k: v for k, v in site.items() if k not in ("buf_ptr", "BLOCK")}, "P": "constexpr",
+                "OP": "constexpr", "LOG_P": "constexpr", "ODD": "constexpr", "TAIL": "constexpr"}
+    yield ("hc_site_in in registers, with the expand", rowops._hc_site_in_reg_kernel, site_reg,
+           {"HC": 4, "EXPAND": True, "HAS_W": True, "Y2": True, **rowops.tree_shape(5120)}, {},
+           {**opts, "num_warps": rowops.REG_WARPS}, ("div.rn.f32", "sqrt.rn.f32", "mul.rn.f32", "add.rn.f32"))
     from kernels import norm_rope_quant as nrq
     (_, vmax, values, scale), qb = nrq.KINDS["fp8"]
     yield ("norm / rope / fp8 quant (kernels/norm_rope_quant.py)", nrq._norm_rope_quant_kernel,

@@ -265,7 +265,7 @@ def test_kernel_ptx_uses_only_correctly_rounded_ops():
     r = subprocess.run([sys.executable, "-m", "kernels.rowops_check"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert r.stdout.count("ok ") == 10, r.stdout
+    assert r.stdout.count("ok ") == 13, r.stdout
 
 
 # ---- CUDA --------------------------------------------------------------------------------------------------------
@@ -302,10 +302,20 @@ def test_hc_mixes_kernels_equal_fallbacks_on_cuda():
              "base": torch.randn((2 + hc) * hc, generator=g).cuda(),
              "scale": (torch.rand(3, generator=g) + 0.5).cuda()}
     streams = torch.randn(64, hc, hidden, generator=g).cuda()
+    from kernels import mhc as mhc_k
     got = mhc.hc_mixes(streams, mhc.HcSite(**parts, ops=cuda_ops()), 20, 1e-6, 1e-20)
-    want = mhc.hc_mixes(streams, mhc.HcSite(**parts, ops=cuda_ops(kernels=False)), 20, 1e-6, 1e-20)
+    # the site's one launch: hc_pre's product (the kernels' own order: the raw streams' product, then the row's
+    # statistic; arch.md 2.4) and hc_mix, the bits of the two launches; hc_mix's kernel: the torch function's bits
+    m = mhc_k.hc_pre(streams, parts["fn"], 1e-20)
+    assert all(torch.equal(a, b) for a, b in zip(got, mhc_k.hc_mix(m, parts["scale"], parts["base"], 4, 20, 1e-6)))
+    fb = cuda_ops(kernels=False)
+    want = fb.hc_mix(m, parts["scale"], parts["base"], 4, 20, 1e-6)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+    # the fallbacks' product runs in the other order (the normalised streams times hc_fn): float32-close
+    m_fb = fb.linear(fb.rms_norm(streams.reshape(64, -1), None, 1e-20), parts["fn"])
+    assert torch.allclose(m, m_fb, rtol=1e-4, atol=1e-5)
+    assert torch.equal(mhc_k.hc_pre(streams[5:6], parts["fn"], 1e-20)[0], m[5])       # a row alone == among 64
     y = torch.randn(64, hidden, generator=g).cuda()
     ops = cuda_ops()
     assert torch.equal(ops.hc_expand(y, streams, got[1], got[2]), _expand_loop(y, streams, got[1], got[2]))
