@@ -201,9 +201,11 @@ def _cases():
              "CHUNK": "i32", "C": "i32", "BITS": "constexpr", "BLOCK": "constexpr"}
     for bits in (11, 8):
         c = {"BITS": bits, "BLOCK": topk.SELECT_BLOCK}
-        yield (f"select_topk {bits}-bit digits", topk._select_topk_kernel,
-               {"s_ptr": "*fp32", "out_ptr": "*i64", "T": "i32", "k": "i32", "BITS": "constexpr",
-                "BLOCK": "constexpr"}, c, {}, opt)
+        for every in (False, True):
+            yield (f"select_topk {bits}-bit digits{', T <= k (compaction only)' if every else ''}",
+                   topk._select_topk_kernel, {"s_ptr": "*fp32", "out_ptr": "*i64", "T": "i32", "k": "i32",
+                                              "BITS": "constexpr", "BLOCK": "constexpr", "ALL": "constexpr"},
+                   {**c, "ALL": every}, {}, opt)
         for p in range(-(-32 // bits)):
             yield (f"select_topk split {bits}-bit, radix pass {p}", topk._split_hist_kernel,
                    {"s_ptr": "*fp32", "hist_ptr": "*i32", "T": "i32", "k": "i32", "CHUNK": "i32", "P": "constexpr",

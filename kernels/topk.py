@@ -168,6 +168,7 @@ def _compact(row, orow, lo, hi, thresh, need, pos, ties, BLOCK: tl.constexpr):
         tl.store(orow + at, idx.to(tl.int64), mask=take)
         pos += tl.sum(take_i)
         ties += tl.sum(tie_i)
+    return pos
 
 
 @triton.jit
@@ -180,20 +181,25 @@ def _pad(orow, taken, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _select_topk_kernel(s_ptr, out_ptr, T, k, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row: the radix passes, the compaction, the padding."""
+def _select_topk_kernel(s_ptr, out_ptr, T, k, BITS: tl.constexpr, BLOCK: tl.constexpr, ALL: tl.constexpr):
+    """One program per row: the radix passes, the compaction, the padding. ALL (T <= k: every valid entry is
+    picked, as _threshold's `few` case): the compaction alone, no radix pass."""
     r = tl.program_id(0).to(tl.int64)
     row = s_ptr + r * T
-    prefix = tl.zeros((), dtype=tl.uint32)
-    valid_n = tl.zeros((), dtype=tl.int32)
-    want = tl.zeros((), dtype=tl.int32)
-    for p in tl.static_range((32 + BITS - 1) // BITS):
-        valid_n, want, prefix = _radix_step(_digit_hist(row, 0, T, prefix, p, BITS, BLOCK), p, valid_n, want,
-                                            prefix, k, BITS)
-    thresh, need = _threshold(valid_n, want, prefix, k)
     orow = out_ptr + r * k
-    _compact(row, orow, 0, T, thresh, need, tl.zeros((), dtype=tl.int32), tl.zeros((), dtype=tl.int32), BLOCK)
-    _pad(orow, tl.minimum(valid_n, k), k, BLOCK)
+    zero = tl.zeros((), dtype=tl.int32)
+    if ALL:
+        taken = _compact(row, orow, 0, T, NEG_INF_KEY, zero, zero, zero, BLOCK)
+    else:
+        prefix = tl.zeros((), dtype=tl.uint32)
+        valid_n = zero
+        want = zero
+        for p in tl.static_range((32 + BITS - 1) // BITS):
+            valid_n, want, prefix = _radix_step(_digit_hist(row, 0, T, prefix, p, BITS, BLOCK), p, valid_n, want,
+                                                prefix, k, BITS)
+        thresh, need = _threshold(valid_n, want, prefix, k)
+        taken = _compact(row, orow, 0, T, thresh, need, zero, zero, BLOCK)
+    _pad(orow, taken, k, BLOCK)
 
 
 @triton.jit
@@ -274,8 +280,8 @@ def select_topk(scores: torch.Tensor, k: int, split: bool | None = None, bits: i
     out = torch.empty((n, k), dtype=torch.long, device=s.device)
     if n == 0:
         return out
-    if not (T > SPLIT_T if split is None else split) or T == 0:
-        _select_topk_kernel[(n,)](s, out, T, k, BITS=bits, BLOCK=SELECT_BLOCK, num_warps=SELECT_WARPS)
+    if T <= k or not (T > SPLIT_T if split is None else split):    # (T <= k: every valid entry, one pass)
+        _select_topk_kernel[(n,)](s, out, T, k, BITS=bits, BLOCK=SELECT_BLOCK, ALL=T <= k, num_warps=SELECT_WARPS)
         return out
     C = triton.cdiv(T, SPLIT_CHUNK)
     hist = torch.zeros((n, -(-32 // bits), 1 << bits), dtype=torch.int32, device=s.device)

@@ -216,7 +216,9 @@ def fp4_fake_quant_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     The E4M3 scale can round below amax/6, so values are clamped to +-6 before rounding."""
     v = _blocks(x, block)
     amax = v.abs().amax(-1, keepdim=True).clamp_min(FP4_KV_AMAX_FLOOR)
-    s = (amax / E2M1_MAX).to(torch.float8_e4m3fn).to(F32)
+    # the scale saturates at 448 (a block's amax past 2688): torch's own cast saturates in some versions and gave
+    # NaN from 480 up in others (c10's fp8e4m3fn_from_fp32_value), so the clamp is written out (kernels: satfinite)
+    s = (amax / E2M1_MAX).clamp_max(E4M3_MAX).to(torch.float8_e4m3fn).to(F32)
     q = round_e2m1((v / s).clamp(-E2M1_MAX, E2M1_MAX)) * s
     return q.reshape(x.shape).to(x.dtype)
 
