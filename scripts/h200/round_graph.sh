@@ -1,6 +1,6 @@
 #!/bin/bash
-# issue 25, branch hist2 (the whole decode round as one CUDA graph, its host work in one copy; session 11, written
-# without a GPU). Run from the repo root on the H200; ~5-6 minutes. Outputs under $OUT/host/. FIRST the exactness
+# issue 25: the whole decode round as one CUDA graph, its host work in one copy (branch hist2, session 11; ran clean
+# on the H200 in session 13 and merged: now the regression check of the whole-round graph). Run from the repo root on the H200; ~5-6 minutes. Outputs under $OUT/host/. FIRST the exactness
 # failure that kept the whole-round graph off main in session 10 (chunked rounds through real graphs differing from
 # one pass): chunk-diag-*.txt must show no differing rows for every variant (cuda: graphs kept; fresh: captured
 # each chunk). If `cuda` differs and `fresh` does not, a replay reads something of its capture round; if both
@@ -89,4 +89,6 @@ timeout 60 python bench/round_profile.py --checkpoint /tmp/r2 --rows 1,32 --roun
     > "$OUT/host/round-profile.log" 2>&1
 timeout 75 python bench/gpu_bench.py --checkpoint /tmp/r2 --rows 1,8,32,64 --budget-s 40 --out "$OUT/host/gpu.md" \
     > "$OUT/host/gpu.log" 2>&1
+# at most 8 files come back from $OUT (the device tool's limit): the folder goes back as one archive
+tar -C "$OUT" -czf "$OUT/host.tgz" host && rm -rf "$OUT/host"
 echo done
