@@ -288,10 +288,14 @@ def rowops_section(rep, rows):
     for n in rows:
         streams = torch.randn(n, hc, H, device="cuda")
         nbytes = streams.numel() * 4 + fn.numel() * 4
-        for kc in (256, 512, 1024, 2048):
-            t = _try_time([lambda kc=kc: mhc.launch_site(streams, fn, scale, base, hc, 20, 1e-6, 1e-20, kc=kc)])
-            rep.add("mHC site mixes (one launch)", n, f"K chunk {kc}{' (served)' if kc == mhc.PRE_KC else ''}",
-                    nbytes, t)
+        for i, (kc, bk, warps, mix) in enumerate(mhc.SITE_SWEEP):
+            t = _try_time([lambda kc=kc, bk=bk, warps=warps, mix=mix: mhc.launch_site(
+                streams, fn, scale, base, hc, 20, 1e-6, 1e-20, kc=kc, bk=bk, warps=warps, mix=mix)])
+            rep.add("mHC site mixes" + (" (one launch)" if mix else " (m, then hc_mix: two launches)"), n,
+                    f"K chunk {kc} step {bk}, {warps} warps{' (served)' if i == 0 else ''}", nbytes, t)
+        m = torch.randn(n, NM, device="cuda")
+        rep.add("hc_mix alone (one warp a block of rows)", n, "-", m.numel() * 4,
+                _try_time([lambda: mhc.launch(m, scale, base, hc, 20, 1e-6)]))
         site = model_mhc.HcSite(fn=fn, base=base, scale=scale, ops=fb)
         rep.add("mHC site mixes: torch fallbacks", n, "-", nbytes,
                 _try_time([lambda: model_mhc.hc_mixes(streams, site, 20, 1e-6, 1e-20)]))

@@ -176,15 +176,16 @@ def _cases():
     yield ("swiglu", act._swiglu_kernel,
            {"g_ptr": "*fp32", "u_ptr": "*fp32", "h_ptr": "*fp32", "n": "i32", "limit": "fp32", "INTERP": "constexpr",
             "BLOCK": "constexpr"}, {"INTERP": False, "BLOCK": act.BLOCK}, {}, {"num_warps": 4, **act.LAUNCH})
-    for kc in sorted({mhc.PRE_KC, 256, 1024}):     # the served chunk and the bench sweep's (S = 20480 / kc)
-        yield (f"mhc site mixes (one launch), K chunk {kc}", mhc._hc_site_mixes_kernel,
+    for kc, bk, warps, mix in mhc.SITE_SWEEP:       # the served form first, then the bench's variants
+        yield (f"mhc site mixes (one launch), K chunk {kc} step {bk}, {warps} warps{'' if mix else ', m only'}",
+               mhc._hc_site_mixes_kernel,
                {"x_ptr": "*fp32", "fn_ptr": "*fp32", "part_ptr": "*fp32", "cnt_ptr": "*i32", "m_ptr": "*fp32",
                 "s_ptr": "*fp32", "b_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32",
                 "n": "i32", "K": "i32", "stride_x": "i32", "inv_k": "fp32", "norm_eps": "fp32", "iters": "i32",
                 "hc_eps": "fp32", "S": "constexpr", "KC": "constexpr", "BK": "constexpr", "NM": "constexpr",
-                "NMP": "constexpr", "BR": "constexpr", "HC": "constexpr", "INTERP": "constexpr"},
-               {"S": 20480 // kc, "KC": kc, "BK": mhc.PRE_BK, "NM": 24, "NMP": 32, "BR": mhc.PRE_ROWS, "HC": 4,
-                "INTERP": False}, {}, {"num_warps": mhc.PRE_WARPS, **mhc.LAUNCH})
+                "NMP": "constexpr", "BR": "constexpr", "HC": "constexpr", "INTERP": "constexpr", "MIX": "constexpr"},
+               {"S": 20480 // kc, "KC": kc, "BK": bk, "NM": 24, "NMP": 32, "BR": mhc.PRE_ROWS, "HC": 4,
+                "INTERP": False, "MIX": mix}, {}, {"num_warps": warps, **mhc.LAUNCH})
     yield ("mhc pre partial products", mhc._hc_pre_partial_kernel,
            {"x_ptr": "*fp32", "fn_ptr": "*fp32", "part_ptr": "*fp32", "n": "i32", "K": "i32", "stride_x": "i32",
             "KC": "constexpr", "BK": "constexpr", "NM": "constexpr", "NMP": "constexpr", "BR": "constexpr"},

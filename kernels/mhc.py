@@ -161,22 +161,30 @@ def _pre_combine(part_ptr, m_ptr, n, inv_k, eps, block, S: tl.constexpr, NM: tl.
 def _hc_site_mixes_kernel(x_ptr, fn_ptr, part_ptr, cnt_ptr, m_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr, n, K,
                           stride_x, inv_k, norm_eps, iters, hc_eps, S: tl.constexpr, KC: tl.constexpr, BK: tl.constexpr,
                           NM: tl.constexpr, NMP: tl.constexpr, BR: tl.constexpr, HC: tl.constexpr,
-                          INTERP: tl.constexpr):
+                          INTERP: tl.constexpr, MIX: tl.constexpr):
     """An mHC site's mixes in one launch: program (row block, K chunk) stores its chunk's partial (_pre_partial);
     the last of a row block's S programs to arrive sums them in chunk order (_pre_combine) and runs hc_mix on the
-    block's rows (_mix_rows): the two kernels' and hc_mix's bits, whichever program arrives last."""
+    block's rows (_mix_rows): the two kernels' and hc_mix's bits, whichever program arrives last. MIX false: m
+    only (the bench's variant with hc_mix as a one-warp launch after it)."""
     block = tl.program_id(0)
     _pre_partial(x_ptr, fn_ptr, part_ptr, n, K, stride_x, block, tl.program_id(1), KC, BK, NM, NMP, BR)
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel")
     if done == S - 1:
         _pre_combine(part_ptr, m_ptr, n, inv_k, norm_eps, block, S, NM, NMP, BR)
-        tl.debug_barrier()                              # the block's m, whole, before its rows are mixed
-        _mix_rows(m_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr, n, NM, iters, hc_eps, block, HC, BR, INTERP)
+        if MIX:
+            tl.debug_barrier()                          # the block's m, whole, before its rows are mixed
+            _mix_rows(m_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr, n, NM, iters, hc_eps, block, HC, BR,
+                      INTERP)
         tl.atomic_xchg(cnt_ptr + block, 0)              # ready for the next launch (and the next graph replay)
 
 
 PRE_KC, PRE_BK, PRE_ROWS, PRE_WARPS = 256, 32, 16, 4   # BK 64 at 4 warps spills (compile_check)
+# (K chunk, step, warps, hc_mix in the launch) of hc_site_mixes: the served form, then bench/kernels_bench.py's
+# variants (--only rowops; a 1-row launch was 30 us on the H200 in session 13, the chunk's serial steps and the
+# 4-warp mix its suspects)
+SITE_SWEEP = ((PRE_KC, PRE_BK, PRE_WARPS, True), (256, 32, 4, False), (256, 64, 8, True), (256, 128, 8, True),
+              (512, 128, 8, True), (256, 64, 8, False))
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor | None:
@@ -228,10 +236,11 @@ _counters: dict[torch.device, torch.Tensor] = {}
 
 
 def launch_site(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int,
-                iters: int, hc_eps: float, norm_eps: float,
-                kc: int = PRE_KC) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hc_site_mixes' kernel itself, on CUDA tensors or (TRITON_INTERPRET=1) CPU ones (kc: the K chunk, for the
-    bench's sweep; the op set's is PRE_KC, hc_pre's)."""
+                iters: int, hc_eps: float, norm_eps: float, kc: int = PRE_KC, bk: int = PRE_BK,
+                warps: int = PRE_WARPS, mix: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hc_site_mixes' kernel itself, on CUDA tensors or (TRITON_INTERPRET=1) CPU ones. The bench's sweep varies
+    kc (the K chunk), bk (its step: bk == kc loads the chunk at once), warps, and mix (False: hc_mix as a one-warp
+    launch after it); the op set's are hc_pre's (PRE_KC, PRE_BK, PRE_WARPS) and mix in the launch."""
     n = streams.shape[0]
     x = streams.reshape(n, -1)
     if x.stride(1) != 1:
@@ -250,9 +259,11 @@ def launch_site(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, ba
         m = torch.empty((n, NM), dtype=torch.float32, device=x.device)
         _hc_site_mixes_kernel[(blocks, S)](x, fn.contiguous(), part, cnt, m, scale.contiguous(), base.contiguous(),
                                            pre, post, comb, n, K, x.stride(0), inv_count(K), _f32(norm_eps),
-                                           int(iters), _f32(hc_eps), S=S, KC=kc, BK=PRE_BK, NM=NM,
+                                           int(iters), _f32(hc_eps), S=S, KC=kc, BK=bk, NM=NM,
                                            NMP=max(16, triton.next_power_of_2(NM)), BR=PRE_ROWS, HC=hc,
-                                           INTERP=INTERPRET, num_warps=PRE_WARPS, **LAUNCH)
+                                           INTERP=INTERPRET, MIX=mix, num_warps=warps, **LAUNCH)
+        if not mix:
+            return launch(m, scale, base, hc, iters, hc_eps)
     return pre, post, comb
 
 

@@ -116,6 +116,9 @@ def test_site_mixes_in_one_launch_equal_the_product_then_the_mixes(n):
         assert torch.equal(a[0], b[n - 1])
     assert not kmhc._counters[x.device].any()
     assert kmhc.hc_site_mixes(x, fn, scale, base, HC, 20, 1e-6, 1e-20) is None     # CPU tensors: apart
+    # the bench's m-only variant (hc_mix a launch of its own after it): the same bits; more warps: the same too
+    for a, b in zip(kmhc.launch_site(x, fn, scale, base, HC, 20, 1e-6, 1e-20, warps=8, mix=False), got):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
