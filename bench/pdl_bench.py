@@ -12,6 +12,9 @@ the previous kernel's tail), in two shapes:
   overlaps the previous kernel too.
 
   python3 bench/pdl_bench.py [--out bench/results/pdl.md]
+  python3 bench/pdl_bench.py --checkpoint /tmp/r2 [--rows 1,32] [--out ...]   # also: graphed decode rounds of a
+      checkpoint with the decode kernels' PDL (kernels/pdl.py) on and off, each with its own captures, and whether
+      the rounds' logits are the same bits both ways
 """
 from __future__ import annotations
 
@@ -74,10 +77,53 @@ def chain_time(kind: str, pdl: bool, n: int) -> float:
     return triton.testing.do_bench_cudagraph(run, rep=50, return_mode="median") * 1e3 / n
 
 
+def model_rows(checkpoint: str, rows: list[int], context: int = 2048, rounds: int = 20) -> list[str]:
+    """ms per graphed decode round (logits of every row) with kernels/pdl.py's ENABLED on, then off (a model
+    loaded for each: its graphs captured so), the rows holding `context` tokens; and the last round's logits
+    compared bitwise."""
+    import sys
+    import time
+    sys.path.insert(0, str(ROOT))
+    from dsv41.model.model import Model, SeqInput
+    from kernels import pdl
+    out, logits = [], {}
+    for on in (True, False):
+        pdl.ENABLED = on
+        model = Model.load(checkpoint, device="cuda")
+        base = model.new_state()
+        g = torch.Generator().manual_seed(0)
+        V = min(1000, model.t.vocab_size)
+        model.forward([SeqInput(base, torch.randint(3, V, (context,), generator=g), logits="none")])
+        for n in rows:
+            states = [base.snapshot() for _ in range(n)]
+            toks = torch.randint(3, V, (rounds + 3, n), generator=torch.Generator().manual_seed(n))
+            for k in range(rounds + 3):
+                if k == 3:
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                got = model.forward([SeqInput(st, toks[k, i:i + 1], logits="last") for i, st in enumerate(states)])
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t) / rounds * 1e3
+            logits[(on, n)] = torch.cat(got).cpu()
+            out.append((on, n, ms))
+        del model
+        torch.cuda.empty_cache()
+    pdl.ENABLED = True
+    lines = ["| rows | PDL on ms / round | PDL off ms / round | on / off | logits equal |", "|---|---|---|---|---|"]
+    for n in rows:
+        on_ms = next(ms for o, r, ms in out if o and r == n)
+        off_ms = next(ms for o, r, ms in out if not o and r == n)
+        lines.append(f"| {n} | {on_ms:.3f} | {off_ms:.3f} | {on_ms / off_ms:.2f} | "
+                     f"{torch.equal(logits[(True, n)], logits[(False, n)])} |")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--chain", type=int, default=200)
+    ap.add_argument("--checkpoint", default=None)
+    ap.add_argument("--rows", default="1,32")
     a = ap.parse_args()
     rows = []
     for kind in ("tiny", "gemv"):
@@ -95,6 +141,12 @@ def main():
         "", f"`python3 bench/pdl_bench.py` — chains of {a.chain} dependent kernels replayed as one CUDA graph; µs per "
         "kernel (median replay / chain length), PDL against plain launches in the same run.", "",
         "| chain | plain µs/kernel | PDL µs/kernel | PDL / plain |", "|---|---|---|---|", *rows, ""])
+    if a.checkpoint:
+        table = model_rows(a.checkpoint, [int(r) for r in a.rows.split(",")])
+        print("\n".join(table), flush=True)
+        text += "\n".join(["", f"Graphed decode rounds of `{a.checkpoint}` (2048-token context, logits of every row), "
+                           "the decode kernels' PDL on and off (kernels/pdl.py), each with its own captures:", "",
+                           *table, ""])
     print(text)
     if a.out:
         p = Path(a.out)

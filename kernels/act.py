@@ -16,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_inputs
+
 from kernels.mhc import _exp
 from kernels.rowops import _f32
 
@@ -25,7 +28,8 @@ LAUNCH = {} if INTERPRET else {"enable_fp_fusion": False, "enable_reflect_ftz": 
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, h_ptr, n, limit, INTERP: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_kernel(g_ptr, u_ptr, h_ptr, n, limit, INTERP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
     g = tl.load(g_ptr + i, mask=ok, other=0.0)
@@ -52,5 +56,5 @@ def launch(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     if n:
         # the limit as float32: torch's clamp compares in float32
         _swiglu_kernel[(triton.cdiv(n, BLOCK),)](g, u, h, n, _f32(limit), INTERP=INTERPRET, BLOCK=BLOCK,
-                                                num_warps=4, **LAUNCH)
+                                                num_warps=4, **LAUNCH, **pdl.options(h))
     return h

@@ -30,6 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_inputs
+
 from kernels.fp8_linear import INTERPRET, bf16_operand, mma
 
 BLOCK_M = 64          # (row, slot) pairs per work-list tile: four row tiles of BP
@@ -341,10 +344,11 @@ def _shard_slot_sum(y_ptr, ids_ptr, shard_ptr, r, r_ok, c, ok, H, TOPK, shard, B
 @triton.jit
 def _slot_sum_kernel(y_ptr, ids_ptr, shard_ptr, out_ptr, a0_ptr, a1_ptr, N, H, TOPK, BR: tl.constexpr,
                      BH: tl.constexpr, SHARDED: tl.constexpr, TOTAL: tl.constexpr, ADD0: tl.constexpr,
-                     ADD1: tl.constexpr):
+                     ADD1: tl.constexpr, PDL: tl.constexpr):
     """out[r]: the slot sum (_shard_slot_sum). SHARDED: out[s, r] (s = program axis 2) each TP shard's. TOTAL (two
     shards): out[r] = (sum_0 [+ a0[r]]) + (sum_1 [+ a1[r]]), each shard's part with its addend (its share of the
     shared expert, where ADDi) and the parts added in shard order: MoE.__call__'s sum over shards, one launch."""
+    wait_inputs(PDL)
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     c = tl.program_id(1) * BH + tl.arange(0, BH)
     r_ok = r < N
@@ -641,5 +645,5 @@ def _slot_sum(y: torch.Tensor, ids: torch.Tensor, shard_of: torch.Tensor | None,
     _slot_sum_kernel[(triton.cdiv(n, SUM_ROWS), triton.cdiv(hidden, SUM_COLS), shards)](
         y, ids, ids if shard_of is None else shard_of, out, a0, a1, n, hidden, top_k, BR=SUM_ROWS, BH=SUM_COLS,
         SHARDED=shard_of is not None, TOTAL=total, ADD0=total and addends[0] is not None,
-        ADD1=total and addends[1] is not None)
+        ADD1=total and addends[1] is not None, **pdl.options(out))
     return out

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 BM = 16           # rows per tensor-core product: the one row tile of every launch
 SPLIT_ROWS = 256  # up to this many rows the K chunks run in programs of their own (decode and verify rounds)
 TARGET_PROGRAMS = 264   # programs wanted for a decode round: two per H200 SM (132), so the weight streams everywhere
@@ -516,7 +518,7 @@ def pack_x(x: torch.Tensor, mode: int, rows: torch.Tensor | None = None, topk: i
         per = 8 if mode == 2 else 4
         total = n * (k // per)
         cuda.launch(cuda.function("decode.cu", "pack_x", x.device.index), (triton.cdiv(total, 256), 1, 1), 256,
-                    [x, x.stride(0), rows, topk, out, n, k, mode])
+                    [x, x.stride(0), rows, topk, out, n, k, mode], pdl=pdl.on(x))
     return out
 
 
@@ -558,11 +560,11 @@ def _linear_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, y
         fn = cuda.function("decode.cu", f"{kind}_split_t{tiles}", dev)
         cuda.launch(fn, (nb, S, mb), 128, [x, ldx, w, scale if fp8 else w, y, part,
                                            _counter(x.device, nb * mb), n, out_f, in_f, kchunk, splits[0], xg,
-                                           *table])
+                                           *table], pdl=pdl.on(x))
     else:
         fn = cuda.function("decode.cu", f"{kind}_whole_t{tiles}", dev)
         cuda.launch(fn, (nb, 1, mb), 128, [x, ldx, w, scale if fp8 else w, y, y, y, n, out_f, in_f, kchunk,
-                                           splits[0], xg, *table])
+                                           splits[0], xg, *table], pdl=pdl.on(x))
     return y
 
 

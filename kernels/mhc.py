@@ -30,6 +30,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels import pdl
+from kernels.pdl import wait_inputs
 from triton.language.extra import libdevice
 
 from kernels.numerics import inv_count
@@ -161,11 +164,12 @@ def _pre_combine(part_ptr, m_ptr, n, inv_k, eps, block, S: tl.constexpr, NM: tl.
 def _hc_site_mixes_kernel(x_ptr, fn_ptr, part_ptr, cnt_ptr, m_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr, n, K,
                           stride_x, inv_k, norm_eps, iters, hc_eps, S: tl.constexpr, KC: tl.constexpr, BK: tl.constexpr,
                           NM: tl.constexpr, NMP: tl.constexpr, BR: tl.constexpr, HC: tl.constexpr,
-                          INTERP: tl.constexpr, MIX: tl.constexpr):
+                          INTERP: tl.constexpr, MIX: tl.constexpr, PDL: tl.constexpr):
     """An mHC site's mixes in one launch: program (row block, K chunk) stores its chunk's partial (_pre_partial);
     the last of a row block's S programs to arrive sums them in chunk order (_pre_combine) and runs hc_mix on the
     block's rows (_mix_rows): the two kernels' and hc_mix's bits, whichever program arrives last. MIX false: m
     only (the bench's variant with hc_mix as a one-warp launch after it)."""
+    wait_inputs(PDL)
     block = tl.program_id(0)
     _pre_partial(x_ptr, fn_ptr, part_ptr, n, K, stride_x, block, tl.program_id(1), KC, BK, NM, NMP, BR)
     tl.debug_barrier()
@@ -261,7 +265,8 @@ def launch_site(streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, ba
                                            pre, post, comb, n, K, x.stride(0), inv_count(K), _f32(norm_eps),
                                            int(iters), _f32(hc_eps), S=S, KC=kc, BK=bk, NM=NM,
                                            NMP=max(16, triton.next_power_of_2(NM)), BR=PRE_ROWS, HC=hc,
-                                           INTERP=INTERPRET, MIX=mix, num_warps=warps, **LAUNCH)
+                                           INTERP=INTERPRET, MIX=mix, num_warps=warps, **LAUNCH,
+                                           **pdl.options(x))
         if not mix:
             return launch(m, scale, base, hc, iters, hc_eps)
     return pre, post, comb

@@ -22,6 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_inputs
+
 from kernels import fake_quant
 from kernels.numerics import inv_count
 from kernels.rowops import _f32
@@ -47,7 +50,8 @@ def row_norm(x, w_ptr, inv_n, eps, D: tl.constexpr, LOG2D: tl.constexpr):
 def _norm_rope_quant_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_row, stride_head, inv_n, eps,
                             floor, inv_max, D: tl.constexpr, LOG2D: tl.constexpr, HALF: tl.constexpr,
                             NORM: tl.constexpr, INVERSE: tl.constexpr, QUANT: tl.constexpr, QB: tl.constexpr,
-                            VMAX: tl.constexpr, VALUES: tl.constexpr, SCALE: tl.constexpr, INTERP: tl.constexpr):
+                            VMAX: tl.constexpr, VALUES: tl.constexpr, SCALE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     pid = tl.program_id(0).to(tl.int64)
     row = pid // heads
     h = pid % heads
@@ -105,5 +109,5 @@ def launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.
             x, weight if weight is not None else x, cos.contiguous(), sin.contiguous(), out, heads, x.stride(0),
             stride_head, inv_count(D), _f32(eps), _f32(floor), inv_count(vmax), D=D, LOG2D=D.bit_length() - 1,
             HALF=cos.shape[-1], NORM=weight is not None, INVERSE=inverse, QUANT=quant is not None, QB=qb, VMAX=vmax,
-            VALUES=values, SCALE=scale, INTERP=INTERPRET, num_warps=4, **LAUNCH)
+            VALUES=values, SCALE=scale, INTERP=INTERPRET, num_warps=4, **LAUNCH, **pdl.options(x))
     return out

@@ -20,6 +20,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels import pdl
+from kernels.pdl import wait_inputs
 from triton.language.extra import libdevice
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -31,7 +34,8 @@ COS_SIN_ROWS = 16
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, heads, stride_row, stride_head, stride_cs, first,
-                 HALF: tl.constexpr, HB: tl.constexpr, INVERSE: tl.constexpr):
+                 HALF: tl.constexpr, HB: tl.constexpr, INVERSE: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HB + tl.arange(0, HB)
     ok = (h < heads)[:, None]
@@ -62,12 +66,13 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool =
     if n and heads:
         _rope_kernel[(n, triton.cdiv(heads, HEADS))](x, cos, sin, heads, x.stride(0), stride_head, cos.stride(0),
                                                      x.shape[-1] - 2 * half, HALF=half, HB=HEADS, INVERSE=inverse,
-                                                     num_warps=4 if heads > 1 else 1, **LAUNCH)
+                                                     num_warps=4 if heads > 1 else 1, **LAUNCH, **pdl.options(x))
     return x
 
 
 @triton.jit
-def _cos_sin_kernel(pos_ptr, f_ptr, cos_ptr, sin_ptr, n, HALF: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr):
+def _cos_sin_kernel(pos_ptr, f_ptr, cos_ptr, sin_ptr, n, HALF: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     ok = (rows < n)[:, None]
     j = tl.arange(0, HALF)
@@ -101,5 +106,5 @@ def launch_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[tor
     if n:
         _cos_sin_kernel[(triton.cdiv(n, COS_SIN_ROWS),)](positions.contiguous(), inv_freq.contiguous(), c, s, n,
                                                          HALF=half, BR=COS_SIN_ROWS, INTERP=INTERPRET, num_warps=4,
-                                                         **TRIG_LAUNCH)
+                                                         **TRIG_LAUNCH, **pdl.options(c))
     return c, s

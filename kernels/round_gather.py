@@ -12,11 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_inputs
+
 BLOCK_K = 16
 
 
 @triton.jit(do_not_specialize=["n", "K", "ts", "ks"])
-def _gather_rows_kernel(tab_ptr, idx_ptr, out_ptr, n, K, ts, ks, D: tl.constexpr, BK: tl.constexpr):
+def _gather_rows_kernel(tab_ptr, idx_ptr, out_ptr, n, K, ts, ks, D: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     kb = tl.program_id(1) * BK + tl.arange(0, BK)
     base = tl.load(tab_ptr + (row // n) * ts).to(tl.pointer_type(tl.float32))
@@ -42,12 +46,14 @@ def gather_rows(table: torch.Tensor, idx: torch.Tensor, d: int) -> torch.Tensor:
     if idx.stride(1) != 1:
         idx = idx.contiguous()
     grid = (N, triton.cdiv(K, BLOCK_K))
-    _gather_rows_kernel[grid](table, idx, out, N // B, K, table.stride(0), idx.stride(0), D=d, BK=BLOCK_K)
+    _gather_rows_kernel[grid](table, idx, out, N // B, K, table.stride(0), idx.stride(0), D=d, BK=BLOCK_K,
+                              **pdl.options(out))
     return out
 
 
 @triton.jit(do_not_specialize=["ts", "ss"])
-def _scatter_rows_kernel(tab_ptr, slot_ptr, src_ptr, ts, ss, D: tl.constexpr):
+def _scatter_rows_kernel(tab_ptr, slot_ptr, src_ptr, ts, ss, D: tl.constexpr, PDL: tl.constexpr):
+    wait_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + row * ss)
     base = tl.load(tab_ptr + row * ts).to(tl.pointer_type(tl.float32))
@@ -71,15 +77,17 @@ def scatter_rows(table: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) ->
         raise ValueError(f"scatter_rows: table {list(table.shape)} {table.dtype}, slots {list(slots.shape)} "
                          f"{slots.dtype}, src {list(src.shape)} {src.dtype}")
     if N:
-        _scatter_rows_kernel[(N,)](table, slots, src.contiguous(), table.stride(0), slots.stride(0), D=d)
+        _scatter_rows_kernel[(N,)](table, slots, src.contiguous(), table.stride(0), slots.stride(0), D=d,
+                                   **pdl.options(src))
 
 
 @triton.jit(do_not_specialize=["W", "T", "rts", "ss", "cts", "ts", "ps"])
 def _round_keys_kernel(ring_tab, rsel_ptr, nsel_ptr, kv_ptr, pos_ptr, comp_tab, topk_ptr, keys_ptr, valid_ptr, W, T,
-                       rts, ss, cts, ts, ps, D: tl.constexpr, BK: tl.constexpr, COMP: tl.constexpr):
+                       rts, ss, cts, ts, ps, D: tl.constexpr, BK: tl.constexpr, COMP: tl.constexpr, PDL: tl.constexpr):
     """Row r's key set: its W window keys (from the round's own rows kv where nsel >= 0, else from its ring through
     ring_tab[r] at rsel, -1: zeros) then its T compressed entries (through comp_tab[r] at topk, -1: zeros), and
     their validity (pos >= 0; topk >= 0). rsel, nsel and pos share the row stride ss; ps: pos's."""
+    wait_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BK + tl.arange(0, BK)
     K = W + T
@@ -133,5 +141,6 @@ def round_keys(ring_table: torch.Tensor, rsel: torch.Tensor, nsel: torch.Tensor,
     tk = topk if topk is not None else nsel
     _round_keys_kernel[(N, triton.cdiv(W + T, BLOCK_K))](
         ring_table, rsel, nsel, kv, pos, comp, tk, keys, valid.view(torch.int8), W, T, ring_table.stride(0),
-        nsel.stride(0), comp.stride(0), tk.stride(0), pos.stride(0), D=D, BK=BLOCK_K, COMP=topk is not None)
+        nsel.stride(0), comp.stride(0), tk.stride(0), pos.stride(0), D=D, BK=BLOCK_K, COMP=topk is not None,
+        **pdl.options(keys))
     return keys, valid

@@ -18,6 +18,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels import pdl
+from kernels.pdl import wait_inputs
 from triton.language.extra import libdevice
 
 from kernels.numerics import inv_count
@@ -97,10 +100,11 @@ def launch(z: torch.Tensor, temp: float, bias: torch.Tensor, bias_vl: torch.Tens
 
 @triton.jit
 def _route_kernel(z_ptr, bias_ptr, vl_ptr, img_ptr, w_ptr, ids_ptr, n, E, inv, eps, scaling, K: tl.constexpr,
-                  KP: tl.constexpr, HAS_IMG: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr):
+                  KP: tl.constexpr, HAS_IMG: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
     """The whole route of a block of rows in one program: the scores as _router_scores_kernel, the pick as
     kernels/topk.py's router kernel (the largest s + bias, ties to the lower id, -0.0 as +0.0), the weights as
     rowops' route_weights (s at the picks over their slot-order sum + eps, × scaling): their bits, in registers."""
+    wait_inputs(PDL)
     rows, ok, cols, valid, at, s, b = _scores(z_ptr, bias_ptr, vl_ptr, img_ptr, n, E, inv, HAS_IMG, BE, BR, INTERP)
     v = tl.where(valid, s + b, float("-inf"))
     v = tl.where(v == 0.0, 0.0, v)
@@ -149,5 +153,5 @@ def launch_route(z: torch.Tensor, temp: float, bias: torch.Tensor, bias_vl: torc
                                                inv_count(temp), _f32(1e-20), _f32(scaling), K=k,
                                                KP=triton.next_power_of_2(k),
                                                HAS_IMG=image is not None, BE=be, BR=ROWS, INTERP=INTERPRET,
-                                               num_warps=4, **LAUNCH)
+                                               num_warps=4, **LAUNCH, **pdl.options(w))
     return w, ids

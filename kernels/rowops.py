@@ -33,6 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_inputs
+
 from kernels.numerics import inv_count
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -69,8 +72,9 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, buf_ptr, N, inv_n, eps, HAS_W: tl.co
 
 @triton.jit
 def _rms_norm_reg_kernel(x_ptr, w_ptr, out_ptr, N, inv_n, eps, HAS_W: tl.constexpr, P: tl.constexpr,
-                         OP: tl.constexpr, LOG_P: tl.constexpr, ODD: tl.constexpr, TAIL: tl.constexpr):
+                         OP: tl.constexpr, LOG_P: tl.constexpr, ODD: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
     """_rms_norm_kernel with the row and its tree in registers (rows up to REG_ELEMENTS padded): the same bits."""
+    wait_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols, m = _tree_cols(P, OP, ODD)
     x = tl.load(x_ptr + r * N + cols, mask=m, other=0.0)
@@ -164,9 +168,10 @@ def _hc_collapse_kernel(s_ptr, pre_ptr, out_ptr, H, HC: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
-def _hc_expand_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, H, HC: tl.constexpr, BLOCK: tl.constexpr):
+def _hc_expand_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, H, HC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[r, k] = post[r,k]·y[r] + ((comb[r,0,k]·x_0 + comb[r,1,k]·x_1) + …) for x_j = residual[r, j]
     (mhc.hc_expand), all k of a column block at once."""
+    wait_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < H
@@ -231,9 +236,10 @@ def _hc_site_in_kernel(y_ptr, y2_ptr, res_ptr, post_ptr, comb_ptr, streams_ptr, 
 def _hc_site_in_reg_kernel(y_ptr, y2_ptr, res_ptr, post_ptr, comb_ptr, streams_ptr, pre_ptr, w_ptr, x_ptr, H, inv_n,
                            eps, HC: tl.constexpr, EXPAND: tl.constexpr, HAS_W: tl.constexpr, Y2: tl.constexpr,
                            P: tl.constexpr, OP: tl.constexpr, LOG_P: tl.constexpr, ODD: tl.constexpr,
-                           TAIL: tl.constexpr):
+                           TAIL: tl.constexpr, PDL: tl.constexpr):
     """_hc_site_in_kernel with the row in registers (its tree in registers too: _tree_total), one program per row:
     the same bits without the scratch row's level-by-level round trips."""
+    wait_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols, m = _tree_cols(P, OP, ODD)
     u = _site_cols(y_ptr, y2_ptr, res_ptr, post_ptr, comb_ptr, streams_ptr, pre_ptr, r, H, cols, m, HC, EXPAND, Y2)
@@ -331,7 +337,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     tile = tree_shape(n_cols)
     if tile is not None:
         _rms_norm_reg_kernel[(rows,)](x2, w, out, n_cols, inv_count(n_cols), _f32(eps), HAS_W=weight is not None,
-                                      **tile, num_warps=REG_WARPS, **LAUNCH)
+                                      **tile, num_warps=REG_WARPS, **LAUNCH, **pdl.options(x2))
         return out.reshape(shape)
     buf = torch.empty((rows, 2 * ((n_cols + 1) // 2)), dtype=torch.float32, device=x.device)
     _rms_norm_kernel[(rows,)](x2, w, out, buf, n_cols, inv_count(n_cols), _f32(eps), HAS_W=weight is not None,
@@ -387,7 +393,7 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
     if n and hidden:
         _hc_expand_kernel[(n, triton.cdiv(hidden, ELEM_BLOCK))](
             y.contiguous(), residual.contiguous(), post.contiguous(), comb.contiguous(), out, hidden, HC=hc,
-            BLOCK=ELEM_BLOCK, num_warps=4, **LAUNCH)
+            BLOCK=ELEM_BLOCK, num_warps=4, **LAUNCH, **pdl.options(out))
     return out
 
 
@@ -422,7 +428,7 @@ def hc_site_in(y: torch.Tensor | None, streams: torch.Tensor, post: torch.Tensor
             _hc_site_in_reg_kernel[(n,)](yy, y2 if y2 is not None else yy, res, pp, cc, out, pre.contiguous(), w, x,
                                          hidden, inv_count(hidden), _f32(eps), HC=hc, EXPAND=y is not None,
                                          HAS_W=weight is not None, Y2=y2 is not None, **tile, num_warps=REG_WARPS,
-                                         **LAUNCH)
+                                         **LAUNCH, **pdl.options(x))
             return out, x
         buf = torch.empty((n, 2 * ((hidden + 1) // 2)), dtype=torch.float32, device=streams.device)
         _hc_site_in_kernel[(n,)](yy, y2 if y2 is not None else yy, res, pp, cc, out, pre.contiguous(), w, x, buf,

@@ -30,6 +30,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels import pdl
+from kernels.pdl import wait_inputs
 from triton.language.extra import libdevice
 
 from kernels.fp8_linear import INTERPRET, bf16_operand, mma, split_bf16
@@ -130,8 +133,9 @@ def _finish(m, den, acc, sink):
 @triton.jit
 def _whole_kernel(q_ptr, pool_ptr, idx_ptr, sink_ptr, o_ptr, K, scale_log2e, HEADS: tl.constexpr,
                   D: tl.constexpr, BH: tl.constexpr, BJ: tl.constexpr, PRECISE: tl.constexpr,
-                  INTERP: tl.constexpr, ROWS: tl.constexpr):
+                  INTERP: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     """One program per (row, BH heads): every split of the row in order, each folded as it is done."""
+    wait_inputs(PDL)
     pid = tl.program_id(0).to(tl.int64)
     r = pid // (HEADS // BH)
     h = (pid % (HEADS // BH)) * BH + tl.arange(0, BH)
@@ -151,9 +155,10 @@ def _whole_kernel(q_ptr, pool_ptr, idx_ptr, sink_ptr, o_ptr, K, scale_log2e, HEA
 @triton.jit
 def _split_kernel(q_ptr, pool_ptr, idx_ptr, sink_ptr, acc_ptr, ml_ptr, K, S, scale_log2e, HEADS: tl.constexpr,
                   D: tl.constexpr, BH: tl.constexpr, BJ: tl.constexpr, PRECISE: tl.constexpr,
-                  INTERP: tl.constexpr, ROWS: tl.constexpr):
+                  INTERP: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     """One program per (row, split, BH heads), the heads fastest (a split's keys read once into L2 for all of
     them): the split's state to scratch, acc [n, S, HEADS, D] and (m, l) [n, S, 2, HEADS]."""
+    wait_inputs(PDL)
     pid = tl.program_id(0).to(tl.int64)
     hb = pid % (HEADS // BH)
     rs = pid // (HEADS // BH)                                # r * S + s
@@ -178,8 +183,9 @@ def _split_kernel(q_ptr, pool_ptr, idx_ptr, sink_ptr, acc_ptr, ml_ptr, K, S, sca
 
 @triton.jit
 def _combine_kernel(acc_ptr, ml_ptr, sink_ptr, o_ptr, S: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
-                    BH: tl.constexpr, INTERP: tl.constexpr):
+                    BH: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
     """One program per (row, BH heads): the row's S split states folded in split order, then the sink."""
+    wait_inputs(PDL)
     pid = tl.program_id(0).to(tl.int64)
     r = pid // (HEADS // BH)
     h = (pid % (HEADS // BH)) * BH + tl.arange(0, BH)
@@ -247,7 +253,7 @@ def sparse_attn(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: to
     q, pool, sink = q.contiguous(), pool.contiguous(), sink.contiguous()
     idx = idx.contiguous().view(torch.int32) if rows_form else idx.to(torch.int32).contiguous()
     common = dict(HEADS=heads, D=dim, BH=BLOCK_H, BJ=BLOCK_J, PRECISE=precise, ROWS=rows_form,
-                  INTERP=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                  INTERP=INTERPRET, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl.options(o))
     scale_log2e = float(scale) * LOG2E.value
     if form == "whole":
         _whole_kernel[(n * hb,)](q, pool, idx, sink, o, K, scale_log2e, **common)
@@ -257,5 +263,5 @@ def sparse_attn(q: torch.Tensor, pool: torch.Tensor, idx: torch.Tensor, sink: to
     ml = torch.empty((n, S, 2, heads), dtype=torch.float32, device=q.device)
     _split_kernel[(n * S * hb,)](q, pool, idx, sink, acc, ml, K, S, scale_log2e, **common)
     _combine_kernel[(n * heads // COMBINE_H,)](acc, ml, sink, o, S=S, HEADS=heads, D=dim, BH=COMBINE_H,
-                                               INTERP=INTERPRET, num_warps=4)
+                                               INTERP=INTERPRET, num_warps=4, **pdl.options(o))
     return o

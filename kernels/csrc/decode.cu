@@ -77,6 +77,16 @@ DEVI float ld_cg(const float* p) {
 
 // 16 bytes global -> shared without a register on the way (cp.async, L2 only); each lane copies and later reads its
 // own chunks, so a lane's wait_group is all the synchronisation needed.
+// Programmatic dependent launch (kernels/pdl.py; fp8_linear launches the linear kernels and pack_x so on sm_90+):
+// wait for the stream's previous kernel (its writes visible), then let the next one be scheduled. Before the wait a
+// kernel reads only weights; both are no-ops for a plain launch. (exl3.cu has the same pair.)
+DEVI void griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 DEVI u32 smem_addr(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
@@ -108,6 +118,7 @@ DEVI u32 word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j ==
 // The rounding is the same cvt.rn the kernels apply themselves, so a packed row's products are the same bits.
 extern "C" __global__ void __launch_bounds__(256) pack_x(const float* x, int ldx, const int* rows, int topk,
                                                           u32* out, int M, int K, int mode) {
+    griddep_wait();
     const int per = mode == 2 ? 8 : 4;
     const long long idx = (long long)blockIdx.x * 256 + threadIdx.x;
     const int groups = K / per;
@@ -266,6 +277,7 @@ DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict
 #pragma unroll
         for (int r = 0; r < 4; ++r) tot[i][r] = 0.f;
     const int c_lo = IN_PROGRAM ? 0 : blockIdx.y, c_hi = IN_PROGRAM ? S : blockIdx.y + 1;
+    bool waited = false;                                   // griddep_wait: after the first weight stages are asked
     for (int c = c_lo; c < c_hi; ++c) {
 #pragma unroll
         for (int i = 0; i < MAXT; ++i)
@@ -285,6 +297,10 @@ DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict
                     be[p] = WFP8 ? s_row[(k + 16 * t) >> 5] : 0;
                 }
                 cp_commit();
+            }
+            if (!waited) {                                 // x (and every store) only after the previous kernel
+                griddep_wait();
+                waited = true;
             }
             for (int k0 = k_beg; k0 < k_end; k0 += PF * step) {
 #pragma unroll
@@ -319,6 +335,7 @@ DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict
                 for (int r = 0; r < 4; ++r) tot[IN_PROGRAM ? i : 0][r] = tot[IN_PROGRAM ? i : 0][r] + acc[i][r];
         }
     }
+    if (!waited) griddep_wait();                           // a block without weight rows: before its stores
     // C fragment of row tile i: (n0 + g, m0 + 8i + 2t), (.., +1), (n0 + g + 8, ..), (.., +1)
     // (a part of one chunk in a split launch: 0 + its sum, as the in-program form adds it: -0 becomes +0 alike)
     const bool split = S > 1 && !IN_PROGRAM;

@@ -24,4 +24,6 @@ ck=/tmp/dsv41-real-${GPU_LAYERS:-2}
 echo "gpu.sh: checkpoint at $(( $(date +%s) - t0 ))s ($(du -sh "$ck" | cut -f1))"
 timeout -k 5 $(( ${GPU_BENCH_S:-100} + 20 )) python3 bench/gpu_bench.py --checkpoint "$ck" --budget-s "${GPU_BENCH_S:-100}" \
     --prompts 8192,32768,131072 --out "$OUT/bench/results/gpu.md" ${DSV41_COMMIT:+--commit "$DSV41_COMMIT"} 2>&1 | tail -40
+# the decode kernels' programmatic dependent launch on and off (kernels/pdl.py): rounds' ms and bits
+timeout -k 5 120 python3 bench/pdl_bench.py --checkpoint "$ck" --out "$OUT/bench/results/pdl.md" 2>&1 | tail -12
 echo "gpu.sh: done at $(( $(date +%s) - t0 ))s"
