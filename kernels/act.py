@@ -17,9 +17,8 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.pdl import wait_inputs
-
 from kernels.mhc import _exp
+from kernels.pdl import wait_inputs
 from kernels.rowops import _f32
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

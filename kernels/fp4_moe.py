@@ -31,9 +31,8 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.pdl import wait_inputs
-
 from kernels.fp8_linear import INTERPRET, bf16_operand, mma
+from kernels.pdl import wait_inputs
 
 BLOCK_M = 64          # (row, slot) pairs per work-list tile: four row tiles of BP
 BP = 16               # pairs per tensor-core product

@@ -30,12 +30,11 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-from kernels import pdl
-from kernels.pdl import wait_inputs
 from triton.language.extra import libdevice
 
+from kernels import pdl
 from kernels.numerics import inv_count
+from kernels.pdl import wait_inputs
 from kernels.rowops import _f32, _stream_sum
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -22,11 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.pdl import wait_inputs
-
 from kernels import fake_quant
+from kernels import pdl
 from kernels.numerics import inv_count
+from kernels.pdl import wait_inputs
 from kernels.rowops import _f32
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -50,7 +49,8 @@ def row_norm(x, w_ptr, inv_n, eps, D: tl.constexpr, LOG2D: tl.constexpr):
 def _norm_rope_quant_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_row, stride_head, inv_n, eps,
                             floor, inv_max, D: tl.constexpr, LOG2D: tl.constexpr, HALF: tl.constexpr,
                             NORM: tl.constexpr, INVERSE: tl.constexpr, QUANT: tl.constexpr, QB: tl.constexpr,
-                            VMAX: tl.constexpr, VALUES: tl.constexpr, SCALE: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
+                            VMAX: tl.constexpr, VALUES: tl.constexpr, SCALE: tl.constexpr, INTERP: tl.constexpr,
+                            PDL: tl.constexpr):
     wait_inputs(PDL)
     pid = tl.program_id(0).to(tl.int64)
     row = pid // heads

@@ -71,7 +71,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool =
 
 
 @triton.jit
-def _cos_sin_kernel(pos_ptr, f_ptr, cos_ptr, sin_ptr, n, HALF: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
+def _cos_sin_kernel(pos_ptr, f_ptr, cos_ptr, sin_ptr, n, HALF: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr,
+                    PDL: tl.constexpr):
     wait_inputs(PDL)
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     ok = (rows < n)[:, None]

@@ -18,12 +18,11 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-from kernels import pdl
-from kernels.pdl import wait_inputs
 from triton.language.extra import libdevice
 
+from kernels import pdl
 from kernels.numerics import inv_count
+from kernels.pdl import wait_inputs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROWS = 4
@@ -100,7 +99,8 @@ def launch(z: torch.Tensor, temp: float, bias: torch.Tensor, bias_vl: torch.Tens
 
 @triton.jit
 def _route_kernel(z_ptr, bias_ptr, vl_ptr, img_ptr, w_ptr, ids_ptr, n, E, inv, eps, scaling, K: tl.constexpr,
-                  KP: tl.constexpr, HAS_IMG: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
+                  KP: tl.constexpr, HAS_IMG: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, INTERP: tl.constexpr,
+                  PDL: tl.constexpr):
     """The whole route of a block of rows in one program: the scores as _router_scores_kernel, the pick as
     kernels/topk.py's router kernel (the largest s + bias, ties to the lower id, -0.0 as +0.0), the weights as
     rowops' route_weights (s at the picks over their slot-order sum + eps, × scaling): their bits, in registers."""

@@ -34,13 +34,14 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.pdl import wait_inputs
-
 from kernels.numerics import inv_count
+from kernels.pdl import wait_inputs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 NORM_BLOCK, NORM_WARPS = 1024, 4
 REG_ELEMENTS, REG_WARPS = 8192, 8     # rows whose [P, OP] tile is at most this many elements stay in registers
+SINK_ROWS = 32
+LAUNCH = {} if INTERPRET else {"enable_fp_fusion": False}
 
 
 def tree_shape(n: int) -> dict | None:
@@ -59,8 +60,6 @@ def tree_shape(n: int) -> dict | None:
         length = length // 2 + length % 2
         tail += 1
     return {"P": p, "OP": op, "LOG_P": p.bit_length() - 1, "ODD": odd, "TAIL": tail}
-SINK_ROWS = 32
-LAUNCH = {} if INTERPRET else {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -72,7 +71,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, buf_ptr, N, inv_n, eps, HAS_W: tl.co
 
 @triton.jit
 def _rms_norm_reg_kernel(x_ptr, w_ptr, out_ptr, N, inv_n, eps, HAS_W: tl.constexpr, P: tl.constexpr,
-                         OP: tl.constexpr, LOG_P: tl.constexpr, ODD: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr):
+                         OP: tl.constexpr, LOG_P: tl.constexpr, ODD: tl.constexpr, TAIL: tl.constexpr,
+                         PDL: tl.constexpr):
     """_rms_norm_kernel with the row and its tree in registers (rows up to REG_ELEMENTS padded): the same bits."""
     wait_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
@@ -168,7 +168,8 @@ def _hc_collapse_kernel(s_ptr, pre_ptr, out_ptr, H, HC: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
-def _hc_expand_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, H, HC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _hc_expand_kernel(y_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, H, HC: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
     """out[r, k] = post[r,k]·y[r] + ((comb[r,0,k]·x_0 + comb[r,1,k]·x_1) + …) for x_j = residual[r, j]
     (mhc.hc_expand), all k of a column block at once."""
     wait_inputs(PDL)

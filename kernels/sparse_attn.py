@@ -30,12 +30,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels import pdl
-from kernels.pdl import wait_inputs
 from triton.language.extra import libdevice
 
+from kernels import pdl
 from kernels.fp8_linear import INTERPRET, bf16_operand, mma, split_bf16
+from kernels.pdl import wait_inputs
 
 BLOCK_H = 16       # heads per program (tl.dot needs >= 16 rows)
 BLOCK_J = 64       # keys per split (DeepSeek's kernel's block); fixed: a row's bits depend on it
