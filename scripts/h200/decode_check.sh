@@ -8,6 +8,8 @@
 # - pdl.md: rounds with PDL on and off, "logits equal True" on every line, on / off below 1.
 # - round-profile.md: GPU busy % of the graphed 1- and 32-row rounds (issue 25's >= 95 %), the top kernels.
 # - kernels-rowops.md: the site mixes' forms (mhc.SITE_SWEEP): set mhc's served form to the fastest at 1-32 rows.
+# - topk.md: the indexer select at T = 1024-4096 (one program a row, 11- and 8-bit digits): the 1-row round's
+#   select was 65 us (three radix passes).
 # - qat-flips.md: the GPU's first QAT flips near a rounding boundary (float32 order, issue 28's kind) or not.
 set -u
 export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD} TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0
@@ -35,6 +37,8 @@ timeout -k 5 90 python3 bench/round_profile.py --checkpoint "$ck" --rows 1,32 --
 pack
 timeout -k 5 90 python3 bench/kernels_bench.py --only rowops --rows 1,8,32 --out "$d/kernels-rowops.md" \
     > "$d/kernels-rowops.log" 2>&1
+pack
+timeout -k 5 60 python3 bench/topk_bench.py --rows 1,32 --T 1024,2048,4096 --out "$d/topk.md" > "$d/topk.log" 2>&1
 pack
 [ -n "${DSV41_SHARED:-}" ] && timeout -k 5 60 python3 bench/qat_flips.py --out "$d/qat-flips.md" > "$d/qat-flips.log" 2>&1
 echo "decode_check.sh: done at $(( $(date +%s) - t0 ))s" >> "$d/tests.txt"
