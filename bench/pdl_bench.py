@@ -78,12 +78,13 @@ def chain_time(kind: str, pdl: bool, n: int) -> float:
 
 
 def model_rows(checkpoint: str, rows: list[int], context: int = 2048, rounds: int = 20) -> list[str]:
-    """ms per graphed decode round (logits of every row) with kernels/pdl.py's ENABLED on, then off (a model
-    loaded for each: its graphs captured so), the rows holding `context` tokens; and the last round's logits
-    compared bitwise."""
+    """ms per graphed decode round (gpu_bench's time_rounds) with kernels/pdl.py's ENABLED on, then off (a model
+    loaded for each: its graphs captured so), the rows holding `context` tokens; then one more round's logits of
+    every row compared bitwise."""
     import sys
-    import time
     sys.path.insert(0, str(ROOT))
+    from gpu_bench import time_rounds
+
     from dsv41.model.model import Model, SeqInput
     from kernels import pdl
     out, logits = [], {}
@@ -96,16 +97,10 @@ def model_rows(checkpoint: str, rows: list[int], context: int = 2048, rounds: in
         model.forward([SeqInput(base, torch.randint(3, V, (context,), generator=g), logits="none")])
         for n in rows:
             states = [base.snapshot() for _ in range(n)]
-            toks = torch.randint(3, V, (rounds + 3, n), generator=torch.Generator().manual_seed(n))
-            for k in range(rounds + 3):
-                if k == 3:
-                    torch.cuda.synchronize()
-                    t = time.perf_counter()
-                got = model.forward([SeqInput(st, toks[k, i:i + 1], logits="last") for i, st in enumerate(states)])
-            torch.cuda.synchronize()
-            ms = (time.perf_counter() - t) / rounds * 1e3
+            out.append((on, n, time_rounds(model, states, rounds) * 1e3))
+            toks = torch.randint(3, V, (n,), generator=torch.Generator().manual_seed(n))
+            got = model.forward([SeqInput(st, toks[i:i + 1], logits="last") for i, st in enumerate(states)])
             logits[(on, n)] = torch.cat(got).cpu()
-            out.append((on, n, ms))
         del model
         torch.cuda.empty_cache()
     pdl.ENABLED = True
@@ -138,14 +133,15 @@ def main():
         commit = "(no git)"
     text = "\n".join([
         f"## {datetime.date.today()} · {torch.cuda.get_device_name()} · {socket.gethostname()} · commit {commit}",
-        "", f"`python3 bench/pdl_bench.py` — chains of {a.chain} dependent kernels replayed as one CUDA graph; µs per "
-        "kernel (median replay / chain length), PDL against plain launches in the same run.", "",
+        "", f"`python3 bench/pdl_bench.py` — chains of {a.chain} dependent kernels replayed as one CUDA graph; µs "
+        "per kernel (median replay / chain length), PDL against plain launches in the same run.", "",
         "| chain | plain µs/kernel | PDL µs/kernel | PDL / plain |", "|---|---|---|---|", *rows, ""])
     if a.checkpoint:
         table = model_rows(a.checkpoint, [int(r) for r in a.rows.split(",")])
         print("\n".join(table), flush=True)
-        text += "\n".join(["", f"Graphed decode rounds of `{a.checkpoint}` (2048-token context, logits of every row), "
-                           "the decode kernels' PDL on and off (kernels/pdl.py), each with its own captures:", "",
+        text += "\n".join(["", f"Graphed decode rounds of `{a.checkpoint}` (2048-token context; timed as gpu_bench "
+                           "does, the bits compared on one more round's logits), the decode kernels' PDL on and off "
+                           "(kernels/pdl.py), each with its own captures:", "",
                            *table, ""])
     print(text)
     if a.out:

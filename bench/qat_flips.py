@@ -3,10 +3,10 @@
 The model on CUDA with the torch fallbacks (cuda_ops(kernels=False)) and the CPU reference run one tiny-a vector
 prompt side by side (prefill, then teacher-forced decode steps); every fake-quant call (window KV FP8, indexer q /
 keys FP4, compressed entries FP4) is recorded on both, in call order. For each call pair: the inputs' largest
-difference in ulps of its block's largest value (float32 noise: a few), how many outputs differ (a "flip": one value rounded the other way,
-or a block's scale), and for each flipped value its CPU input's distance from the nearest rounding boundary in
-the same units: a flip a few ulps from a boundary is noise; one far from any boundary, with inputs
-that agree, is a bug.
+difference in ulps of its block's largest value (float32 noise: a few), how many outputs differ (a "flip": one
+value rounded the other way, or a block's scale), and for each flipped value its CPU input's distance from the
+nearest rounding boundary in the same units: a flip a few ulps from a boundary is noise; one far from any
+boundary, with inputs that agree, is a bug.
 
   python bench/qat_flips.py [--prompt 5] [--steps 0] [--out bench/results/qat-flips.md]     (needs CUDA and the
                                                                                               tiny-a vectors)
@@ -94,8 +94,8 @@ def main() -> int:
             m.forward([SeqInput(st, torch.tensor([t]), logits="all")])
     lines.append(f"prompt {a.prompt} ({len(ids)} tokens) + {len(feed)} decode steps; fake-quant calls: cpu "
                  f"{len(logs['cpu'])}, cuda {len(logs['cuda'])}")
-    lines += ["", "| call | kind | values | input max diff (ulps of the block max) | flipped | flips' boundary distance (same ulps, max) |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| call | kind | values | input max diff (ulps of the block max) | flipped | "
+                  "flips' boundary distance (same ulps, max) |", "|---|---|---|---|---|---|"]
     total = far = 0
     for i, ((kind, xc, yc), (kind2, xg, yg)) in enumerate(zip(logs["cpu"], logs["cuda"])):
         if kind != kind2 or xc.shape != xg.shape:
@@ -128,7 +128,8 @@ def main() -> int:
     if a.out:
         p = Path(a.out)
         dev = torch.cuda.get_device_name() if a.device == "cuda" else "CPU (the CUDA op set on CPU tensors)"
-        head = f"## {datetime.date.today()} · {dev} · `python bench/qat_flips.py --prompt {a.prompt} --steps {a.steps}`\n\n"
+        head = (f"## {datetime.date.today()} · {dev} · `python bench/qat_flips.py --prompt {a.prompt} "
+                f"--steps {a.steps}`\n\n")
         old = p.read_text() if p.exists() else "# QAT roundings, GPU against the CPU reference (bench/qat_flips.py)\n"
         title, _, rest = old.partition("\n")
         p.write_text(title + "\n\n" + head + text + "\n" + ("\n" + rest.lstrip("\n") if rest.strip() else ""))

@@ -120,7 +120,7 @@ def _pre_partial(x_ptr, fn_ptr, part_ptr, n, K, stride_x, block, chunk, KC: tl.c
     j = tl.arange(0, NMP)
     acc = tl.zeros((BR, NMP), dtype=tl.float32)
     sq = tl.zeros((BR,), dtype=tl.float32)
-    for k0 in tl.range(0, KC, BK):                   # (unrolled, a 1024 chunk spills)
+    for k0 in tl.range(0, KC, BK):                   # a loop: unrolled, a 1024 chunk's steps spill
         kk = chunk * KC + k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + r64[:, None] * stride_x + kk[None, :], mask=ok[:, None] & (kk < K)[None, :], other=0.0)
         w = tl.load(fn_ptr + j[:, None].to(tl.int64) * K + kk[None, :], mask=(j < NM)[:, None] & (kk < K)[None, :],
@@ -202,7 +202,7 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Te
     return launch_pre(streams, fn, norm_eps)
 
 
-def launch_pre(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, kc: int = PRE_KC) -> torch.Tensor:
+def launch_pre(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """hc_pre's kernels themselves, on CUDA tensors or (TRITON_INTERPRET=1) CPU ones."""
     n = streams.shape[0]
     x = streams.reshape(n, -1)
@@ -210,12 +210,12 @@ def launch_pre(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, kc: int
         x = x.contiguous()
     K, NM = x.shape[1], fn.shape[0]
     NMP = max(16, triton.next_power_of_2(NM))
-    S = triton.cdiv(K, kc)
+    S = triton.cdiv(K, PRE_KC)
     m = torch.empty((n, NM), dtype=torch.float32, device=x.device)
     if n:
         part = torch.empty((S, n, NM + 1), dtype=torch.float32, device=x.device)
         grid = triton.cdiv(n, PRE_ROWS)
-        _hc_pre_partial_kernel[(grid, S)](x, fn.contiguous(), part, n, K, x.stride(0), KC=kc, BK=PRE_BK, NM=NM,
+        _hc_pre_partial_kernel[(grid, S)](x, fn.contiguous(), part, n, K, x.stride(0), KC=PRE_KC, BK=PRE_BK, NM=NM,
                                           NMP=NMP, BR=PRE_ROWS, num_warps=PRE_WARPS, **LAUNCH)
         _hc_pre_combine_kernel[(grid,)](part, m, n, inv_count(K), _f32(norm_eps), S=S, NM=NM, NMP=NMP, BR=PRE_ROWS,
                                         num_warps=1, **LAUNCH)

@@ -20,10 +20,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kernels import pdl
 from kernels.pdl import wait_inputs
-from triton.language.extra import libdevice
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HEADS = 16

@@ -75,11 +75,10 @@ DEVI float ld_cg(const float* p) {
     return r;
 }
 
-// 16 bytes global -> shared without a register on the way (cp.async, L2 only); each lane copies and later reads its
-// own chunks, so a lane's wait_group is all the synchronisation needed.
 // Programmatic dependent launch (kernels/pdl.py; fp8_linear launches the linear kernels and pack_x so on sm_90+):
 // wait for the stream's previous kernel (its writes visible), then let the next one be scheduled. Before the wait a
-// kernel reads only weights; both are no-ops for a plain launch. (exl3.cu has the same pair.)
+// kernel reads only weights; both are no-ops for a plain launch. (exl3.cu has the two steps as two functions: each
+// .cu file is compiled alone.)
 DEVI void griddep_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -87,6 +86,8 @@ DEVI void griddep_wait() {
 #endif
 }
 
+// 16 bytes global -> shared without a register on the way (cp.async, L2 only); each lane copies and later reads its
+// own chunks, so a lane's wait_group is all the synchronisation needed.
 DEVI u32 smem_addr(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
