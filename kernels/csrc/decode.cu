@@ -69,9 +69,9 @@ DEVI uint4 ldq4(const u32* p) {
     return r;
 }
 
-DEVI float ld_cg(const float* p) {
-    float r;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+DEVI float4 ld_cg4(const float* p) {
+    float4 r;
+    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
     return r;
 }
 
@@ -369,17 +369,38 @@ DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict
     __syncthreads();
     if (!last) return;
     __threadfence();
-    if (!rows_ok) return;
-    for (int i = 0; i < live; ++i) {
+    // The tile's sums, each 0 + p_0 + ... + p_{S-1} in chunk order whichever thread adds it (the same bits): a
+    // thread takes four adjacent columns of a row (16-byte loads) and asks for RB chunks' partials before adding
+    // them. They come from L2; a tail that waited for each load before asking for the next was S round trips long,
+    // most of a wide-split launch's time (K cut in 16-40 chunks so the weight fills the SMs at one row).
+    constexpr int RB = 8;
+    const int n = nb0 + 4 * (threadIdx.x & 15);            // columns n..n+3 (parts end on multiples of 16)
+    if (n >= p_hi) return;
+    const int m_end = min(M, m0 + 8 * live);
+    const long long cstride = (long long)M * N;
+    for (int m = m0 + (threadIdx.x >> 4); m < m_end; m += 8) {
+        const float* src = part + (long long)m * N + n;
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int c0 = 0; c0 < S; c0 += RB) {
+            float4 v[RB];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            int n = n0 + g + (r >> 1) * 8, m = m0 + 8 * i + 2 * t + (r & 1);
-            if (m < M) {
-                float sum = 0.f;
-                for (int c = 0; c < S; ++c) sum = sum + ld_cg(part + ((long long)c * M + m) * N + n);
-                if (n < p_hi) yp[(long long)m * ldy + n] = sum;
+            for (int j = 0; j < RB; ++j)
+                v[j] = c0 + j < S ? ld_cg4(src + (c0 + j) * cstride) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int j = 0; j < RB; ++j) {
+                if (c0 + j < S) {
+                    sum.x = sum.x + v[j].x;
+                    sum.y = sum.y + v[j].y;
+                    sum.z = sum.z + v[j].z;
+                    sum.w = sum.w + v[j].w;
+                }
             }
         }
+        float* o = yp + (long long)m * ldy + n;
+        o[0] = sum.x;
+        o[1] = sum.y;
+        o[2] = sum.z;
+        o[3] = sum.w;
     }
 }
 
