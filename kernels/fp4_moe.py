@@ -36,7 +36,9 @@ from kernels.pdl import wait_inputs
 
 BLOCK_M = 64          # (row, slot) pairs per work-list tile: four row tiles of BP
 BP = 16               # pairs per tensor-core product
-SUM_ROWS, SUM_COLS = 8, 512
+# the slot sum's tile: one row by 256 columns, two warps (each element its own sum in slot order: any tile gives
+# the same bits); 20 programs a row at V4.1's hidden size, where 8 x 512 tiles gave a 1-row round 10
+SUM_ROWS, SUM_COLS, SUM_WARPS = 1, 256, 2
 
 
 @dataclass(frozen=True)
@@ -325,13 +327,14 @@ def _moe_down_kernel(h_ptr, w_ptr, s_ptr, tile_e_ptr, tile_start_ptr, tile_cnt_p
 
 
 @triton.jit
-def _shard_slot_sum(y_ptr, ids_ptr, shard_ptr, r, r_ok, c, ok, H, TOPK, shard, BR: tl.constexpr, BH: tl.constexpr,
-                    SHARDED: tl.constexpr):
+def _shard_slot_sum(y_ptr, ids_ptr, shard_ptr, r, r_ok, c, ok, H, TOPK: tl.constexpr, shard, BR: tl.constexpr,
+                    BH: tl.constexpr, SHARDED: tl.constexpr):
     """0 + y[r, 0] + y[r, 1] + … over the slots whose expert is on this rank (id >= 0), in slot order; SHARDED: only
     those whose expert is in TP shard `shard` (shard_ptr[id] == shard): the other slots add exact zeros, as in a
-    pass with them masked to -1."""
+    pass with them masked to -1. The slots unrolled (TOPK a constexpr): their id, shard and value loads need not
+    wait for the adds before them (a loop over a runtime count paid three load latencies a slot)."""
     acc = tl.zeros((BR, BH), tl.float32)
-    for j in range(TOPK):
+    for j in tl.static_range(TOPK):
         e = tl.load(ids_ptr + r * TOPK + j, mask=r_ok, other=-1)
         here = e >= 0
         if SHARDED:
@@ -341,7 +344,7 @@ def _shard_slot_sum(y_ptr, ids_ptr, shard_ptr, r, r_ok, c, ok, H, TOPK, shard, B
 
 
 @triton.jit
-def _slot_sum_kernel(y_ptr, ids_ptr, shard_ptr, out_ptr, a0_ptr, a1_ptr, N, H, TOPK, BR: tl.constexpr,
+def _slot_sum_kernel(y_ptr, ids_ptr, shard_ptr, out_ptr, a0_ptr, a1_ptr, N, H, TOPK: tl.constexpr, BR: tl.constexpr,
                      BH: tl.constexpr, SHARDED: tl.constexpr, TOTAL: tl.constexpr, ADD0: tl.constexpr,
                      ADD1: tl.constexpr, PDL: tl.constexpr):
     """out[r]: the slot sum (_shard_slot_sum). SHARDED: out[s, r] (s = program axis 2) each TP shard's. TOTAL (two
@@ -644,5 +647,5 @@ def _slot_sum(y: torch.Tensor, ids: torch.Tensor, shard_of: torch.Tensor | None,
     _slot_sum_kernel[(triton.cdiv(n, SUM_ROWS), triton.cdiv(hidden, SUM_COLS), shards)](
         y, ids, ids if shard_of is None else shard_of, out, a0, a1, n, hidden, top_k, BR=SUM_ROWS, BH=SUM_COLS,
         SHARDED=shard_of is not None, TOTAL=total, ADD0=total and addends[0] is not None,
-        ADD1=total and addends[1] is not None, **pdl.options(out))
+        ADD1=total and addends[1] is not None, num_warps=SUM_WARPS, **pdl.options(out))
     return out
