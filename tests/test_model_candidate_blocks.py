@@ -30,13 +30,16 @@ def _brute(scores, positions, ratio, n_blocks, bs):
 
 @pytest.mark.parametrize("T", [1, 7, 16, 33, 64])
 @pytest.mark.parametrize("bs", [4, 16])
-def test_candidate_blocks_match_the_brute_force(T, bs):
+@pytest.mark.parametrize("n_blocks", [1, 3, 16])
+def test_candidate_blocks_match_the_brute_force(T, bs, n_blocks):
+    """n_blocks below, at and above the block count (every block kept: no selection runs)."""
     g = torch.Generator().manual_seed(T * 31 + bs)
     scores = torch.randn(6, T, generator=g)
     scores[1] = NEG_INF                          # a row with no visible key
     scores[2, ::2] = NEG_INF
     scores[3] = scores[3].round()                # ties between blocks
+    scores[4, : T // 2] = NEG_INF                # fewer finite blocks than n_blocks
     positions = torch.randint(0, 4 * T + 4, (6,), generator=g)
-    got = candidate_blocks(scores, positions, 4, 3, bs)
+    got = candidate_blocks(scores, positions, 4, n_blocks, bs)
     assert got.shape == (6, T)
-    assert torch.equal(got, _brute(scores, positions, 4, 3, bs))
+    assert torch.equal(got, _brute(scores, positions, 4, n_blocks, bs))

@@ -728,7 +728,7 @@ class Model:
                 scores = ix.scores(q[rows], w[rows], keys, p[rows], r.ratio)
                 if r.candidate_source:
                     cands.append(candidate_blocks(scores, p[rows], r.ratio, t.candidate_topk_blocks,
-                                                  t.candidate_block_size))
+                                                  t.candidate_block_size, select=ix.ops.select_topk))
                 elif r.uses_candidates and "candidates" in sh:
                     scores = scores.masked_fill(~sh["candidates"][rows], float("-inf"))
                 picks.append(ix.ops.select_topk(scores, t.index_topk))
@@ -1068,7 +1068,7 @@ class Model:
                                      table=meta[:, c[f"ikey{L}"]], n=n)
             if r.candidate_source:
                 rd.cand = candidate_blocks(scores, None, r.ratio, t.candidate_topk_blocks, t.candidate_block_size,
-                                           newest=meta[:, c[f"newest{L}"]])
+                                           newest=meta[:, c[f"newest{L}"]], select=ix.ops.select_topk)
                 if trace is not None:
                     for b, k in enumerate(ip.count):
                         if k:
