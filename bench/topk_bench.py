@@ -1,8 +1,9 @@
 """GPU time of the router's scores (kernels/router.py) and the top-k selections (kernels/topk.py) against the torch
 paths they replace, at decode row counts: the router's elementwise part (`moe.router_scores`, image rows), its
 pick (384 experts, top 6: `linear.stable_topk`, a full stable sort) and the indexer's selection (T keys per row,
-top 512: `indexer.select_topk`, three torch.topk calls; the kernel in both forms, one program per row and a row
-split in SPLIT_CHUNK-entry chunks: select_topk picks by T > SPLIT_T; each with 11- and 8-bit radix digits),
+top 512: `indexer.select_topk`, three torch.topk calls; the kernel in its forms: up to REG_T entries the row in
+registers (the served form there); the radix passes one program per row and a row split in SPLIT_CHUNK-entry chunks
+(select_topk picks by T > SPLIT_T), each with 11- and 8-bit radix digits),
 each checked equal first (the scores' row says "NOT bitwise" where they differ).
 
 Each op is captured `--calls` times in one CUDA graph (inputs fixed), the graph replayed `--reps` times between CUDA
@@ -81,6 +82,11 @@ def main() -> int:
             x[:, T - T // 8:] = float("-inf")                          # a round's padding
             want = select_topk(x, 512)
             t0 = graphed_us(lambda x=x: select_topk(x, 512), a.calls, a.reps)
+            if T <= topk.REG_T:              # the served form up to REG_T: the row in registers
+                assert torch.equal(topk.select_topk(x, 512), want)
+                t1 = graphed_us(lambda x=x: topk.select_topk(x, 512), a.calls, a.reps)
+                lines.append(f"| indexer select T={T} k=512 (the row in registers) | {rows} | {t0:.1f} | "
+                             f"{t1:.1f} | {t0 / t1:.1f} |")
             for split in (False, True):      # one program per row; chunks of SPLIT_CHUNK a program each
                 for bits in (11, 8):         # the radix digit: 3 passes of 2048 bins, 4 of 256
                     assert torch.equal(topk.select_topk(x, 512, split=split, bits=bits), want)

@@ -66,10 +66,10 @@ def _cases():
     for total in (False, True):
         yield (f"fp4_moe slot sum{' total' if total else ''}", fp4_moe._slot_sum_kernel,
                {"y_ptr": "*fp32", "ids_ptr": "*i32", "shard_ptr": "*i32", "out_ptr": "*fp32", "a0_ptr": "*fp32",
-                "a1_ptr": "*fp32", "N": "i32", "H": "i32", "TOPK": "i32", "BR": "constexpr", "BH": "constexpr",
+                "a1_ptr": "*fp32", "N": "i32", "H": "i32", "TOPK": "constexpr", "BR": "constexpr", "BH": "constexpr",
                 "SHARDED": "constexpr", "TOTAL": "constexpr", "ADD0": "constexpr", "ADD1": "constexpr"},
-               {"BR": fp4_moe.SUM_ROWS, "BH": fp4_moe.SUM_COLS, "SHARDED": True, "TOTAL": total, "ADD0": total,
-                "ADD1": total}, {}, {})
+               {"TOPK": 6, "BR": fp4_moe.SUM_ROWS, "BH": fp4_moe.SUM_COLS, "SHARDED": True, "TOTAL": total, "ADD0": total,
+                "ADD1": total}, {}, {"num_warps": fp4_moe.SUM_WARPS})
     yield from _prompt_cases(work, div)
     consts = {"HEADS": "constexpr", "D": "constexpr", "BH": "constexpr", "BJ": "constexpr", "PRECISE": "constexpr",
               "INTERP": "constexpr", "ROWS": "constexpr"}
@@ -200,6 +200,10 @@ def _cases():
            "C": "i32", "BITS": "constexpr", "BLOCK": "constexpr"}
     sig_w = {"s_ptr": "*fp32", "hist_ptr": "*i32", "cnt_ptr": "*i32", "out_ptr": "*i64", "T": "i32", "k": "i32",
              "CHUNK": "i32", "C": "i32", "BITS": "constexpr", "BLOCK": "constexpr"}
+    for block in (2048, topk.REG_T):
+        yield (f"select_topk in registers, {block} entries", topk._select_reg_kernel,
+               {"s_ptr": "*fp32", "out_ptr": "*i64", "T": "i32", "k": "i32", "BLOCK": "constexpr"},
+               {"BLOCK": block}, {}, opt)
     for bits in (11, 8):
         c = {"BITS": bits, "BLOCK": topk.SELECT_BLOCK}
         for every in (False, True):

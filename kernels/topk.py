@@ -6,7 +6,9 @@ arithmetic on the values), so each is bitwise the torch function it replaces, on
   once and the pick repeated k times (the maximum of the entries not yet taken, then the lowest index holding it).
   torch's CUDA path runs a full stable radix sort of each row (radixSortKVInPlace) for 6 of 384 entries.
 - `select_topk(scores, k)` = `dsv41.model.indexer.select_topk`: the indices of each row's k largest entries above
-  -inf (value descending, ties to the lower index), listed in ascending index order, -1 padded to width k. A radix
+  -inf (value descending, ties to the lower index), listed in ascending index order, -1 padded to width k. A row
+  of up to REG_T entries (a decode round's up to 4K compressed keys) is one program's registers: the k-th largest
+  key found two bits at a time by counts (sixteen reductions), then the compaction. Longer rows: a radix
   select over the order-preserving uint32 image of the float32 bits (three passes of an 11-, 11- and 10-bit digit's
   histogram over the entries whose higher digits equal the prefix found so far) finds the k-th value t and how many
   of the entries equal to t the pick holds; one more pass lists the entries above t and the first `need` entries
@@ -28,13 +30,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_inputs
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROUTER_MAX_E = 1024          # the router's row is held in registers: E up to this (V4.1: 384 or 256)
 ROUTER_ROWS = 4              # rows per program of the router pick
 SELECT_BLOCK = 2048          # entries per step of the indexer selection's passes
 SELECT_WARPS = 8
 RADIX_BITS = 11              # the select's digit: 11 bits (3 passes, 2048 bins) or 8 (4 passes, 256 bins)
-SPLIT_T = 2048               # rows longer than this: SPLIT_CHUNK-entry chunks, a program each (fixed by T alone)
+REG_T = 4096                 # rows up to this: _select_reg_kernel (the row in registers, 16 entries a thread)
+SPLIT_T = 2048               # longer rows of the radix passes: SPLIT_CHUNK-entry chunks, a program each
 SPLIT_CHUNK = 2048           # one block step per program and pass: a step is ~10 us of latency (topk.md)
 NEG_INF_KEY = tl.constexpr(0x007FFFFF)   # the key of -inf: entries at or below it are never taken
 
@@ -203,6 +209,41 @@ def _select_topk_kernel(s_ptr, out_ptr, T, k, BITS: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
+def _select_reg_kernel(s_ptr, out_ptr, T, k, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One program per row of T <= BLOCK entries (REG_T), the row held in registers: the k-th largest key found
+    two bits at a time from the top (sixteen steps, each one reduction: the counts of entries at or above the three
+    candidates packed into one int64 sum), then the compaction. The same pick as the radix passes (integers
+    only, exact); their tl.histogram over 2048 bins took ~10 us a pass on the H200 (three passes, and five
+    launches for a row of more than SPLIT_T entries)."""
+    wait_inputs(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    inside = offs < T
+    key = _key(tl.load(s_ptr + r * T + offs, mask=inside, other=float("-inf")))
+    valid_n = tl.sum((key > NEG_INF_KEY).to(tl.int32))
+    want = tl.minimum(valid_n, k)
+    t = tl.zeros((), dtype=tl.uint32)
+    for b in tl.static_range(15, -1, -1):
+        d1 = t | (tl.full((), 1, tl.uint32) << (2 * b))
+        d2 = t | (tl.full((), 2, tl.uint32) << (2 * b))
+        d3 = d1 | d2
+        packed = tl.sum((key >= d1).to(tl.int64) + ((key >= d2).to(tl.int64) << 16)
+                        + ((key >= d3).to(tl.int64) << 32))
+        t = tl.where((packed >> 32) >= want, d3,
+                     tl.where(((packed >> 16) & 0xFFFF) >= want, d2, tl.where((packed & 0xFFFF) >= want, d1, t)))
+    few = valid_n <= k                                       # every valid entry (as _threshold)
+    thresh = tl.where(few, NEG_INF_KEY, t)
+    need = tl.where(few, 0, want - tl.sum((key > t).to(tl.int32)))
+    tie = (key == thresh) & inside
+    tie_i = tie.to(tl.int32)
+    take = ((key > thresh) | (tie & (tl.cumsum(tie_i, axis=0) - tie_i < need))) & inside
+    take_i = take.to(tl.int32)
+    orow = out_ptr + r * k
+    tl.store(orow + tl.cumsum(take_i, axis=0) - take_i, offs.to(tl.int64), mask=take)
+    _pad(orow, tl.sum(take_i), k, BLOCK)
+
+
+@triton.jit
 def _split_hist_kernel(s_ptr, hist_ptr, T, k, CHUNK, P: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
     """Radix pass P of a long row, program (row, chunk): the chunk's digit histogram added to the row's (integer
     atomics: the sum does not depend on their order)."""
@@ -266,11 +307,11 @@ def _split_write_kernel(s_ptr, hist_ptr, cnt_ptr, out_ptr, T, k, CHUNK, C, BITS:
 
 def select_topk(scores: torch.Tensor, k: int, split: bool | None = None, bits: int | None = None) -> torch.Tensor | None:
     """[n, k] int64: bitwise `indexer.select_topk(scores, k)` for a float32 [n, T]; None where it does not apply
-    (the caller's torch function runs). A row of more than SPLIT_T entries is split into SPLIT_CHUNK-entry chunks,
-    a program each, over five or six launches (the radix passes, the chunks' counts, the compaction); a shorter row is
-    one program's (`split` forces either: the result is the same). `bits`: the radix digit's width (RADIX_BITS; 8
-    or 11 -- the same result; the bench times both)."""
-    bits = RADIX_BITS if bits is None else bits
+    (the caller's torch function runs). A row of up to REG_T entries: one program, the row in registers
+    (_select_reg_kernel). Longer: the radix passes; a row of more than SPLIT_T entries is split into
+    SPLIT_CHUNK-entry chunks, a program each, over five or six launches (the radix passes, the chunks' counts, the
+    compaction), a shorter row one program's. `split` or `bits` (the radix digit's width, RADIX_BITS; 8 or 11) ask
+    for the radix form (split: chunked or not); every form gives the same result (the bench times them)."""
     if scores.dim() != 2 or scores.dtype != torch.float32 or k <= 0 or scores.shape[1] >= 2 ** 31 - SPLIT_CHUNK:
         return None
     if scores.device.type != "cuda" and not INTERPRET:
@@ -280,6 +321,11 @@ def select_topk(scores: torch.Tensor, k: int, split: bool | None = None, bits: i
     out = torch.empty((n, k), dtype=torch.long, device=s.device)
     if n == 0:
         return out
+    if split is None and bits is None and T <= REG_T:
+        _select_reg_kernel[(n,)](s, out, T, k, BLOCK=max(16, triton.next_power_of_2(T)), num_warps=SELECT_WARPS,
+                                 **pdl.options(s))
+        return out
+    bits = RADIX_BITS if bits is None else bits
     if T <= k or not (T > SPLIT_T if split is None else split):    # (T <= k: every valid entry, one pass)
         _select_topk_kernel[(n,)](s, out, T, k, BITS=bits, BLOCK=SELECT_BLOCK, ALL=T <= k, num_warps=SELECT_WARPS)
         return out

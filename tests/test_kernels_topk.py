@@ -92,11 +92,12 @@ def test_select_topk_rows_are_independent_and_values_span_the_keys():
 
 
 @interp
-@pytest.mark.parametrize("digit", [11, 8])
+@pytest.mark.parametrize("digit", [11, 8, None])
 @pytest.mark.parametrize("base", [0x3F800000, 0xBF800000 - 0x3000, 0x00000000])
 def test_select_topk_values_differing_in_their_low_bits(base, digit):
-    """Values a few ulps apart (every digit of the radix select decides; signs and zeros at base 0): the pick
-    crosses the digits' boundaries."""
+    """Values a few ulps apart (every digit of the radix select, every step of the register form's two-bit
+    search decides; signs and zeros at base 0): the pick crosses the digits' boundaries. digit None: the
+    served form for rows up to REG_T, the row in registers."""
     g = torch.Generator().manual_seed(base % 1000)
     bits = torch.randint(0, 0x3000, (4, 2500), generator=g, dtype=torch.int64) + base
     s = bits.to(torch.int32).view(torch.float32) if base < 2 ** 31 else (bits - 2 ** 32).to(torch.int32).view(
@@ -190,10 +191,12 @@ def test_select_topk_gpu_release_shape(T, rows):
     s[rows // 2:, T - T // 3:] = NEG_INF
     if rows > 1:
         s[-1] = NEG_INF
+    _check_select(s.cuda(), 512)                          # the served form (registers up to REG_T)
     for split in (False, True):
         for bits in (11, 8):
             _check_select(s.cuda(), 512, split, bits)
     t = _tied(g, (rows, T), [NEG_INF, -1.0, 0.0, 0.5, 1.0])
+    _check_select(t.cuda(), 512)
     for split in (False, True):
         for bits in (11, 8):
             _check_select(t.cuda(), 512, split, bits)
