@@ -58,33 +58,34 @@ def test_sse_frames_are_single_lines():
     assert body.splitlines() == [body] and json.loads(body)["t"] == "a\u2028b\x85c\u2029\nd"
 
 
-def test_keepalive_between_slow_items_and_source_closed():
-    closed = []
-
-    async def slow():
-        try:
-            await asyncio.sleep(0.25)
-            yield "a"
-            await asyncio.sleep(0.01)
-            yield "b"
-            await asyncio.sleep(10)
-            yield "never"
-        finally:
-            closed.append(True)
+def test_request_stream_sends_keepalives_only_while_idle_and_cancels_its_timer():
+    """Request.stream: the idle marker after each idle_s without an event, none while events keep coming, and no
+    timer left armed when the consumer goes away mid-wait."""
+    from dsv41.sched.request import FinishEvent, Request, TokenEvent
+    from dsv41.sched.sampler import Sample, SamplingParams
 
     async def run():
-        out = []
-        gen = sse.with_keepalive(slow(), 0.1)
-        async for item in gen:
-            out.append(item)
-            if item == "b":
-                break
-        await gen.aclose()
-        return out
+        loop = asyncio.get_running_loop()
+        r = Request([1, 2], SamplingParams(), max_tokens=4)
+        loop.call_later(0.25, r.events.put_nowait, TokenEvent(5, "a", Sample(5)))
+        loop.call_later(0.26, r.events.put_nowait, TokenEvent(6, "b", Sample(6)))
+        loop.call_later(0.27, r.events.put_nowait, FinishEvent("length", ""))
+        out = [ev async for ev in r.stream(0.1, "K")]
+        r2 = Request([1], SamplingParams(), max_tokens=4)
+        gen = r2.stream(0.05, "K")
+        waiting = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.01)
+        waiting.cancel()                              # the consumer goes away while the queue is empty
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.sleep(0.1)
+        return out, r2.events.qsize()
 
-    out = asyncio.run(run())
-    assert out[-2:] == ["a", "b"] and out[:-2] == [sse.KEEPALIVE] * len(out[:-2]) and len(out) >= 3
-    assert closed == [True]
+    out, left = asyncio.run(run())
+    keep = [ev for ev in out if ev == "K"]
+    assert [type(ev).__name__ for ev in out if ev != "K"] == ["TokenEvent", "TokenEvent", "FinishEvent"]
+    assert 1 <= len(keep) <= 3 and out[:len(keep)] == keep      # only before the first event: 0.25 s idle
+    assert left == 0                                            # the cancelled wait's timer never fired
 
 
 @pytest.fixture

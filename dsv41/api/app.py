@@ -468,9 +468,9 @@ async def reply_events(request: HttpRequest, eng, prep: Prepared, stream: bool =
     r, parser = prep.r, prep.parser
     done = False
     watcher = None if stream else asyncio.ensure_future(_watch_disconnect(request, eng, r))
-    source = eng.sched.stream(r)
+    source = eng.sched.stream(r, eng.cfg.keepalive_s, sse.KEEPALIVE) if stream else eng.sched.stream(r)
     try:
-        async for ev in (sse.with_keepalive(source, eng.cfg.keepalive_s) if stream else source):
+        async for ev in source:
             if ev is sse.KEEPALIVE:
                 yield KEEP, None
                 continue
@@ -494,6 +494,7 @@ async def reply_events(request: HttpRequest, eng, prep: Prepared, stream: bool =
                 yield FINISH, (ev, final)
                 return
     finally:
+        await source.aclose()               # its keepalive timer, if one is armed
         if watcher is not None:
             watcher.cancel()
         if not done and not r.finished:

@@ -167,6 +167,29 @@ class Request:
             return FinishEvent("stop", text, stop_sequence=matched)
         return FinishEvent(reason, text + self._stops.flush())
 
+    async def stream(self, idle_s: float | None = None, idle=None):
+        """This request's events, ending with its FinishEvent. With idle_s, `idle` comes after every idle_s without
+        an event (an SSE keepalive): a timer armed only while the queue is empty, cancelled by the next event. (A
+        task and an asyncio.wait per event around the queue cost the event loop more than the rest of a streamed
+        token's work, py-spy on a 32-stream server.)"""
+        q = self.events
+        timer = None
+        try:
+            while True:
+                if idle_s is not None and q.empty():
+                    timer = asyncio.get_running_loop().call_later(idle_s, q.put_nowait, idle)
+                    ev = await q.get()
+                    timer.cancel()
+                    timer = None
+                else:
+                    ev = await q.get()
+                yield ev
+                if isinstance(ev, FinishEvent):
+                    return
+        finally:
+            if timer is not None:            # the consumer went away while waiting
+                timer.cancel()
+
     def finish(self, ev: FinishEvent) -> None:
         if self.phase is Phase.DONE:
             return

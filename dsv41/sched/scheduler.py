@@ -153,13 +153,9 @@ class Scheduler:
             req.cancel()
             self._wake.set()
 
-    async def stream(self, req: Request):
-        """Async iterator over a submitted request's events, ending with its FinishEvent."""
-        while True:
-            ev = await req.events.get()
-            yield ev
-            if isinstance(ev, FinishEvent):
-                return
+    def stream(self, req: Request, idle_s: float | None = None, idle=None):
+        """Async iterator over a submitted request's events, ending with its FinishEvent (Request.stream)."""
+        return req.stream(idle_s, idle)
 
     @property
     def n_running(self) -> int:
