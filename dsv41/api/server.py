@@ -111,8 +111,11 @@ async def _serve(cfg: ServeConfig) -> int:
                 state.engine.lane.close()       # followers stop (cleanly, unless the lane failed)
 
     app, state = create_app(cfg, metrics, on_startup, on_shutdown)
-    # log_config=None: uvicorn's own lines go through the root logger, in the one format set in serve()
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, http="h11", lifespan="on", access_log=False,
+    # log_config=None: uvicorn's own lines go through the root logger, in the one format set in serve().
+    # http "auto": httptools (a dependency) parses and frames, else h11; every streamed token is a chunk written
+    # on the event loop, and h11's pure-Python framing was the largest part of that after the socket write itself
+    # (bench/http_rate.py: the loop's CPU per streamed token)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, http="auto", lifespan="on", access_log=False,
                             log_config=None, log_level=cfg.log_level,
                             timeout_graceful_shutdown=int(cfg.shutdown_grace_s) + 5, timeout_keep_alive=30)
     server = _Server(config, state, cfg.shutdown_grace_s)
