@@ -8,8 +8,12 @@
 # - pdl.md: rounds with PDL on and off, "logits equal True" on every line, on / off below 1.
 # - round-profile.md: GPU busy % of the graphed 1- and 32-row rounds (issue 25's >= 95 %), the top kernels.
 # - kernels-rowops.md: the site mixes' forms (mhc.SITE_SWEEP): set mhc's served form to the fastest at 1-32 rows.
-# - topk.md: the indexer select at T = 1024-4096 (one program a row, 11- and 8-bit digits): the 1-row round's
-#   select was 65 us (three radix passes).
+# - topk.md: the indexer select at T = 1024-4096: session 14's register form (the served one up to 4096 keys) beside
+#   the radix forms (11- and 8-bit digits): the 1-row round's selects were 65 us (three radix passes) and 44 us (a
+#   4096-key row: five launches).
+# Session 14 (no device) also changed, to be seen in gpu.md / round-profile.md here and in kernels.sh's kernels.md:
+# the split linears' tail (eight chunks' partials in flight: wkv, wo_a, wq_a, router, ~7 us at 1 row and ~25 us at
+# 32 before), the slot sum (slots unrolled, 1x256 tiles), no sort in candidate_blocks (the ~22 us radix sort).
 # - qat-flips.md: the GPU's first QAT flips near a rounding boundary (float32 order, issue 28's kind) or not.
 set -u
 export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD} TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0
