@@ -118,6 +118,17 @@ def clamp_top_k(top_k: int) -> int:
 _I64_MASK = {s: (1 << (64 - s)) - 1 for s in (11, 27, 30, 31)}
 
 
+def _on(dev: torch.device, data, dtype: torch.dtype) -> torch.Tensor:
+    """Host data (a list, a numpy array) as a tensor on dev. Off the host through pinned memory without waiting:
+    torch.tensor(data, device=cuda) copies from pageable memory and then waits for the stream, that is for the
+    whole forward queued before the draw, and the draw made a dozen such copies (its parameters, row indices and
+    Gumbel keys), each a round trip between the host and an idle GPU. The values are the same either way."""
+    t = torch.as_tensor(data, dtype=dtype)
+    if dev.type == "cpu":
+        return t
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 def _signed(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
 
@@ -247,9 +258,9 @@ def _adjust(rows: torch.Tensor, params: list[SamplingParams], replies: list) -> 
     out = rows.float().clone()
     bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
     if bias:
-        ri = torch.tensor([i for i, _, _ in bias], dtype=torch.long, device=dev)
-        ti = torch.tensor([t for _, t, _ in bias], dtype=torch.long, device=dev)
-        out[ri, ti] = out[ri, ti] + torch.tensor([b for _, _, b in bias], dtype=torch.float32, device=dev)
+        ri = _on(dev, [i for i, _, _ in bias], torch.long)
+        ti = _on(dev, [t for _, t, _ in bias], torch.long)
+        out[ri, ti] = out[ri, ti] + _on(dev, [b for _, _, b in bias], torch.float32)
     rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep_rows:
         ri, ti = [], []
@@ -258,20 +269,20 @@ def _adjust(rows: torch.Tensor, params: list[SamplingParams], replies: list) -> 
             ri += [i] * len(toks)
             ti += toks
         seen = torch.zeros(m, vocab, dtype=torch.bool, device=dev)
-        seen[torch.tensor(ri, dtype=torch.long, device=dev), torch.tensor(ti, dtype=torch.long, device=dev)] = True
-        rp = torch.tensor([[p.repetition_penalty] for p in params], dtype=torch.float32, device=dev)
+        seen[_on(dev, ri, torch.long), _on(dev, ti, torch.long)] = True
+        rp = _on(dev, [[p.repetition_penalty] for p in params], torch.float32)
         out = torch.where(seen, torch.where(out > 0, out / rp, out * rp), out)
     cnt_rows = [i for i, p in enumerate(params) if replies[i] and (p.frequency_penalty or p.presence_penalty)]
     if cnt_rows:
         ri = [i for i in cnt_rows for _ in replies[i]]
         ti = [t for i in cnt_rows for t in replies[i]]
         counts = torch.zeros(m, vocab, dtype=torch.float32, device=dev)
-        counts.index_put_((torch.tensor(ri, dtype=torch.long, device=dev), torch.tensor(ti, dtype=torch.long, device=dev)),
+        counts.index_put_((_on(dev, ri, torch.long), _on(dev, ti, torch.long)),
                           torch.ones(len(ti), dtype=torch.float32, device=dev), accumulate=True)
-        sel = torch.tensor(cnt_rows, dtype=torch.long, device=dev)
+        sel = _on(dev, cnt_rows, torch.long)
         c = counts[sel]
-        fp = torch.tensor([[params[i].frequency_penalty] for i in cnt_rows], dtype=torch.float32, device=dev)
-        pp = torch.tensor([[params[i].presence_penalty] for i in cnt_rows], dtype=torch.float32, device=dev)
+        fp = _on(dev, [[params[i].frequency_penalty] for i in cnt_rows], torch.float32)
+        pp = _on(dev, [[params[i].presence_penalty] for i in cnt_rows], torch.float32)
         out[sel] = out[sel] - (fp * c + pp * (c > 0).float())
     return out
 
@@ -308,7 +319,7 @@ def sample_rows(logits: torch.Tensor, positions: list[int], params: list[Samplin
     row = raw
     if adj:
         row = raw.clone()
-        sel = torch.tensor(adj, dtype=torch.long, device=dev)
+        sel = _on(dev, adj, torch.long)
         row[sel] = _adjust(raw[sel], [params[i] for i in adj], [tuple(replies[i]) for i in adj])
     greedy = [i for i, p in enumerate(params) if p.greedy]
     drawn = [i for i, p in enumerate(params) if not p.greedy]
@@ -318,9 +329,9 @@ def sample_rows(logits: torch.Tensor, positions: list[int], params: list[Samplin
         token = _draw(row, positions, params)
     else:
         token = torch.empty(n, dtype=torch.long, device=dev)
-        g = torch.tensor(greedy, dtype=torch.long, device=dev)
+        g = _on(dev, greedy, torch.long)
         token[g] = torch.argmax(row[g], dim=1)
-        d = torch.tensor(drawn, dtype=torch.long, device=dev)
+        d = _on(dev, drawn, torch.long)
         token[d] = _draw(row[d], [positions[i] for i in drawn], [params[i] for i in drawn])
     return _fetch(raw, token, params)
 
@@ -332,30 +343,29 @@ def _draw(x: torch.Tensor, positions: list[int], params: list[SamplingParams]) -
     ks = [min(clamp_top_k(p.top_k), vocab) for p in params]
     width = max(ks)
     ids, vals = _ordered_top(x, width)
-    temp = torch.tensor([[float(p.temperature)] for p in params], dtype=torch.float64, device=dev)
+    temp = _on(dev, [[float(p.temperature)] for p in params], torch.float64)
     scaled = vals.double() / temp
     col = torch.arange(width, device=dev)
-    keep = torch.tensor(ks, dtype=torch.long, device=dev)
+    keep = _on(dev, ks, torch.long)
     top_p = [i for i, p in enumerate(params) if p.top_p < 1.0]
     for k in sorted({ks[i] for i in top_p}):        # the mass is summed in numpy's order for k terms
         rows = [i for i in top_p if ks[i] == k]
-        sel = torch.tensor(rows, dtype=torch.long, device=dev)
+        sel = _on(dev, rows, torch.long)
         s = scaled[sel, :k]
         probs = _exp(s - s[:, :1]).to(dev)
         probs = probs / _pairwise_sum(probs)[:, None]
-        cut = torch.tensor([[params[i].top_p] for i in rows], dtype=torch.float64, device=dev)
+        cut = _on(dev, [[params[i].top_p] for i in rows], torch.float64)
         # searchsorted(cumsum, p): the number of prefix sums below p
         keep[sel] = torch.minimum(keep[sel], (_cumsum(probs) < cut).sum(dim=1) + 1)
     min_p = [i for i, p in enumerate(params) if p.min_p > 0.0]
     if min_p:
-        sel = torch.tensor(min_p, dtype=torch.long, device=dev)
+        sel = _on(dev, min_p, torch.long)
         s = scaled[sel]
-        floor = s[:, :1] + torch.tensor([[math.log(params[i].min_p)] for i in min_p], dtype=torch.float64,
-                                        device=dev)
-        within = (s >= floor) & (col < torch.tensor([[ks[i]] for i in min_p], device=dev))
+        floor = s[:, :1] + _on(dev, [[math.log(params[i].min_p)] for i in min_p], torch.float64)
+        within = (s >= floor) & (col < _on(dev, [[ks[i]] for i in min_p], torch.long))
         keep[sel] = torch.minimum(keep[sel], within.sum(dim=1))
     keep = keep.clamp(min=1)
-    keys = torch.from_numpy(_row_keys(params, positions)).to(dev)
+    keys = _on(dev, _row_keys(params, positions), torch.int64)
     value = scaled + _gumbel_t(keys, ids).to(dev)
     kept = col < keep[:, None]
     best = torch.where(kept, value, float("-inf")).max(dim=1, keepdim=True).values
@@ -370,7 +380,7 @@ def _fetch(raw: torch.Tensor, token: torch.Tensor, params: list[SamplingParams])
     if not lp:
         return [Sample(t) for t in token.tolist()]
     vocab = raw.shape[1]
-    sel = torch.tensor(lp, dtype=torch.long, device=dev)
+    sel = _on(dev, lp, torch.long)
     logp = torch.log_softmax(raw[sel].double(), dim=-1)
     parts = [token.double(), logp.gather(1, token[sel][:, None])[:, 0]]
     tops = [min(params[i].top_logprobs, MAX_TOP_LOGPROBS, vocab) for i in lp]

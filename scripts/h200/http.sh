@@ -12,4 +12,9 @@ ck=/tmp/dsv41-real-2
 timeout -k 10 420 python3 bench/http_rate.py --checkpoint "$ck" --device cuda --streams 1,32 --tokens 256 \
     --server-log "$OUT/http-server.log" --out "$OUT/serve-rate-h200.md" ${DSV41_COMMIT:+--commit "$DSV41_COMMIT"} \
     > "$OUT/http.log" 2>&1
-echo "http.sh: rc=$? done at $(( $(date +%s) - t0 ))s" >> "$OUT/http.log"
+echo "http.sh: rc=$? at $(( $(date +%s) - t0 ))s" >> "$OUT/http.log"
+# the engine's host time by phase (plan / forward / draw / commit / gap) at 1 and 32 rows, greedy and sampled: the
+# draw's copies of its parameters no longer wait for the forward (session 14)
+timeout -k 10 150 python3 bench/sched_round_bench.py --checkpoint "$ck" --device cuda --rows 1,32 --rounds 12 \
+    --cases greedy,sampled --tag "h200 ${DSV41_COMMIT:-}" --out "$OUT/sched-round-h200.md" >> "$OUT/http.log" 2>&1
+echo "http.sh: done at $(( $(date +%s) - t0 ))s" >> "$OUT/http.log"
