@@ -15,7 +15,8 @@ per second of that window: the steady decode rate, without prompt passes or the 
     python bench/http_rate.py [--checkpoint DIR] [--device cpu|cuda] [--streams 1,32] [--tokens 128]
                               [--serve-args "--no-drafts"] [--out bench/results/serve-cpu-rate.md] [--commit REV]
 
-HTTP first (the server subprocess sizes its memory plan with the GPU to itself), then engine-only.
+HTTP first (the server subprocess sizes its memory plan with the GPU to itself), then engine-only; each phase runs
+one stream and the most streams once uncounted first (the rounds' graphs are captured at a bucket's first use).
 """
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ PROMPT = "Write a long story about a lighthouse keeper and the ships she guides,
 def body(i: int, tokens: int) -> dict:
     return {"messages": [{"role": "user", "content": PROMPT.format(i=i)}], "max_tokens": tokens, "temperature": 0,
             "ignore_eos": True, "chat_template_kwargs": {"thinking": False}}
+
+
+def warm_up(streams: list[int]) -> list[int]:
+    """The passes run first and not counted: one stream and the most streams (the rounds' graphs are captured at
+    their first use of a row bucket)."""
+    return sorted({1, max(streams)})
 
 
 def steady_rate(times: list[list[float]]) -> tuple[float, int, float]:
@@ -96,7 +103,7 @@ def http_phase(a, streams: list[int]) -> dict[int, dict]:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the server was not ready in time")
                 time.sleep(0.5)
-        for b in [1] + streams:                     # a warm-up pass of one stream first (graph captures)
+        for i, b in enumerate(warm_up(streams) + streams):   # warm-up passes first (graph captures, buckets)
             times: list[list[float]] = [[] for _ in range(b)]
             errors: list[str] = []
             barrier = threading.Barrier(b + 1)
@@ -127,8 +134,9 @@ def http_phase(a, streams: list[int]) -> dict[int, dict]:
             cpu1 = thread_cpu(proc.pid)
             rate, n, sec = steady_rate(times)
             total = sum(len(t) for t in times)
-            res[b] = {"rate": rate, "tokens": n, "window": sec, "total": total, "errors": errors,
-                      "cpu": {k: cpu1[k] - cpu0[k] for k in cpu0}}
+            if i >= len(warm_up(streams)):
+                res[b] = {"rate": rate, "tokens": n, "window": sec, "total": total, "errors": errors,
+                          "cpu": {k: cpu1[k] - cpu0[k] for k in cpu0}}
             print(f"HTTP B={b}: {rate:.1f} tok/s ({n} tokens in {sec:.2f} s), errors {len(errors)}", flush=True)
     finally:
         proc.terminate()
@@ -151,7 +159,7 @@ def engine_phase(a, streams: list[int]) -> dict[int, dict]:
 
     async def go() -> None:
         eng.sched.start()
-        for b in [1] + streams:
+        for j, b in enumerate(warm_up(streams) + streams):
             preps = [await prepare_chat(eng, body(i, a.tokens)) for i in range(b)]
             times: list[list[float]] = [[] for _ in range(b)]
 
@@ -162,8 +170,9 @@ def engine_phase(a, streams: list[int]) -> dict[int, dict]:
             t0 = time.thread_time()
             await asyncio.gather(*[drain(i, p.r) for i, p in enumerate(preps)])
             rate, n, sec = steady_rate(times)
-            res[b] = {"rate": rate, "tokens": n, "window": sec, "loop_cpu": time.thread_time() - t0,
-                      "total": sum(len(t) for t in times)}
+            if j >= len(warm_up(streams)):
+                res[b] = {"rate": rate, "tokens": n, "window": sec, "loop_cpu": time.thread_time() - t0,
+                          "total": sum(len(t) for t in times)}
             print(f"engine B={b}: {rate:.1f} tok/s ({n} tokens in {sec:.2f} s)", flush=True)
         await eng.sched.stop()
     try:
