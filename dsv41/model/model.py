@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,13 +124,35 @@ class _Round:
     idx: dict[int, _RoundIndex]
     # per source, the reference op set's lists (views with room for the round's masked writes): compressed KV,
     # index keys, the open group's kv and gate buffers; and the marked states' open rows before the round
-    kvs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    ikeys: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    partials: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    kvs: dict[int, Sequence[torch.Tensor]] = field(default_factory=dict)
+    ikeys: dict[int, Sequence[torch.Tensor]] = field(default_factory=dict)
+    partials: dict[int, tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] = field(default_factory=dict)
     marked: dict[int, list[tuple]] = field(default_factory=dict)
     topk: torch.Tensor | None = None
     cand: torch.Tensor | None = None
     rows: torch.Tensor | None = None       # the rows that want logits (the copy's tail), on the device
+
+
+class _Views(Sequence):
+    """A round's per-sequence views of its sources' buffers (`fn` of each buffer as the round found it), made on
+    first use: the reference op set reads them; the kernels' reads and writes go through the round's address
+    table and never ask, so a decode round no longer makes B views of every source's buffers on the host (most
+    of _prepare_round's per-sequence work after the table)."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], bufs: list[torch.Tensor]):
+        self.fn, self.bufs, self.made = fn, bufs, {}
+
+    def __len__(self) -> int:
+        return len(self.bufs)
+
+    def __getitem__(self, b):
+        if isinstance(b, slice):
+            return [self[i] for i in range(*b.indices(len(self.bufs)))]
+        b = range(len(self.bufs))[b]                 # negative indices; IndexError past the end (iteration)
+        v = self.made.get(b)
+        if v is None:
+            v = self.made[b] = self.fn(self.bufs[b])
+        return v
 
 
 def _build_block(W: dict[str, torch.Tensor], role: LayerRole, cfg: ModelConfig, n_experts: int, top_k: int,
@@ -878,11 +900,13 @@ class Model:
         for L, sp in srcs.items():
             q, gmax = sp.ratio, (sp.ratio - 1 + n) // sp.ratio
             owns = self.blocks[L].role.owns_index_keys
-            kvs[L] = [_extend_rows(st.compressed[L], gmax) for st in states]
-            ikeys[L] = [_extend_rows(st.index_keys[L], gmax) for st in states] if owns else []
+            grown = functools.partial(_extend_rows, add=gmax)
+            kvs[L] = _Views(grown, [st.compressed[L] for st in states])
+            ikeys[L] = _Views(grown, [st.index_keys[L] for st in states]) if owns else []
             if q > 1:
-                partials[L] = ([_first_rows(st.partial_kv[L], q - 1) for st in states],
-                               [_first_rows(st.partial_gate[L], q - 1) for st in states])
+                whole = functools.partial(_first_rows, count=q - 1)
+                partials[L] = (_Views(whole, [st.partial_kv[L] for st in states]),
+                               _Views(whole, [st.partial_gate[L] for st in states]))
                 marked[L] = [(b, sp.first[b], st.partial_kv[L].clone(), st.partial_gate[L].clone())
                              for b, st in enumerate(states) if st.undo is not None]
             for st, g, pe in zip(states, sp.groups, sp.pend):
