@@ -28,6 +28,8 @@ import msgspec
 import numpy as np
 import torch
 
+from dsv41.model.device import host_to_device
+
 CANDIDATE_WIDTH = 1024    # the most candidates the sampler reads; top_k is clamped to it (documented in docs/server.md)
 MAX_TOP_LOGPROBS = 20
 
@@ -119,14 +121,11 @@ _I64_MASK = {s: (1 << (64 - s)) - 1 for s in (11, 27, 30, 31)}
 
 
 def _on(dev: torch.device, data, dtype: torch.dtype) -> torch.Tensor:
-    """Host data (a list, a numpy array) as a tensor on dev. Off the host through pinned memory without waiting:
+    """Host data (a list, a numpy array) as a tensor on dev without waiting (device.host_to_device):
     torch.tensor(data, device=cuda) copies from pageable memory and then waits for the stream, that is for the
     whole forward queued before the draw, and the draw made a dozen such copies (its parameters, row indices and
     Gumbel keys), each a round trip between the host and an idle GPU. The values are the same either way."""
-    t = torch.as_tensor(data, dtype=dtype)
-    if dev.type == "cpu":
-        return t
-    return t.pin_memory().to(dev, non_blocking=True)
+    return host_to_device(torch.as_tensor(data, dtype=dtype), dev)
 
 
 def _signed(c: int) -> int:
