@@ -468,7 +468,7 @@ async def reply_events(request: HttpRequest, eng, prep: Prepared, stream: bool =
     r, parser = prep.r, prep.parser
     done = False
     watcher = None if stream else asyncio.ensure_future(_watch_disconnect(request, eng, r))
-    source = eng.sched.stream(r, eng.cfg.keepalive_s, sse.KEEPALIVE) if stream else eng.sched.stream(r)
+    source = eng.sched.stream(r, eng.cfg.keepalive_s if stream else None, sse.KEEPALIVE)
     try:
         async for ev in source:
             if ev is sse.KEEPALIVE:
