@@ -145,9 +145,7 @@ class _Views(Sequence):
     def __len__(self) -> int:
         return len(self.bufs)
 
-    def __getitem__(self, b):
-        if isinstance(b, slice):
-            return [self[i] for i in range(*b.indices(len(self.bufs)))]
+    def __getitem__(self, b: int) -> torch.Tensor:
         b = range(len(self.bufs))[b]                 # negative indices; IndexError past the end (iteration)
         v = self.made.get(b)
         if v is None:
