@@ -212,9 +212,9 @@ def _select_topk_kernel(s_ptr, out_ptr, T, k, BITS: tl.constexpr, BLOCK: tl.cons
 def _select_reg_kernel(s_ptr, out_ptr, T, k, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per row of T <= BLOCK entries (REG_T), the row held in registers: the k-th largest key found
     two bits at a time from the top (sixteen steps, each one reduction: the counts of entries at or above the three
-    candidates packed into one int64 sum), then the compaction. The same pick as the radix passes (integers
-    only, exact); their tl.histogram over 2048 bins took ~10 us a pass on the H200 (three passes, and five
-    launches for a row of more than SPLIT_T entries)."""
+    candidates packed into one int64 sum), then the radix form's compaction (one step: the row re-read). The same
+    pick as the radix passes (integers only, exact); their tl.histogram over 2048 bins took ~10 us a pass on the
+    H200 (three passes, and five launches for a row of more than SPLIT_T entries)."""
     wait_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -231,16 +231,10 @@ def _select_reg_kernel(s_ptr, out_ptr, T, k, BLOCK: tl.constexpr, PDL: tl.conste
                         + ((key >= d3).to(tl.int64) << 32))
         t = tl.where((packed >> 32) >= want, d3,
                      tl.where(((packed >> 16) & 0xFFFF) >= want, d2, tl.where((packed & 0xFFFF) >= want, d1, t)))
-    few = valid_n <= k                                       # every valid entry (as _threshold)
-    thresh = tl.where(few, NEG_INF_KEY, t)
-    need = tl.where(few, 0, want - tl.sum((key > t).to(tl.int32)))
-    tie = (key == thresh) & inside
-    tie_i = tie.to(tl.int32)
-    take = ((key > thresh) | (tie & (tl.cumsum(tie_i, axis=0) - tie_i < need))) & inside
-    take_i = take.to(tl.int32)
+    thresh, need = _threshold(valid_n, want - tl.sum((key > t).to(tl.int32)), t, k)
     orow = out_ptr + r * k
-    tl.store(orow + tl.cumsum(take_i, axis=0) - take_i, offs.to(tl.int64), mask=take)
-    _pad(orow, tl.sum(take_i), k, BLOCK)
+    zero = tl.zeros((), dtype=tl.int32)
+    _pad(orow, _compact(s_ptr + r * T, orow, 0, T, thresh, need, zero, zero, BLOCK), k, BLOCK)
 
 
 @triton.jit
