@@ -103,7 +103,8 @@ def http_phase(a, streams: list[int]) -> dict[int, dict]:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the server was not ready in time")
                 time.sleep(0.5)
-        for i, b in enumerate(warm_up(streams) + streams):   # warm-up passes first (graph captures, buckets)
+        warm = warm_up(streams)
+        for i, b in enumerate(warm + streams):   # warm-up passes first (graph captures, buckets)
             times: list[list[float]] = [[] for _ in range(b)]
             errors: list[str] = []
             barrier = threading.Barrier(b + 1)
@@ -134,7 +135,7 @@ def http_phase(a, streams: list[int]) -> dict[int, dict]:
             cpu1 = thread_cpu(proc.pid)
             rate, n, sec = steady_rate(times)
             total = sum(len(t) for t in times)
-            if i >= len(warm_up(streams)):
+            if i >= len(warm):
                 res[b] = {"rate": rate, "tokens": n, "window": sec, "total": total, "errors": errors,
                           "cpu": {k: cpu1[k] - cpu0[k] for k in cpu0}}
             print(f"HTTP B={b}: {rate:.1f} tok/s ({n} tokens in {sec:.2f} s), errors {len(errors)}", flush=True)
@@ -159,7 +160,8 @@ def engine_phase(a, streams: list[int]) -> dict[int, dict]:
 
     async def go() -> None:
         eng.sched.start()
-        for j, b in enumerate(warm_up(streams) + streams):
+        warm = warm_up(streams)
+        for j, b in enumerate(warm + streams):
             preps = [await prepare_chat(eng, body(i, a.tokens)) for i in range(b)]
             times: list[list[float]] = [[] for _ in range(b)]
 
@@ -170,7 +172,7 @@ def engine_phase(a, streams: list[int]) -> dict[int, dict]:
             t0 = time.thread_time()
             await asyncio.gather(*[drain(i, p.r) for i, p in enumerate(preps)])
             rate, n, sec = steady_rate(times)
-            if j >= len(warm_up(streams)):
+            if j >= len(warm):
                 res[b] = {"rate": rate, "tokens": n, "window": sec, "loop_cpu": time.thread_time() - t0,
                           "total": sum(len(t) for t in times)}
             print(f"engine B={b}: {rate:.1f} tok/s ({n} tokens in {sec:.2f} s)", flush=True)
