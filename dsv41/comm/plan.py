@@ -108,6 +108,10 @@ StateOp = Union[NewSeq, FreeSeq, SaveState, RestoreState, DropState, Rollback]
 
 # ---------------------------------------------------------------------------------------------------- the plan
 
+PENDING = -1    # a decode row's token id in a plan made before the round that draws it has run (the round thread
+                # replaces it by that draw just before the runner executes the plan)
+
+
 class SeqRows(msgspec.Struct, array_like=True, gc=False, forbid_unknown_fields=True):
     """A run of consecutive tokens of one sequence in this round's forward: a prompt chunk, one decode row, or a
     decode row followed by draft tokens to verify (their logits all wanted)."""

@@ -117,7 +117,7 @@ class _Round:
     n: int
     starts: list[int]
     states: list[SeqState]
-    meta: torch.Tensor                     # [N, M] int64 per row, columns at `cols` (one copy; graphs.py pads it)
+    meta: torch.Tensor | None              # [N, M] int64 per row, columns at `cols` (one copy; graphs.py pads it)
     cols: dict[str, int]                   # "rsel", "nsel", "pos" (W each), "wslot", f"ring{L}", f"kv{L}"
     rings: dict[int, list[torch.Tensor]]   # per layer: the sequences' window rings (the reference ops' lists)
     srcs: dict[int, _RoundSource]
@@ -131,6 +131,23 @@ class _Round:
     topk: torch.Tensor | None = None
     cand: torch.Tensor | None = None
     rows: torch.Tensor | None = None       # the rows that want logits (the copy's tail), on the device
+    want: list[int] | None = None
+    host: torch.Tensor | None = None       # the table before send(): [N * M + len(want)] int64, pinned on a GPU
+    lengths: Callable[[], None] | None = None   # sets the sources' lengths after the round (send() calls it)
+
+    def send(self, device: torch.device, ids: torch.Tensor | None = None) -> None:
+        """The round's ids into the table's "ids" column (a table built ahead has none yet), the states' lengths
+        after the round set, and the table to the device in one non-blocking copy. Until this call the preparation
+        changed no state's meaning (only reserved room): a table built ahead and never sent is simply dropped."""
+        N = len(self.starts) * self.n
+        M = (self.host.numel() - len(self.want or ())) // N
+        if ids is not None:
+            self.host.numpy()[:N * M].reshape(N, M)[:, self.cols["ids"]] = ids.numpy().reshape(-1)
+        self.lengths()
+        self.lengths = None
+        dev_flat = self.host.to(device, non_blocking=True) if device.type == "cuda" else self.host
+        self.meta = dev_flat[:N * M].view(N, M)
+        self.rows = None if self.want is None else dev_flat[N * M:]
 
 
 class _Views(Sequence):
@@ -393,13 +410,26 @@ class Model:
             raise InputError(f"batch[{i}].ids has token ids outside 0..{self.t.vocab_size - 1}")
 
     @torch.no_grad()
-    def forward(self, batch: list[SeqInput], trace: dict[str, Any] | None = None) -> list[torch.Tensor]:
+    def forward(self, batch: list[SeqInput], trace: dict[str, Any] | None = None,
+                ahead: _Round | None = None) -> list[torch.Tensor]:
         """Run every SeqInput's new tokens; returns per input float32 logits [n | 1 | 0, vocab] and advances each
-        state by len(ids). `trace`, when given, receives intermediate arrays (tests, debugging)."""
+        state by len(ids). `trace`, when given, receives intermediate arrays (tests, debugging). `ahead`: this
+        round's table from prepare_ahead (the same states, rows and logits wanted; checked)."""
         self._check(batch)
-        return self._forward(batch, trace)
+        return self._forward(batch, trace, ahead)
 
-    def _forward(self, batch: list[SeqInput], trace: dict[str, Any] | None) -> list[torch.Tensor]:
+    def prepare_ahead(self, states: list[SeqState], n: int, logits: str = "last") -> _Round | None:
+        """The host side of the next round of `states` (n rows each, `logits` as SeqInput's) built before its
+        token ids exist, while the round before still runs on the device: forward(..., ahead=) then only writes
+        the ids into the table and sends it. Changes no state's meaning (it reserves room; the lengths are set
+        when the round runs); None where the round takes the per-sequence loop."""
+        segs = [(b * n, n, st.length, st) for b, st in enumerate(states)]
+        want = [a + k for a, _, _, _ in segs for k in (range(n) if logits == "all" else
+                                                       [n - 1] if logits == "last" else ())]
+        return self._prepare_round(segs, None, want, ahead=True) if segs else None
+
+    def _forward(self, batch: list[SeqInput], trace: dict[str, Any] | None,
+                 ahead: _Round | None = None) -> list[torch.Tensor]:
         t = self.t
         segs = []          # (row offset, n, start position, state)
         want, wants = [], []     # the rows that want logits; how many of them each input has
@@ -418,7 +448,15 @@ class Model:
         dv = self.device
         # the integers cross in one pinned, non-blocking copy (a pageable copy would wait for the GPU to drain the
         # previous round): a round's with its metadata, a prompt pass's ids, positions and logits rows together
-        rd = self._prepare_round(segs, ids_host, want)   # None: rows differ per sequence (prompt passes)
+        if ahead is None:
+            rd = self._prepare_round(segs, ids_host, want)   # None: rows differ per sequence (prompt passes)
+        else:
+            if (len(segs) != len(ahead.states) or any(sg[3] is not st for sg, st in zip(segs, ahead.states))
+                    or [sg[2] for sg in segs] != ahead.starts
+                    or any(sg[1] != ahead.n for sg in segs) or want != ahead.want or ahead.lengths is None):
+                raise InputError("the round does not match the table prepared ahead for it")
+            rd = ahead
+            rd.send(dv, ids_host)
         if rd is not None:
             ids, rows = rd.meta[:, rd.cols["ids"]], rd.rows
             pos = rd.meta[:, rd.cols["pos"] + t.sliding_window - 1]
@@ -765,7 +803,8 @@ class Model:
 
     # ---- a round of sequences with the same row count (decode, drafted verify): the history work batched --------
 
-    def _prepare_round(self, segs, ids: torch.Tensor | None = None, want: list[int] | None = None) -> _Round | None:
+    def _prepare_round(self, segs, ids: torch.Tensor | None = None, want: list[int] | None = None,
+                       ahead: bool = False) -> _Round | None:
         """The round's per-sequence integers, computed on the host once before the layers (from the states' host
         metadata: lengths, row counts of the compressed KV / index keys / open groups; never from tensor values)
         and sent to the device in one pinned, non-blocking copy: the window gather index, each KV source's group
@@ -773,7 +812,8 @@ class Model:
         logits (`want`: rd.rows), so nothing else crosses and the host never waits for the GPU. None when the
         sequences bring different row counts (or more rows than the window): the per-sequence loop runs then.
         The arithmetic is numpy over [B, n, ...] arrays written into the one buffer (a torch op on host tensors
-        costs microseconds, and a round builds dozens per layer kind)."""
+        costs microseconds, and a round builds dozens per layer kind). `ahead`: built before the round's ids exist
+        (prepare_ahead): the "ids" column is left for send(), and nothing is sent."""
         t = self.t
         W = t.sliding_window
         n = segs[0][1]
@@ -907,17 +947,21 @@ class Model:
                                _Views(whole, [st.partial_gate[L] for st in states]))
                 marked[L] = [(b, sp.first[b], st.partial_kv[L].clone(), st.partial_gate[L].clone())
                              for b, st in enumerate(states) if st.undo is not None]
-            for st, g, pe in zip(states, sp.groups, sp.pend):
-                st.compressed[L] = _extend_rows(st.compressed[L], g)
-                if owns:
-                    st.index_keys[L] = _extend_rows(st.index_keys[L], g)
-                if q > 1:
-                    st.partial_kv[L] = _first_rows(st.partial_kv[L], (pe + n) % q)
-                    st.partial_gate[L] = _first_rows(st.partial_gate[L], (pe + n) % q)
-        for st, pk in zip(states, pub):
-            st.published_keys = pk
-        if ids is not None:
-            col("ids", ids.numpy().reshape(B, n))
+
+        def lengths():     # at send(): a table built ahead changes no state until its round runs
+            for L, sp in srcs.items():
+                q, owns = sp.ratio, self.blocks[L].role.owns_index_keys
+                for st, g, pe in zip(states, sp.groups, sp.pend):
+                    st.compressed[L] = _extend_rows(st.compressed[L], g)
+                    if owns:
+                        st.index_keys[L] = _extend_rows(st.index_keys[L], g)
+                    if q > 1:
+                        st.partial_kv[L] = _first_rows(st.partial_kv[L], (pe + n) % q)
+                        st.partial_gate[L] = _first_rows(st.partial_gate[L], (pe + n) % q)
+            for st, pk in zip(states, pub):
+                st.published_keys = pk
+        if ids is not None or ahead:
+            col("ids", ids.numpy().reshape(B, n) if ids is not None else np.zeros((B, n), dtype=np.int64))
         # one host buffer (pinned on a GPU: its copy does not wait for the GPU, and the caching host allocator
         # records the copy's event, so the buffer is not handed out again before the copy has read it), one copy
         cols, M = {}, 0
@@ -934,10 +978,11 @@ class Model:
             table[:, :, cols[name]:cols[name] + a.shape[-1]] = a
         if extra:
             flat[N * M:] = want
-        dev_flat = host.to(self.device, non_blocking=True) if cuda else host
-        return _Round(n=n, starts=starts, states=states, meta=dev_flat[:N * M].view(N, M), cols=cols, rings=rings,
-                      srcs=srcs, idx=idx, kvs=kvs, ikeys=ikeys, partials=partials, marked=marked,
-                      rows=None if want is None else dev_flat[N * M:])
+        rd = _Round(n=n, starts=starts, states=states, meta=None, cols=cols, rings=rings, srcs=srcs, idx=idx,
+                    kvs=kvs, ikeys=ikeys, partials=partials, marked=marked, want=want, host=host, lengths=lengths)
+        if not ahead:
+            rd.send(self.device)
+        return rd
 
     def _keys_round(self, blk: Block, rd: _Round, kv, ckv, cgate, iq, iw, trace) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-sequence loop of _history for a round, each step once for all its sequences: the window keys

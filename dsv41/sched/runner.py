@@ -18,17 +18,19 @@ and drafts alike even where only rank 0 has the grammar masks.
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import torch
 
-from dsv41.comm.plan import DropState, FreeSeq, NewSeq, RestoreState, Rollback, SaveState, StepPlan
+from dsv41.comm.plan import PENDING, DropState, FreeSeq, NewSeq, RestoreState, Rollback, SaveState, StepPlan
 from dsv41.sched.kept import KeptStates
-from dsv41.sched.sampler import Sample, SamplingParams, sample_rows
+from dsv41.sched.sampler import Drawn, Sample, SamplingParams, draw_rows
 
 _params_decoder = msgspec.msgpack.Decoder(SamplingParams)
+_POLL_S = 0.0002   # how often _prepare_next looks at the device while it waits for the next plan
 
 
 def encode_params(p: SamplingParams) -> bytes:
@@ -67,6 +69,10 @@ class ModelRunner:
         self.ratios = {r.index: r.ratio for r in layout.layers if r.owns_compressor} if layout else {}
         self.vocab = int(getattr(getattr(model, "t", None), "vocab_size", 0) or 0)
         self._masker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-masks")
+        self._next: StepPlan | None = None        # the plan queued behind the running round (upcoming)
+        self._next_ready = threading.Event()
+        self._ahead: tuple[int, object] | None = None   # (round, its table built by _prepare_next)
+        self.rounds_ahead = 0                     # rounds whose table was built while the round before ran
 
     def execute(self, plan: StepPlan, matchers: dict | None = None, images: dict | None = None) -> RoundResult:
         """Apply the plan's ops, run its rows in one forward, draw a token for each row whose logits it asks for.
@@ -133,15 +139,28 @@ class ModelRunner:
             if any(m is not None for m in ms):
                 # the masks depend only on the matchers' states and the plan: filled while the forward runs
                 masking = self._masker.submit(self._masks, wanted, ms)
+            ahead, self._ahead = self._ahead, None
             with torch.no_grad():
-                outs = self.model.forward(inputs)
+                if ahead is not None and ahead[0] == plan.round:
+                    outs = self.model.forward(inputs, ahead=ahead[1])
+                    self.rounds_ahead += 1
+                else:
+                    outs = self.model.forward(inputs)
             bitmask = masking.result() if masking is not None else None
             if self.follower:
                 # only rank 0's draws count (its grammar masks exist only there): its decisions arrive in _agree
                 decisions = [(0, 0)] * len(wanted)
+                self._prepare_next(plan, None)
             else:
                 decisions = []
-                draws = self._draw_all(wanted, [o for r, o in zip(plan.rows, outs) if r.logits], bitmask)
+                outs = [o for r, o in zip(plan.rows, outs) if r.logits]
+                drawn = self._draw_all(wanted, outs, bitmask)
+                self._prepare_next(plan, drawn)
+                draws, at = [], 0
+                got_all = drawn.fetch()
+                for out in outs:
+                    draws.append(got_all[at:at + out.shape[0]])
+                    at += out.shape[0]
                 for k, (r, row_draws) in enumerate(zip(wanted, draws)):
                     got = self._accept(r, row_draws, ms[k] if ms else None, errors)
                     samples += [(r.seq, s) for s in got]
@@ -175,11 +194,11 @@ class ModelRunner:
                 read_ahead(st.engram_history[-3:], st.length, torch.tensor([last]))
         return RoundResult(plan.round, samples, time.perf_counter() - t0, errors, accepted, drafts, draft_s)
 
-    def _draw_all(self, wanted: list, outs: list[torch.Tensor], bitmask) -> list[list[Sample]]:
-        """Every wanted row of the round drawn at once on the logits' device (sampler.sample_rows): a verify row
-        group [pending, d1..dn] gives a draw per row, each what serial decoding draws at that position."""
+    def _draw_all(self, wanted: list, outs: list[torch.Tensor], bitmask) -> Drawn:
+        """Every wanted row of the round drawn at once on the logits' device (sampler.draw_rows), queued: a verify
+        row group [pending, d1..dn] gives a draw per row, each what serial decoding draws at that position."""
         if not outs:                # prompt chunks only
-            return []
+            return draw_rows(torch.zeros((0, 0)), [], [])
         positions, params, replies = [], [], []
         for r, out in zip(wanted, outs):
             p = self.params[r.seq]
@@ -191,12 +210,49 @@ class ModelRunner:
                 params.append(p)
                 replies.append(rep[:max(0, pos - p.prompt_len)] if p.adjusts else ())
         logits = torch.cat(outs) if len(outs) > 1 else outs[0]
-        got = sample_rows(logits, positions, params, replies, bitmask)
-        groups, at = [], 0
-        for out in outs:
-            groups.append(got[at:at + out.shape[0]])
-            at += out.shape[0]
-        return groups
+        return draw_rows(logits, positions, params, replies, bitmask)
+
+    def upcoming(self, plan: StepPlan) -> None:
+        """The plan queued behind the running round (the scheduler's loop, when it plans round N+1 while N runs):
+        its host side may be prepared while N's forward still runs on the device (_prepare_next)."""
+        self._next = plan
+        self._next_ready.set()
+
+    def _prepare_next(self, plan: StepPlan, drawn: Drawn | None) -> None:
+        """While this round's forward and draws run on the device, build the next round's table (Model.prepare_ahead:
+        the window slots, the compressor groups, the index counts, the addresses; everything but the ids it
+        draws). Waits for the next plan only while the device is still busy (a GPU round takes milliseconds, the
+        loop plans the next one meanwhile); on the host op set the forward has already finished and only a plan
+        already queued is prepared. A plan is taken only when nothing between here and its forward changes its
+        sequences: every row one PENDING decode token wanting its logits, no state ops on its sequences, nothing
+        after this round, no verify or drafting rows in either."""
+        self._ahead = None
+        prepare = getattr(self.model, "prepare_ahead", None)
+        if prepare is None or plan.after or any(r.draft or len(r.logits) > 1 for r in plan.rows):
+            return
+        while True:
+            nxt = self._next
+            if nxt is not None and nxt.round == plan.round + 1:
+                break
+            if drawn is None or drawn.done():
+                return
+            self._next_ready.wait(_POLL_S)
+            self._next_ready.clear()
+        seqs = [r.seq for r in nxt.rows]
+        if (not seqs or len(set(seqs)) != len(seqs) or nxt.after
+                or any(not isinstance(op, (FreeSeq, NewSeq)) or op.seq in seqs for op in nxt.ops)):
+            return
+        states = []
+        for r in nxt.rows:
+            st = self.states.get(r.seq)
+            if (st is None or r.ids != [PENDING] or r.logits != [0] or r.draft or st.length != r.start
+                    or st.undo is not None):
+                return
+            states.append(st)
+        with torch.no_grad():
+            rd = prepare(states, 1, "last")
+        if rd is not None:
+            self._ahead = (nxt.round, rd)
 
     @staticmethod
     def _accept(r, draws: list[Sample], m, errors: dict[int, str]) -> list[Sample]:

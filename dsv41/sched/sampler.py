@@ -296,6 +296,12 @@ def adjust_row(row: torch.Tensor, params: SamplingParams, reply: list[int] | tup
 
 def sample_rows(logits: torch.Tensor, positions: list[int], params: list[SamplingParams], replies=None,
                 bitmask: torch.Tensor | None = None) -> list[Sample]:
+    """draw_rows(...).fetch(): the draws, on the host."""
+    return draw_rows(logits, positions, params, replies, bitmask).fetch()
+
+
+def draw_rows(logits: torch.Tensor, positions: list[int], params: list[SamplingParams], replies=None,
+              bitmask: torch.Tensor | None = None) -> Drawn:
     """Draw one token per row of logits [N, V], on the logits' device: row i at absolute position positions[i] with
     params[i]; replies[i]: the reply's tokens before that position (penalties; see adjust_row). bitmask: int32
     [N, ceil(V/32)] on the host (grammar masks, llguidance's packing; all-ones rows allow every token), applied on
@@ -305,7 +311,7 @@ def sample_rows(logits: torch.Tensor, positions: list[int], params: list[Samplin
     Row i's pick is sample_row(logits[i], ...)'s whatever the other rows are: nothing reduces across rows."""
     n = len(params)
     if n == 0:
-        return []
+        return Drawn(None, None, [], [], params)
     raw = logits.detach().reshape(n, -1)
     raw = raw.float() if raw.dtype != torch.float32 else raw
     dev = raw.device
@@ -372,34 +378,65 @@ def _draw(x: torch.Tensor, positions: list[int], params: list[SamplingParams]) -
     return torch.where(tie, ids, vocab).min(dim=1).values
 
 
-def _fetch(raw: torch.Tensor, token: torch.Tensor, params: list[SamplingParams]) -> list[Sample]:
+class Drawn:
+    """A round's draws queued on the device, their copy to the host started (pinned, non-blocking): the runner
+    prepares the next round's host side while the GPU still runs this one (done() says whether it has finished),
+    then fetch() waits for the copy and reads the tokens and logprobs."""
+
+    def __init__(self, flat: torch.Tensor | None, event, lp: list[int], tops: list[int], params: list[SamplingParams]):
+        self._flat, self._event, self._lp, self._tops, self._params = flat, event, lp, tops, params
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def fetch(self) -> list[Sample]:
+        if self._flat is None:
+            return []
+        if self._event is not None:
+            self._event.synchronize()
+        host = self._flat.tolist()
+        lp, tops, params, n = self._lp, self._tops, self._params, len(self._params)
+        if not lp:
+            return [Sample(t) for t in host]
+        width = max(tops)
+        tokens = [int(t) for t in host[:n]]
+        chosen = host[n:n + len(lp)]
+        out = [Sample(t) for t in tokens]
+        at = n + len(lp)
+        for j, (i, k) in enumerate(zip(lp, tops)):
+            top = None
+            if params[i].top_logprobs > 0:
+                a = j * width
+                top = [(int(host[at + a + q]), host[at + len(lp) * width + a + q]) for q in range(k)]
+            out[i] = Sample(tokens[i], chosen[j], top)
+        return out
+
+
+def _fetch(raw: torch.Tensor, token: torch.Tensor, params: list[SamplingParams]) -> Drawn:
     """The tokens, and the logprobs asked for (of the raw row: log_softmax in float64), in one copy to the host."""
     dev = raw.device
     lp = [i for i, p in enumerate(params) if p.logprobs]
+    tops: list[int] = []
     if not lp:
-        return [Sample(t) for t in token.tolist()]
-    vocab = raw.shape[1]
-    sel = _on(dev, lp, torch.long)
-    logp = torch.log_softmax(raw[sel].double(), dim=-1)
-    parts = [token.double(), logp.gather(1, token[sel][:, None])[:, 0]]
-    tops = [min(params[i].top_logprobs, MAX_TOP_LOGPROBS, vocab) for i in lp]
-    width = max(tops)
-    if width > 0:
-        order = torch.sort(-logp, dim=1, stable=True).indices[:, :width]
-        parts += [order.double().reshape(-1), logp.gather(1, order).reshape(-1)]
-    host = torch.cat(parts).cpu().tolist()
-    n = len(params)
-    tokens = [int(t) for t in host[:n]]
-    chosen = host[n:n + len(lp)]
-    out = [Sample(t) for t in tokens]
-    at = n + len(lp)
-    for j, (i, k) in enumerate(zip(lp, tops)):
-        top = None
-        if params[i].top_logprobs > 0:
-            a = j * width
-            top = [(int(host[at + a + q]), host[at + len(lp) * width + a + q]) for q in range(k)]
-        out[i] = Sample(tokens[i], chosen[j], top)
-    return out
+        flat = token
+    else:
+        vocab = raw.shape[1]
+        sel = _on(dev, lp, torch.long)
+        logp = torch.log_softmax(raw[sel].double(), dim=-1)
+        parts = [token.double(), logp.gather(1, token[sel][:, None])[:, 0]]
+        tops = [min(params[i].top_logprobs, MAX_TOP_LOGPROBS, vocab) for i in lp]
+        width = max(tops)
+        if width > 0:
+            order = torch.sort(-logp, dim=1, stable=True).indices[:, :width]
+            parts += [order.double().reshape(-1), logp.gather(1, order).reshape(-1)]
+        flat = torch.cat(parts)
+    if dev.type != "cuda":
+        return Drawn(flat, None, lp, tops, params)
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return Drawn(host, event, lp, tops, params)
 
 
 def sample_row(logits: torch.Tensor, position: int, params: SamplingParams, reply=()) -> Sample:

@@ -45,7 +45,8 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dsv41.comm.plan import DropState, FreeSeq, NewSeq, RestoreState, Rollback, SaveState, SeqRows, StepPlan
+from dsv41.comm.plan import (PENDING, DropState, FreeSeq, NewSeq, RestoreState, Rollback, SaveState, SeqRows,
+                             StepPlan)
 from dsv41.sched.drafting import MEASURE_ROWS, DraftPolicy, DraftStats, RoundCosts
 from dsv41.sched.images import covers_images
 from dsv41.sched.kept import ImageSpan
@@ -55,7 +56,6 @@ from dsv41.sched.runner import RoundResult, encode_params
 
 log = logging.getLogger("dsv41.sched")
 
-PENDING = -1            # a decode row's token id in a plan made before the round that draws it has run
 
 
 class SchedulerError(Exception):
@@ -244,6 +244,9 @@ class Scheduler:
         matchers = {r.id: r.matcher for r in self.running if r.matcher is not None}
         images = {r.id: r.images for r in self.running if r.images and r.id in self._prompt_rows}
         fut = loop.run_in_executor(self._executor, self._execute, plan, matchers or None, images or None)
+        upcoming = getattr(self.runner, "upcoming", None)
+        if self._inflight is not None and upcoming is not None:
+            upcoming(plan)          # queued behind a running round: the runner may prepare its host side early
         self._advance(plan)
         earlier, self._inflight = self._inflight, (plan, fut, time.perf_counter())
         if earlier is not None:

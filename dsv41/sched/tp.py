@@ -49,8 +49,8 @@ class DigestingModel:
         self.model = model
         self._rows: list[torch.Tensor] = []
 
-    def forward(self, inputs):
-        outs = self.model.forward(inputs)
+    def forward(self, inputs, **kw):
+        outs = self.model.forward(inputs, **kw)
         self._rows += [o for o, i in zip(outs, inputs) if i.logits != "none"]
         return outs
 

@@ -1,0 +1,111 @@
+"""A round's host side prepared while the round before runs (issue 25: ModelRunner._prepare_next,
+Model.prepare_ahead): the runner, told the plan queued behind the running round, builds that round's table before
+the running round's draws are read. The replies are the same bits as rounds prepared when they start; a table built
+ahead and never used changes no state; a plan whose sequences change in between is not prepared ahead."""
+import pytest
+import torch
+
+from dsv41.comm.plan import PENDING, FreeSeq, NewSeq, SeqRows, StepPlan
+from dsv41.model.model import InputError, Model, SeqInput
+from dsv41.sched.runner import ModelRunner, encode_params
+from dsv41.sched.sampler import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model(shared):
+    return Model.load(shared / "vectors/model/tiny-a/checkpoint")
+
+
+def _prompts(n, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab - 1, (5 + 3 * i,), generator=g).tolist() for i in range(n)]
+
+
+def _params(i):
+    return (SamplingParams(temperature=0.0) if i % 2 == 0 else
+            SamplingParams(temperature=0.9, top_p=0.9, seed=11 + i, logprobs=True, top_logprobs=2))
+
+
+def decode(model, prompts, rounds, *, tell, skip_one=False):
+    """Open the sequences, fill their prompts, then `rounds` decode rounds of one PENDING row each, each plan made
+    before the round before it has run (as the overlapped scheduler makes them). tell: hand each plan to the runner
+    as the one queued behind the running round. skip_one: drop the table built for round 3 (it runs as usual)."""
+    runner = ModelRunner(model)
+    seqs = list(range(1, len(prompts) + 1))
+    ops = [NewSeq(s, encode_params(_params(i))) for i, s in enumerate(seqs)]
+    res = runner.execute(StepPlan(0, ops=ops, rows=[SeqRows(s, 0, p, [len(p) - 1]) for s, p in zip(seqs, prompts)]))
+    last = {s: smp.token_id for s, smp in res.samples}
+    out = {s: [t] for s, t in last.items()}
+    lengths = {s: len(p) for s, p in zip(seqs, prompts)}
+
+    def plan(k):
+        return StepPlan(k, rows=[SeqRows(s, lengths[s] + k - 1, [PENDING], [0]) for s in seqs])
+    plans = [plan(k) for k in range(1, rounds + 1)]
+    for k, p in enumerate(plans):
+        if tell and k + 1 < len(plans):
+            runner.upcoming(plans[k + 1])
+        if skip_one and k == 2:
+            assert runner._ahead is not None and runner._ahead[0] == p.round
+            runner._ahead = None
+        for r in p.rows:                         # the round thread resolves PENDING just before the round
+            r.ids = [last[r.seq]]
+        res = runner.execute(p)
+        for s, smp in res.samples:
+            last[s] = smp.token_id
+            out[s].append((smp.token_id, smp.logprob, smp.top))
+    return out, runner
+
+
+def test_rounds_prepared_ahead_equal_rounds_prepared_when_they_start(model):
+    prompts = _prompts(5, model.t.vocab_size, seed=1)
+    plain, r0 = decode(model, prompts, 7, tell=False)
+    ahead, r1 = decode(model, prompts, 7, tell=True)
+    assert r0.rounds_ahead == 0
+    assert r1.rounds_ahead == 6                  # every round after the first decode round
+    assert ahead == plain
+
+
+def test_a_table_built_ahead_and_never_used_changes_nothing(model):
+    prompts = _prompts(3, model.t.vocab_size, seed=2)
+    plain, _ = decode(model, prompts, 6, tell=False)
+    skipped, runner = decode(model, prompts, 6, tell=True, skip_one=True)
+    assert runner.rounds_ahead == 4              # rounds 2, 4, 5 and 6: round 3's table was built, then dropped
+    assert skipped == plain
+
+
+def test_a_plan_that_changes_its_sequences_first_is_not_prepared_ahead(model):
+    runner = ModelRunner(model)
+    p = _prompts(2, model.t.vocab_size, seed=3)
+    runner.execute(StepPlan(0, ops=[NewSeq(1, encode_params(_params(0))), NewSeq(2, encode_params(_params(0)))],
+                            rows=[SeqRows(1, 0, p[0], [len(p[0]) - 1]), SeqRows(2, 0, p[1], [len(p[1]) - 1])]))
+    n0, n1 = len(p[0]), len(p[1])
+
+    def step(k, nxt):
+        runner.upcoming(nxt)
+        runner.execute(StepPlan(k, rows=[SeqRows(1, n0 + k - 1, [5], [0]), SeqRows(2, n1 + k - 1, [6], [0])]))
+        return runner._ahead
+    # its own sequence freed first: a table built now would be stale
+    assert step(1, StepPlan(2, ops=[FreeSeq(2)], rows=[SeqRows(2, n1 + 1, [PENDING], [0])])) is None
+    # a row that does not start where its state will end (a rollback or a resumed state in between)
+    assert step(2, StepPlan(3, rows=[SeqRows(1, n0 + 5, [PENDING], [0])])) is None
+    # a prompt row, not a PENDING decode row
+    assert step(3, StepPlan(4, rows=[SeqRows(1, n0 + 3, [7], [0])])) is None
+    # another sequence freed: prepared
+    got = step(4, StepPlan(5, ops=[FreeSeq(2)], rows=[SeqRows(1, n0 + 4, [PENDING], [0])]))
+    assert got is not None and got[0] == 5
+
+
+def test_forward_refuses_a_table_prepared_for_other_rows(model):
+    st = [model.new_state() for _ in range(2)]
+    model.forward([SeqInput(s, torch.tensor([4, 5, 6 + i]), logits="none") for i, s in enumerate(st)])
+    rd = model.prepare_ahead(st, 1)
+    with pytest.raises(InputError):
+        model.forward([SeqInput(st[0], torch.tensor([7]))], ahead=rd)
+    lengths = [s.length for s in st]
+    assert lengths == [3, 3]
+    # the refused table changed no state: the round prepared as usual equals a fresh pair's
+    fresh = [model.new_state() for _ in range(2)]
+    model.forward([SeqInput(s, torch.tensor([4, 5, 6 + i]), logits="none") for i, s in enumerate(fresh)])
+    a = model.forward([SeqInput(s, torch.tensor([7])) for s in st])
+    b = model.forward([SeqInput(s, torch.tensor([7])) for s in fresh])
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
