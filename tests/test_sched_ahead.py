@@ -11,9 +11,10 @@ from dsv41.sched.runner import ModelRunner, encode_params
 from dsv41.sched.sampler import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def model(shared):
-    return Model.load(shared / "vectors/model/tiny-a/checkpoint")
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def model(shared, request):
+    """The host op set, and on a GPU the CUDA path (the draws' copy and event, the pinned table sent late)."""
+    return Model.load(shared / "vectors/model/tiny-a/checkpoint", device=request.param)
 
 
 def _prompts(n, vocab, seed):

@@ -28,7 +28,8 @@ timeout -s INT -k 10 150 python3 -m pytest -q -p no:cacheprovider --tb=short -rf
     tests/test_kernels_pdl.py tests/test_graphs.py tests/test_model_round.py \
     "tests/test_gpu_cuda.py::test_row_alone_equals_row_in_64_and_in_a_2048_chunk" \
     "tests/test_gpu_cuda.py::test_batch_of_four_equals_each_alone_on_cuda" \
-    tests/test_kernels_rowops.py tests/test_kernels_mhc.py tests/test_sampler_gpu.py -k "gpu or cuda or pdl" \
+    tests/test_kernels_rowops.py tests/test_kernels_mhc.py tests/test_sampler_gpu.py tests/test_sched_ahead.py \
+    -k "gpu or cuda or pdl" \
     > "$d/tests.txt" 2>&1
 echo "tests rc=$? at $(( $(date +%s) - t0 ))s" >> "$d/tests.txt"
 pack
