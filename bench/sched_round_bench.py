@@ -90,9 +90,9 @@ def instrument(sched: Scheduler, runner: ModelRunner, model, clock: Clock) -> No
         rec["masks"] = runner.grammar_seconds - g0
         return out
 
-    def timed_forward(inputs):
+    def timed_forward(inputs, **kw):
         t = time.perf_counter()
-        out = forward(inputs)
+        out = forward(inputs, **kw)
         clock.running["forward"] += time.perf_counter() - t
         return out
 
