@@ -126,6 +126,8 @@ def run_case(model, cost, rows: int, rounds: int, case: str, extra: dict) -> lis
 
     async def go():
         runner = ModelRunner(model)
+        if extra.pop("no_ahead", False):
+            runner.upcoming = None
         sched = Scheduler(runner, MemoryBudget(1 << 40, cost), max_streams=max(rows, 1), prefill_chunk=2048, **extra)
         clock = Clock()
         instrument(sched, runner, model, clock)
@@ -157,6 +159,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tag", default="after")
     ap.add_argument("--no-overlap", action="store_true", help="commit each round before planning the next")
+    ap.add_argument("--no-ahead", action="store_true",
+                    help="the runner is not told the queued plan: each round's table is built when it starts")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "sched-round-cpu.md"))
     args = ap.parse_args()
 
@@ -173,7 +177,10 @@ def main() -> None:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for case in args.cases.split(","):
         for rows in [int(x) for x in args.rows.split(",")]:
-            got = run_case(model, cost, rows, args.rounds, case, {"overlap": False} if args.no_overlap else {})
+            extra = {"overlap": False} if args.no_overlap else {}
+            if args.no_ahead:
+                extra["no_ahead"] = True
+            got = run_case(model, cost, rows, args.rounds, case, extra)
             col = {k: med([c[k] for c in got if k in c]) for k in ("plan", "forward", "execute", "masks", "commit",
                                                                     "gap")}
             draw = med([c["execute"] - c["forward"] for c in got])
