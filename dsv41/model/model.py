@@ -133,18 +133,29 @@ class _Round:
     rows: torch.Tensor | None = None       # the rows that want logits (the copy's tail), on the device
     want: list[int] | None = None
     host: torch.Tensor | None = None       # the table before send(): [N * M + len(want)] int64, pinned on a GPU
-    lengths: Callable[[], None] | None = None   # sets the sources' lengths after the round (send() calls it)
+    before: list[tuple] | None = None      # (mapping, key, value before the round) of what the table set: undo()
+    sent: bool = False
+
+    def undo(self) -> None:
+        """Take back what building the table set (the sources' lengths after the round, the published keys) for a
+        table built ahead whose round does not come: the states are as they were (the room it reserved stays)."""
+        if self.sent or self.before is None:
+            return
+        for where, key, value in reversed(self.before):
+            if isinstance(where, dict):
+                where[key] = value
+            else:
+                setattr(where, key, value)
+        self.before = None
 
     def send(self, device: torch.device, ids: torch.Tensor | None = None) -> None:
-        """The round's ids into the table's "ids" column (a table built ahead has none yet), the states' lengths
-        after the round set, and the table to the device in one non-blocking copy. Until this call the preparation
-        changed no state's meaning (only reserved room): a table built ahead and never sent is simply dropped."""
+        """The round's ids into the table's "ids" column (a table built ahead has none yet) and the table to the
+        device in one non-blocking copy."""
         N = len(self.starts) * self.n
         M = (self.host.numel() - len(self.want or ())) // N
         if ids is not None:
             self.host.numpy()[:N * M].reshape(N, M)[:, self.cols["ids"]] = ids.numpy().reshape(-1)
-        self.lengths()
-        self.lengths = None
+        self.sent = True
         dev_flat = self.host.to(device, non_blocking=True) if device.type == "cuda" else self.host
         self.meta = dev_flat[:N * M].view(N, M)
         self.rows = None if self.want is None else dev_flat[N * M:]
@@ -414,15 +425,21 @@ class Model:
                 ahead: _Round | None = None) -> list[torch.Tensor]:
         """Run every SeqInput's new tokens; returns per input float32 logits [n | 1 | 0, vocab] and advances each
         state by len(ids). `trace`, when given, receives intermediate arrays (tests, debugging). `ahead`: this
-        round's table from prepare_ahead (the same states, rows and logits wanted; checked)."""
-        self._check(batch)
+        round's table from prepare_ahead (the same states, rows and logits wanted; checked, else taken back)."""
+        try:
+            self._check(batch)
+        except InputError:
+            if ahead is not None:
+                ahead.undo()
+            raise
         return self._forward(batch, trace, ahead)
 
     def prepare_ahead(self, states: list[SeqState], n: int, logits: str = "last") -> _Round | None:
         """The host side of the next round of `states` (n rows each, `logits` as SeqInput's) built before its
         token ids exist, while the round before still runs on the device: forward(..., ahead=) then only writes
-        the ids into the table and sends it. Changes no state's meaning (it reserves room; the lengths are set
-        when the round runs); None where the round takes the per-sequence loop."""
+        the ids into the table and sends it. It sets what the round's table sets (the sources' lengths after the
+        round) and keeps what they were: a table whose round does not come is taken back with its undo(). None
+        where the round takes the per-sequence loop."""
         segs = [(b * n, n, st.length, st) for b, st in enumerate(states)]
         want = [a + k for a, _, _, _ in segs for k in (range(n) if logits == "all" else
                                                        [n - 1] if logits == "last" else ())]
@@ -453,7 +470,8 @@ class Model:
         else:
             if (len(segs) != len(ahead.states) or any(sg[3] is not st for sg, st in zip(segs, ahead.states))
                     or [sg[2] for sg in segs] != ahead.starts
-                    or any(sg[1] != ahead.n for sg in segs) or want != ahead.want or ahead.lengths is None):
+                    or any(sg[1] != ahead.n for sg in segs) or want != ahead.want or ahead.sent):
+                ahead.undo()
                 raise InputError("the round does not match the table prepared ahead for it")
             rd = ahead
             rd.send(dv, ids_host)
@@ -948,18 +966,26 @@ class Model:
                 marked[L] = [(b, sp.first[b], st.partial_kv[L].clone(), st.partial_gate[L].clone())
                              for b, st in enumerate(states) if st.undo is not None]
 
-        def lengths():     # at send(): a table built ahead changes no state until its round runs
-            for L, sp in srcs.items():
-                q, owns = sp.ratio, self.blocks[L].role.owns_index_keys
-                for st, g, pe in zip(states, sp.groups, sp.pend):
-                    st.compressed[L] = _extend_rows(st.compressed[L], g)
-                    if owns:
-                        st.index_keys[L] = _extend_rows(st.index_keys[L], g)
-                    if q > 1:
-                        st.partial_kv[L] = _first_rows(st.partial_kv[L], (pe + n) % q)
-                        st.partial_gate[L] = _first_rows(st.partial_gate[L], (pe + n) % q)
-            for st, pk in zip(states, pub):
-                st.published_keys = pk
+        # (what they were is kept only for a table built ahead: undo() if its round does not come)
+        before = [] if ahead else None
+
+        def put(where: dict, key, value):
+            if before is not None:
+                before.append((where, key, where[key]))
+            where[key] = value
+        for L, sp in srcs.items():
+            q, owns = sp.ratio, self.blocks[L].role.owns_index_keys
+            for st, g, pe in zip(states, sp.groups, sp.pend):
+                put(st.compressed, L, _extend_rows(st.compressed[L], g))
+                if owns:
+                    put(st.index_keys, L, _extend_rows(st.index_keys[L], g))
+                if q > 1:
+                    put(st.partial_kv, L, _first_rows(st.partial_kv[L], (pe + n) % q))
+                    put(st.partial_gate, L, _first_rows(st.partial_gate[L], (pe + n) % q))
+        for st, pk in zip(states, pub):
+            if before is not None:
+                before.append((st, "published_keys", st.published_keys))
+            st.published_keys = pk
         if ids is not None or ahead:
             col("ids", ids.numpy().reshape(B, n) if ids is not None else np.zeros((B, n), dtype=np.int64))
         # one host buffer (pinned on a GPU: its copy does not wait for the GPU, and the caching host allocator
@@ -979,7 +1005,7 @@ class Model:
         if extra:
             flat[N * M:] = want
         rd = _Round(n=n, starts=starts, states=states, meta=None, cols=cols, rings=rings, srcs=srcs, idx=idx,
-                    kvs=kvs, ikeys=ikeys, partials=partials, marked=marked, want=want, host=host, lengths=lengths)
+                    kvs=kvs, ikeys=ikeys, partials=partials, marked=marked, want=want, host=host, before=before)
         if not ahead:
             rd.send(self.device)
         return rd

@@ -139,10 +139,10 @@ class ModelRunner:
             if any(m is not None for m in ms):
                 # the masks depend only on the matchers' states and the plan: filled while the forward runs
                 masking = self._masker.submit(self._masks, wanted, ms)
-            ahead, self._ahead = self._ahead, None
+            ahead = self._take_ahead(plan.round)
             with torch.no_grad():
-                if ahead is not None and ahead[0] == plan.round:
-                    outs = self.model.forward(inputs, ahead=ahead[1])
+                if ahead is not None:
+                    outs = self.model.forward(inputs, ahead=ahead)
                     self.rounds_ahead += 1
                 else:
                     outs = self.model.forward(inputs)
@@ -212,6 +212,17 @@ class ModelRunner:
         logits = torch.cat(outs) if len(outs) > 1 else outs[0]
         return draw_rows(logits, positions, params, replies, bitmask)
 
+    def _take_ahead(self, round_: int | None):
+        """The table built ahead for round `round_`, if that is the one held; any other is taken back (undo: the
+        states as they were before it was built)."""
+        held, self._ahead = self._ahead, None
+        if held is None:
+            return None
+        if held[0] == round_:
+            return held[1]
+        held[1].undo()
+        return None
+
     def upcoming(self, plan: StepPlan) -> None:
         """The plan queued behind the running round (the scheduler's loop, when it plans round N+1 while N runs):
         its host side may be prepared while N's forward still runs on the device (_prepare_next)."""
@@ -226,7 +237,7 @@ class ModelRunner:
         already queued is prepared. A plan is taken only when nothing between here and its forward changes its
         sequences: every row one PENDING decode token wanting its logits, no state ops on its sequences, nothing
         after this round, no verify or drafting rows in either."""
-        self._ahead = None
+        self._take_ahead(None)
         prepare = getattr(self.model, "prepare_ahead", None)
         if prepare is None or plan.after or any(r.draft or len(r.logits) > 1 for r in plan.rows):
             return
