@@ -4,8 +4,9 @@ GPU host. On the CPU a factory call without a device still works, so this audit 
 a tensor on the host during a CUDA round: each torch factory function (torch.utils._device's list) called inside
 Model.forward / DSpark.draft without `device=` fails the test, on the reference op set and on the CUDA path's
 (cuda_ops(kernels=False): the torch fallbacks), over prompt passes, mixed rounds, decode and verify rounds, image
-rows, a trace and drafts. Host-side work inside the forward (Engram hashing, the round's integer prep) sets
-device="cpu" itself or runs under `with torch.device("cpu")`, which names the device before this audit sees it."""
+rows, a trace and drafts. Host-side work inside the forward (Engram hashing and rows, the round's integer prep, the
+draft's ring index) sets device="cpu" itself: a `with torch.device("cpu")` block would pass this audit but costs
+every torch call inside it the same hook (~950 calls of a 32-row round's Engram work on tiny-a)."""
 import traceback
 
 import pytest

@@ -98,17 +98,17 @@ class DSpark:
         in one copy; the same for every stage."""
         t = self.model.t
         B, S, W = len(items), self.block_size, t.sliding_window
-        with torch.device("cpu"):      # host integers, sent in one copy below
-            lengths = torch.tensor([st.length for st, _ in items], dtype=torch.long)[:, None]       # [B, 1]
-            b = torch.arange(B)[:, None]
-            j = torch.arange(W)[None, :]
-            lead = torch.clamp(lengths, max=W)
-            ctx_ok = j >= W - lead                                                               # [B, W]
-            ctx = b * W + torch.where(ctx_ok, (lengths - W + j) % W, 0)
-            block = B * W + b * S + torch.arange(S)[None, :]
-            idx = torch.cat([ctx, block], dim=1)                                                 # [B, W + S]
-            ok = torch.cat([ctx_ok, torch.ones(B, S, dtype=torch.bool)], dim=1)
-            both = torch.cat([idx, ok.long()], dim=1)
+        # host integers (device="cpu" each: no ambient device mode, whose hook costs every torch call), one copy below
+        lengths = torch.tensor([st.length for st, _ in items], dtype=torch.long, device="cpu")[:, None]   # [B, 1]
+        b = torch.arange(B, device="cpu")[:, None]
+        j = torch.arange(W, device="cpu")[None, :]
+        lead = torch.clamp(lengths, max=W)
+        ctx_ok = j >= W - lead                                                                   # [B, W]
+        ctx = b * W + torch.where(ctx_ok, (lengths - W + j) % W, 0)
+        block = B * W + b * S + torch.arange(S, device="cpu")[None, :]
+        idx = torch.cat([ctx, block], dim=1)                                                     # [B, W + S]
+        ok = torch.cat([ctx_ok, torch.ones(B, S, dtype=torch.bool, device="cpu")], dim=1)
+        both = torch.cat([idx, ok.long()], dim=1)
         if dv.type != "cpu":
             both = both.pin_memory().to(dv, non_blocking=True)
         idx, ok = both[:, :W + S], both[:, W + S:].bool()
@@ -133,12 +133,11 @@ class DSpark:
                 raise ValueError(f"next_token {tok} outside the vocabulary")
         dv = m.device      # tensors made here name their device (no ambient torch.device mode: see Model._forward)
         # the block's ids, positions and d_0 (next_token) in one pinned, non-blocking copy (no wait for the GPU)
-        with torch.device("cpu"):
-            first = torch.tensor([int(tok) for _, tok in items], dtype=torch.long)
-            lengths = torch.tensor([st.length for st, _ in items], dtype=torch.long)
-            ids = torch.full((B, S), self.noise, dtype=torch.long)
-            ids[:, 0] = first
-            host = torch.cat([ids.view(-1), (lengths[:, None] + torch.arange(S)).view(-1), first])
+        first = torch.tensor([int(tok) for _, tok in items], dtype=torch.long, device="cpu")
+        lengths = torch.tensor([st.length for st, _ in items], dtype=torch.long, device="cpu")
+        ids = torch.full((B, S), self.noise, dtype=torch.long, device="cpu")
+        ids[:, 0] = first
+        host = torch.cat([ids.view(-1), (lengths[:, None] + torch.arange(S, device="cpu")).view(-1), first])
         both = host_to_device(host, dv)
         ids, pos, prev = both[:B * S], both[B * S:2 * B * S], both[2 * B * S:]
         streams = m.embed[ids].float()[:, None, :].expand(-1, t.hc_mult, -1).clone()

@@ -32,8 +32,7 @@ class Engram:
     def table_rows(self, hash_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The rows' table entries [n, cols * head_dim] float32 on `device`: read on the host (a decode round reads
         them before its layers, so the layers can be one CUDA graph)."""
-        with torch.device("cpu"):   # table rows are read on the host
-            e = self.rows(hash_ids.cpu())
+        e = self.rows(hash_ids.cpu())   # table rows are read on the host
         return host_to_device(e.reshape(hash_ids.shape[0], -1).float(), device)    # no wait for the GPU
 
     def apply(self, streams: torch.Tensor, e: torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:

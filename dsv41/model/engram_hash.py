@@ -155,7 +155,7 @@ class EngramHasher:
 
     def compress(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids (DEAD = -1 kept) -> compressed ids."""
-        ids = torch.as_tensor(ids, dtype=torch.int64)
+        ids = torch.as_tensor(ids, dtype=torch.int64, device="cpu")
         if bool(((ids < DEAD) | (ids >= len(self.token_map))).any()):
             raise EngramError("token id outside the vocabulary")
         return torch.where(ids == DEAD, DEAD, self.token_map[ids.clamp_min(0)])
@@ -163,11 +163,11 @@ class EngramHasher:
     def hash_compressed(self, comp: torch.Tensor, start: int = 0) -> torch.Tensor:
         """comp: compressed ids of positions 0..T-1 (or any suffix holding at least the N-1 ids before `start`
         when `start` is counted within it; see hash_new). Returns int64 [T-start, n_layers, (N-1)*heads]."""
-        comp = torch.as_tensor(comp, dtype=torch.int64)
+        comp = torch.as_tensor(comp, dtype=torch.int64, device="cpu")
         T = comp.shape[0]
-        pos = torch.arange(start, T)
+        pos = torch.arange(start, T, device="cpu")
         shifted = []
-        alive = torch.ones(T - start, dtype=torch.bool)
+        alive = torch.ones(T - start, dtype=torch.bool, device="cpu")
         for s in range(self.ngram):
             src = comp[(pos - s).clamp_min(0)]
             alive = alive & (pos >= s) & (src != DEAD)  # once cut, every longer shift is cut too
@@ -182,9 +182,9 @@ class EngramHasher:
         B, n = new.shape
         k = self.ngram - 1
         seq = torch.cat([before, new], 1)                             # column k + i: position start + i
-        pos = starts[:, None] + torch.arange(n)
+        pos = starts[:, None] + torch.arange(n, device="cpu")
         shifted = []
-        alive = torch.ones((B, n), dtype=torch.bool)
+        alive = torch.ones((B, n), dtype=torch.bool, device="cpu")
         for s in range(self.ngram):
             src = seq[:, k - s:k - s + n]
             alive = alive & (pos >= s) & (src != DEAD)

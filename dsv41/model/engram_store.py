@@ -207,7 +207,7 @@ class EngramStore:
                 self._cache.popitem(last=False)
 
     def _unique_rows(self, tab: _Table, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        flat = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).cpu().numpy()   # hash ids may be on a GPU
+        flat = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64).reshape(-1)  # or GPU
         if flat.size and (flat.min() < 0 or flat.max() >= tab.rows):
             raise WeightError(tab.name, f"row id outside 0..{tab.rows - 1}")
         return np.unique(flat, return_inverse=True)
@@ -237,7 +237,8 @@ class EngramStore:
         w = raw[:, : self.dim].view(torch.float8_e4m3fn)
         s = raw[:, self.dim:].view(torch.float8_e8m0fnu)
         rows = quant.dequant_fp8_rows(w, s, self.dtype)
-        return rows[torch.from_numpy(inv.reshape(-1))].reshape(*torch.as_tensor(ids).shape, self.dim)
+        return rows[torch.from_numpy(inv.reshape(-1))].reshape(*np.shape(ids) if not isinstance(ids, torch.Tensor)
+                                                               else ids.shape, self.dim)
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> Future:
         """Read the rows neither cached nor already in flight into the cache, in the background (split over the

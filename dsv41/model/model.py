@@ -497,10 +497,12 @@ class Model:
                 embeds = torch.cat([s.embeds.float().to(self.device) if s.embeds is not None else
                                     h.new_zeros((s.ids.numel(), t.hidden_size)) for s in batch])
                 h = torch.where(image[:, None], embeds, h)
-        with torch.device("cpu"):    # Engram hashing and table reads run on the host
-            hash_ids = self._engram_hashes(batch, segs, ids_host, image_host) if t.engram_layer_ids else None
-            if self.engram_store is not None:
-                self.engram_store.prefetch_hashes(hash_ids)  # later Engram layers' rows load while earlier layers run
+        # Engram hashing and table reads run on the host (host tensors, device="cpu" where they are made: an ambient
+        # torch.device("cpu") mode here cost every torch call ~7 us, ~950 calls a 32-row round of tiny-a)
+        hash_ids = self._engram_hashes(batch, segs, ids_host, image_host) if t.engram_layer_ids else None
+        if self.engram_store is not None and not whole:
+            # later Engram layers' rows load while earlier layers run (a whole round reads them all right below)
+            self.engram_store.prefetch_hashes(hash_ids)
 
         taps = [None] * len(t.dspark_target_layer_ids)
         shared = [{} for _ in segs]
@@ -675,7 +677,8 @@ class Model:
                 m = min(k, start)
                 before[b, k - m:] = st.engram_history.numpy()[start - m:start]
                 st.engram_history = _append_ids(st.engram_history, start, comp[b])
-            return self.hasher.hash_round(torch.from_numpy(before), torch.tensor([sg[2] for sg in segs]), comp)
+            return self.hasher.hash_round(torch.from_numpy(before), torch.tensor([sg[2] for sg in segs], device="cpu"),
+                                          comp)
         out = []
         for (a, n, start, st), s in zip(segs, batch):
             comp = self.hasher.compress(ids[a:a + n])
