@@ -4,7 +4,7 @@ positions/s of EngramHasher, on a release-layout Engram shard with real row widt
     python bench/engram_bench.py [--rows 1000000] [--tokens 1,64,512] [--threads 1,8] [--out bench/results/engram.md]
 
 The table file sits in a temporary directory; the OS page cache is not dropped (no privileges), so "cold" means
-cold for the store's own LRU, not for the disk: it measures the pread + dequant path, not the device.
+cold for the store's own LRU, not for the disk: it measures the map gather + dequant path, not the device.
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def main() -> int:
     text = "\n".join([
         "# Engram hashing and table-row reads", "", f"Command: `{cmd}`", "", f"Machine: {machine}", "",
         f"Table: {rows:,} rows of 256 E4M3 + 8 E8M0 bytes in one release-layout shard (page cache warm: this is "
-        "the pread + dequant path, not the disk). Lookups are 24 rows per token (3 n-gram sizes x 8 heads), one "
+        "the map gather + dequant path, not the disk). Lookups are 24 rows per token (3 n-gram sizes x 8 heads), one "
         "Engram layer; cold = no store cache; warm = the same rows again; prefetched = lookup after prefetch() "
         "finished.", "", *lines, ""])
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

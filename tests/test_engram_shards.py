@@ -145,3 +145,23 @@ def test_server_start_refuses_without_tables_and_says_degraded(ckpts, capsys):
     store = eng.sched.runner.model.engram_store
     assert store is not None and store.cache_rows == (1 << 20) // store.row_bytes
     assert "degraded" not in capsys.readouterr().out
+
+
+def test_read_ahead_of_the_next_decode_rows_brings_every_row_they_look_up(ckpts):
+    """engram_read_ahead_next (the runner's, after a round's draws): the rows of each sequence's next decode row,
+    hashed for all sequences at once, are the rows that round then looks up: it reads nothing itself. Sequences
+    of different lengths (one shorter than the n-gram) and a token repeated across them."""
+    _, split, tables = ckpts
+    m = Model.load(split, engram=tables, engram_cache_bytes=1 << 20)
+    states = [m.new_state() for _ in range(3)]
+    for st, n in zip(states, (2, 9, 17)):
+        m.forward([SeqInput(st, _prompt(n, n), "last")])
+    nxt = [5, 77, 5]
+    for f in m.engram_read_ahead_next(list(zip(states, nxt))).result():
+        f.result()
+    n = m.engram_store.reads
+    m.forward([SeqInput(st, torch.tensor([t]), "last") for st, t in zip(states, nxt)])
+    assert m.engram_store.reads == n
+    # a different token than the one read ahead: its rows are read by the round itself
+    m.forward([SeqInput(states[0], torch.tensor([91]), "last")])
+    assert m.engram_store.reads > n

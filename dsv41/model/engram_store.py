@@ -5,21 +5,23 @@ The release's two tables are ~100 GB each (model-00047/48: `layers.{1,14}.engram
 
 - the safetensors header of each file is parsed once for the two tensors' data offsets (8-byte little-endian
   header length, JSON header, data_offsets relative to the end of the header);
-- a row is two `os.pread`s (head_dim bytes of E4M3, head_dim/32 bytes of E8M0), issued from a thread pool;
-- raw row bytes live in a bounded host-memory LRU cache (`cache_bytes`), dequantised on the way out;
+- each table is mapped (np.memmap of its rows and of its scales): a batch of rows is two numpy gathers, the pages
+  that hold them faulted in by the OS (numpy copies without the GIL, so the pool's threads fault in parallel);
+- raw row bytes live in a bounded host-memory LRU cache (`cache_bytes`: one slab, a dict from row to slot, a use
+  stamp per slot), dequantised on the way out;
 - `prefetch(layer, ids)` reads missing rows into the cache in the background; `read_ahead(make_hash_ids)` hashes
   on a planner thread and prefetches every layer (the scheduler gives it the next prompt chunk while the current
-  one computes, the runner the next decode row after sampling, the forward both layers' rows of its own call);
-  a lookup waits for rows already in flight instead of reading them twice.
+  one computes, the runner every sequence's next decode row after sampling, all at once); a lookup waits for rows
+  already in flight instead of reading them twice.
 
 The tables may sit in another folder than the rest of the weights (`--engram DIR`, e.g. beside EXL3 weights that
 lack them): that folder's index is used when it lists them, otherwise the headers of its `*.safetensors` files are
 searched. Missing tables raise `EngramMissing` (the server then refuses to start unless `--no-engram`).
 
-Why plain `os.pread` from a thread pool and not O_DIRECT / io_uring: a row is 264 bytes, far below O_DIRECT's
-4 KiB alignment (each row would cost a 4-8 KiB aligned read and a bounce copy), and no io_uring binding for Python is
-both well kept and installable here; the page cache plus preads issued from several threads already keep many
-requests in flight on NVMe, and the rows of the next chunk are read while the current one computes.
+Why a map and not a read per row (session 15; it was two `os.pread`s a row, each with a dict entry and a bytes
+object in the cache): a 32-row decode round looks up ~770 rows of each Engram layer (24 a token), and the
+per-row Python cost (~4 us a row) was milliseconds of host time before the round could launch. A row is 264 bytes, far below O_DIRECT's
+4 KiB alignment, so the page cache serves either way; the maps gather a batch in one call.
 
 Rows are bytes from the file either way, so cache, prefetch and thread count never change a value.
 """
@@ -30,7 +32,6 @@ import logging
 import os
 import struct
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -45,6 +46,7 @@ from dsv41.model.weights import WeightError, read_weight_map
 log = logging.getLogger("dsv41.engram")
 
 _DTYPE_BYTES = {"F8_E4M3": 1, "F8_E8M0": 1}
+_FREE = np.iinfo(np.int64).max          # a free slot's use stamp: never the least recently used
 
 
 class EngramMissing(WeightError):
@@ -99,29 +101,35 @@ def read_safetensors_header(path: str | Path) -> tuple[dict, int]:
 
 
 class _Table:
-    """One layer's table: where its rows and scales sit in which file."""
+    """One layer's table: its rows and scales mapped from their files (np.memmap: nothing is read until a row is
+    gathered, then only the pages holding it)."""
 
-    def __init__(self, name: str, w_path: Path, s_path: Path, rows: int, dim: int):
+    def __init__(self, name: str, w_path: Path, s_path: Path, rows: int, dim: int, w_off: int, s_off: int):
         self.name, self.rows, self.dim, self.sdim = name, rows, dim, dim // 32
-        self.w_fd = os.open(w_path, os.O_RDONLY)
-        self.s_fd = self.w_fd if s_path == w_path else os.open(s_path, os.O_RDONLY)
-        self.w_off = self.s_off = 0
+        for path, off, width in ((w_path, w_off, dim), (s_path, s_off, self.sdim)):
+            if os.path.getsize(path) < off + rows * width:
+                raise WeightError(name, f"{Path(path).name} ends before the table does (truncated file?)")
+        self.w = np.memmap(w_path, dtype=np.uint8, mode="r", offset=w_off, shape=(rows, dim))
+        self.s = np.memmap(s_path, dtype=np.uint8, mode="r", offset=s_off, shape=(rows, self.sdim))
 
     def close(self):
-        os.close(self.w_fd)
-        if self.s_fd != self.w_fd:
-            os.close(self.s_fd)
+        self.w = self.s = None          # the maps close with their last reference
 
-    def read(self, r: int) -> bytes:
-        w = os.pread(self.w_fd, self.dim, self.w_off + r * self.dim)
-        s = os.pread(self.s_fd, self.sdim, self.s_off + r * self.sdim)
-        if len(w) != self.dim or len(s) != self.sdim:
-            raise WeightError(self.name, f"short read at row {r} (truncated file?)")
-        return w + s
+    def read_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Rows [n, dim + dim/32] uint8: E4M3 bytes then E8M0 scales, gathered in two numpy ops (numpy drops the
+        GIL while it copies, so the pool's threads fault pages in at once)."""
+        out = np.empty((len(rows), self.dim + self.sdim), dtype=np.uint8)
+        out[:, :self.dim] = self.w[rows]
+        out[:, self.dim:] = self.s[rows]
+        return out
 
 
 class EngramStore:
-    """Rows of every Engram layer's table. `lookup(layer_id, ids)` -> dequantised rows [*ids.shape, head_dim]."""
+    """Rows of every Engram layer's table. `lookup(layer_id, ids)` -> dequantised rows [*ids.shape, head_dim].
+
+    The cache is one preallocated slab of `cache_bytes` of raw rows with a dict from (row, layer) key to slot and a
+    use stamp per slot: a lookup is a few numpy ops and one dict probe per distinct row (a decode round of 32 rows
+    asks ~770 rows of each Engram layer), and the least recently used rows go in batches of 1/16 of the slab."""
 
     def __init__(self, tables_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  cache_bytes: int = 256 << 20, threads: int = 8):
@@ -130,14 +138,19 @@ class EngramStore:
         self.dim = t.engram_head_dim
         self.row_bytes = self.dim + self.dim // 32
         self.cache_rows = max(0, cache_bytes // self.row_bytes)
-        self._cache: OrderedDict[tuple[int, int], bytes] = OrderedDict()
+        self._slot: dict[int, int] = {}                              # key -> slab slot
+        self._slab = np.empty((self.cache_rows, self.row_bytes), dtype=np.uint8)   # pages touched as filled
+        self._keys = np.full(self.cache_rows, -1, dtype=np.int64)     # slot -> key (-1: free)
+        self._stamp = np.full(self.cache_rows, _FREE, dtype=np.int64)
+        self._free = list(range(self.cache_rows - 1, -1, -1))         # free slots, popped from the end
+        self._tick = 0
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="engram-read")
         self._threads = max(1, threads)
-        self.reads = 0  # rows read from disk (for tests and metrics)
+        self.reads = 0  # rows read from the files (for tests and metrics)
         self.tables: dict[int, _Table] = {}
         self.layers = tuple(t.engram_layer_ids)
-        self._inflight: dict[tuple[int, int], tuple[Future, dict]] = {}
+        self._inflight: dict[int, Future] = {}                       # key -> the prefetch part reading it
         self._planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-ahead")
         d = Path(tables_dir)
         if not d.is_dir():
@@ -150,10 +163,9 @@ class EngramStore:
                 for n in (wname, sname):
                     if wm[n] not in headers:
                         headers[wm[n]] = read_safetensors_header(d / wm[n])
-                tab = _Table(wname, d / wm[wname], d / wm[sname], rows, self.dim)
-                self.tables[layer] = tab
-                tab.w_off = self._locate(headers[wm[wname]], wname, "F8_E4M3", [rows, self.dim])
-                tab.s_off = self._locate(headers[wm[sname]], sname, "F8_E8M0", [rows, self.dim // 32])
+                w_off = self._locate(headers[wm[wname]], wname, "F8_E4M3", [rows, self.dim])
+                s_off = self._locate(headers[wm[sname]], sname, "F8_E8M0", [rows, self.dim // 32])
+                self.tables[layer] = _Table(wname, d / wm[wname], d / wm[sname], rows, self.dim, w_off, s_off)
         except BaseException:
             self.close()
             raise
@@ -181,30 +193,53 @@ class EngramStore:
         except KeyError:
             raise WeightError(f"layers.{layer}.engram.embed.weight", "not an Engram layer") from None
 
-    def _read_many(self, tab: _Table, layer: int, rows: list[int]) -> dict[int, bytes]:
-        if not rows:
-            return {}
+    def _keys_of(self, layer: int, rows: np.ndarray) -> np.ndarray:
+        return rows * len(self.layers) + self.layers.index(layer)
+
+    def _read(self, tab: _Table, rows: np.ndarray) -> np.ndarray:
+        """Rows from the files, split over the pool's threads when there are many."""
         n = len(rows)
-        step = max(1, -(-n // self._threads))
-        chunks = [rows[i:i + step] for i in range(0, n, step)]
-        if len(chunks) == 1:
-            results = [[tab.read(r) for r in chunks[0]]]
+        if n < 256 or self._threads == 1:
+            got = tab.read_rows(rows)
         else:
-            results = list(self._pool.map(lambda c: [tab.read(r) for r in c], chunks))
-        got = {r: b for c, res in zip(chunks, results) for r, b in zip(c, res)}
-        self._insert(layer, got)
+            step = -(-n // self._threads)
+            got = np.concatenate(list(self._pool.map(tab.read_rows, [rows[i:i + step] for i in range(0, n, step)])))
+        with self._lock:
+            self.reads += n
         return got
 
-    def _insert(self, layer: int, got: dict[int, bytes]) -> None:
-        with self._lock:
-            self.reads += len(got)
-            if not self.cache_rows:
-                return
-            for r, b in got.items():
-                self._cache[(layer, r)] = b
-                self._cache.move_to_end((layer, r))
-            while len(self._cache) > self.cache_rows:
-                self._cache.popitem(last=False)
+    def _insert(self, keys: np.ndarray, data: np.ndarray) -> None:
+        """Raw rows into the slab (caller holds the lock); the least recently used go first when it is full."""
+        if not self.cache_rows or not len(keys):
+            return
+        fresh = np.fromiter((k not in self._slot for k in keys.tolist()), dtype=bool, count=len(keys))
+        keys, data = keys[fresh][-self.cache_rows:], data[fresh][-self.cache_rows:]
+        n = len(keys)
+        if n > len(self._free):
+            need = min(max(n - len(self._free), self.cache_rows // 16), self.cache_rows - len(self._free))
+            old = np.argpartition(self._stamp, need - 1)[:need]       # free slots' stamps sort last
+            for k in self._keys[old].tolist():
+                del self._slot[k]
+            self._keys[old] = -1
+            self._stamp[old] = _FREE
+            self._free += old.tolist()
+        slots = np.array(self._free[len(self._free) - n:][::-1], dtype=np.int64)
+        del self._free[len(self._free) - n:]
+        self._slab[slots] = data
+        self._keys[slots] = keys
+        self._tick += 1
+        self._stamp[slots] = self._tick
+        self._slot.update(zip(keys.tolist(), slots.tolist()))
+
+    def _cached(self, keys: np.ndarray) -> np.ndarray:
+        """Each key's slot or -1, and a use stamp on the hits (caller holds the lock)."""
+        get = self._slot.get
+        slots = np.fromiter((get(k, -1) for k in keys.tolist()), dtype=np.int64, count=len(keys))
+        hit = slots[slots >= 0]
+        if len(hit):
+            self._tick += 1
+            self._stamp[hit] = self._tick
+        return slots
 
     def _unique_rows(self, tab: _Table, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         flat = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64).reshape(-1)  # or GPU
@@ -216,24 +251,32 @@ class EngramStore:
         """Rows `ids` (any shape, int) of layer's table, dequantised: [*ids.shape, head_dim] in self.dtype."""
         tab = self._table(layer)
         uniq, inv = self._unique_rows(tab, ids)
-        have: dict[int, bytes] = {}
-        waits: dict[int, tuple[Future, dict]] = {}
+        keys = self._keys_of(layer, uniq)
+        buf = np.empty((len(uniq), self.row_bytes), dtype=np.uint8)
         with self._lock:
-            for r in uniq.tolist():
-                b = self._cache.get((layer, r))
-                if b is not None:
-                    self._cache.move_to_end((layer, r))
-                    have[r] = b
-                elif (layer, r) in self._inflight:
-                    waits[r] = self._inflight[(layer, r)]
-        missing = [r for r in uniq.tolist() if r not in have and r not in waits]
-        have.update(self._read_many(tab, layer, missing))
-        for r, (fut, got) in waits.items():   # being read ahead: take the bytes that read brings
-            fut.result()
-            have[r] = got[r]
-        buf = np.frombuffer(b"".join(have[r] for r in uniq.tolist()), dtype=np.uint8).reshape(len(uniq),
-                                                                                          self.row_bytes)
-        raw = torch.from_numpy(buf.copy())
+            slots = self._cached(keys)
+            hit = slots >= 0
+            buf[hit] = self._slab[slots[hit]]
+            waits = {}
+            for i in np.flatnonzero(~hit).tolist():
+                f = self._inflight.get(int(keys[i]))
+                if f is not None:
+                    waits.setdefault(f, []).append(i)
+        for f, idx in waits.items():      # being read ahead: wait, then take them from the slab (or read them)
+            f.result()
+            with self._lock:
+                got = self._cached(keys[idx])
+            ok = got >= 0
+            with self._lock:
+                buf[np.asarray(idx)[ok]] = self._slab[got[ok]]
+            hit[np.asarray(idx)[ok]] = True
+        miss = np.flatnonzero(~hit)
+        if len(miss):
+            data = self._read(tab, uniq[miss])
+            buf[miss] = data
+            with self._lock:
+                self._insert(keys[miss], data)
+        raw = torch.from_numpy(buf)
         w = raw[:, : self.dim].view(torch.float8_e4m3fn)
         s = raw[:, self.dim:].view(torch.float8_e8m0fnu)
         rows = quant.dequant_fp8_rows(w, s, self.dtype)
@@ -250,15 +293,18 @@ class EngramStore:
         if not self.cache_rows:
             done.set_result(0)
             return done
+        keys = self._keys_of(layer, uniq)
         with self._lock:
-            missing = [r for r in uniq.tolist() if (layer, r) not in self._cache and (layer, r) not in self._inflight]
-            step = max(1, -(-len(missing) // self._threads))
+            get, fly = self._slot.get, self._inflight
+            want = np.fromiter(((get(k) is None and k not in fly) for k in keys.tolist()), dtype=bool,
+                               count=len(keys))
+            rows, keys = uniq[want], keys[want]
+            step = max(1, -(-len(rows) // self._threads))
             parts = []
-            for i in range(0, len(missing), step):
-                rows, got, fut = missing[i:i + step], {}, Future()
-                for r in rows:
-                    self._inflight[(layer, r)] = (fut, got)
-                parts.append((rows, got, fut))
+            for i in range(0, len(rows), step):
+                fut = Future()
+                fly.update(dict.fromkeys(keys[i:i + step].tolist(), fut))
+                parts.append((rows[i:i + step], keys[i:i + step], fut))
         if not parts:
             done.set_result(0)
             return done
@@ -273,29 +319,30 @@ class EngramStore:
                 if errs:
                     done.set_exception(errs[0])
                 else:
-                    done.set_result(sum(len(g) for _, g, _ in parts))
+                    done.set_result(sum(len(r) for r, _, _ in parts))
 
-        for rows, got, fut in parts:
+        for rows_, keys_, fut in parts:
             fut.add_done_callback(part_done)
-            self._pool.submit(self._read_part, tab, layer, rows, got, fut)
+            self._pool.submit(self._read_part, tab, rows_, keys_, fut)
         return done
 
-    def _read_part(self, tab: _Table, layer: int, rows: list[int], got: dict, fut: Future) -> None:
+    def _read_part(self, tab: _Table, rows: np.ndarray, keys: np.ndarray, fut: Future) -> None:
         # inside a pool worker: read in this thread (fanning out again from a worker could starve the pool)
         try:
-            for r in rows:
-                got[r] = tab.read(r)
-            self._insert(layer, got)
+            data = tab.read_rows(rows)
+            with self._lock:
+                self.reads += len(rows)
+                self._insert(keys, data)
         except BaseException as e:  # noqa: BLE001 - a waiting lookup re-raises it
             with self._lock:
-                for r in rows:
-                    self._inflight.pop((layer, r), None)
+                for k in keys.tolist():
+                    self._inflight.pop(k, None)
             fut.set_exception(e)
             return
         with self._lock:
-            for r in rows:
-                self._inflight.pop((layer, r), None)
-        fut.set_result(len(got))
+            for k in keys.tolist():
+                self._inflight.pop(k, None)
+        fut.set_result(len(rows))
 
     def prefetch_hashes(self, hash_ids: torch.Tensor) -> list[Future]:
         """prefetch() of every Engram layer's rows: hash_ids [n, n_layers, cols] as EngramHasher gives them."""
@@ -315,7 +362,7 @@ class EngramStore:
 
     def cached_rows(self) -> int:
         with self._lock:
-            return len(self._cache)
+            return len(self._slot)
 
     def close(self) -> None:
         self._planner.shutdown(wait=True)

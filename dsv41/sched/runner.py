@@ -187,11 +187,9 @@ class ModelRunner:
                 draft_s = time.perf_counter() - t1
         for op in plan.after:
             self._kept_op(plan, op)
-        read_ahead = getattr(self.model, "engram_read_ahead", None)
-        if read_ahead is not None:  # each sequence's last drawn token is its next decode row: read its Engram rows now
-            for seq, last in lasts.items():
-                st = self.states[seq]
-                read_ahead(st.engram_history[-3:], st.length, torch.tensor([last]))
+        read_ahead = getattr(self.model, "engram_read_ahead_next", None)
+        if read_ahead is not None and lasts:   # each sequence's drawn token is its next decode row: its Engram rows
+            read_ahead([(self.states[seq], last) for seq, last in lasts.items()])
         return RoundResult(plan.round, samples, time.perf_counter() - t0, errors, accepted, drafts, draft_s)
 
     def _draw_all(self, wanted: list, outs: list[torch.Tensor], bitmask) -> Drawn:
