@@ -123,3 +123,19 @@ def test_prefetch_racing_lookups(tiny_a):
         for f in futures:
             f.result()
         assert st.cached_rows() <= 300
+
+
+def test_truncated_table_file_is_refused_at_open(tiny_a, tmp_path):
+    """The tables are mapped: a shard that ends before its table does is a WeightError when the store opens (not a
+    bus error at the first row past its end)."""
+    _, tiny_cfg = tiny_a
+    rows = _write_release_like(tmp_path)
+    cfg = _cfg_with(tiny_cfg, rows, 256)
+    shard = tmp_path / read_weight_map(tmp_path)["layers.4.engram.embed.weight"]
+    with EngramStore(tmp_path, cfg) as st:          # whole: opens
+        assert st.lookup(4, torch.tensor([rows[1] - 1])).shape == (1, 256)
+    header, base = read_safetensors_header(shard)
+    a, b = header["layers.4.engram.embed.weight"]["data_offsets"]
+    shard.write_bytes(shard.read_bytes()[:base + (a + b) // 2])       # the file ends inside the table
+    with pytest.raises(WeightError, match="truncated"):
+        EngramStore(tmp_path, cfg)
