@@ -292,3 +292,25 @@ def test_v4_spelling_parses_as_v41_under_any_cut(reasoning, content, calls, thin
     deltas, final = _run(v4, data.draw(st.lists(st.integers(0, len(v4)), max_size=12)), thinking)
     _check(deltas, final)
     assert final == want
+
+
+def test_partial_tail_is_the_longest_marker_prefix_ending_the_text():
+    """The streaming parser's hold-back: the longest suffix of the text that is a proper prefix of a marker, against
+    the definition (every marker, every length) on random texts over the markers' own characters."""
+    import random
+
+    from dsv41.chat.parser import _V4_TAGS, _partial_tail
+
+    def brute(buf, markers):
+        return max([n for m in markers for n in range(1, min(len(buf), len(m) - 1) + 1) if buf.endswith(m[:n])],
+                   default=0)
+    rng = random.Random(7)
+    sets = [_V4_TAGS, ("</think>", "\n\n<｜DSML｜function_calls>", "<｜DSML｜function_calls>"), ("ab", "aab", "b")]
+    for markers in sets:
+        alphabet = sorted(set("".join(markers))) + ["x", " "]
+        for _ in range(3000):
+            buf = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+            if rng.random() < 0.3:              # often end inside a marker
+                m = rng.choice(markers)
+                buf += m[:rng.randint(1, len(m))]
+            assert _partial_tail(buf, markers) == brute(buf, markers), (buf, markers)

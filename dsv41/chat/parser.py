@@ -22,6 +22,7 @@ message exactly. Rules (docs/chat.md, "Reply parsing"):
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -95,14 +96,28 @@ def json_value(raw: str) -> Any:
 
 
 def _partial_tail(buf: str, markers: Iterable[str]) -> int:
-    """Length of the longest suffix of buf that is a proper prefix of one of the markers."""
-    best = 0
+    """Length of the longest suffix of buf that is a proper prefix of one of the markers. Only the prefixes that end
+    with buf's last character are tried (longest first): a streamed token's text rarely ends with a marker's
+    character, so this is a dict probe a token where trying every prefix of every marker was ~60 string ops (a
+    tenth of the event loop's work per streamed token at 32 streams)."""
+    if not buf:
+        return 0
+    for n, prefix in _prefixes_by_last(tuple(markers)).get(buf[-1], ()):
+        if n <= len(buf) and buf.endswith(prefix):
+            return n
+    return 0
+
+
+@functools.cache
+def _prefixes_by_last(markers: tuple[str, ...]) -> dict[str, list[tuple[int, str]]]:
+    """Last character -> (length, prefix) of the markers' proper prefixes ending with it, longest first."""
+    table: dict[str, list[tuple[int, str]]] = {}
     for m in markers:
-        for n in range(min(len(buf), len(m) - 1), best, -1):
-            if buf.endswith(m[:n]):
-                best = n
-                break
-    return best
+        for n in range(1, len(m)):
+            table.setdefault(m[n - 1], []).append((n, m[:n]))
+    for v in table.values():
+        v.sort(reverse=True)
+    return table
 
 
 def _strip_blank_line(text: str) -> str:
