@@ -194,3 +194,43 @@ def test_drafts_on_overlap_while_the_policy_does_not_propose(model):
     drafted, ahead, stats = asyncio.run(go())
     assert _ids(drafted) == _ids(serial)
     assert stats.drafted > 0 and ahead > 5
+
+
+class _SlowDevice(ModelRunner):
+    """A runner whose draws report "not done" for 40 ms, as a GPU round would: the runner then waits for the plan the
+    scheduler queues behind the round and prepares it ahead (on the CPU the forward has finished by then, so without
+    this the prepare-ahead happens only when the loop was quick enough)."""
+
+    def _draw_all(self, *a):
+        import time
+        drawn = super()._draw_all(*a)
+        t0, done = time.monotonic(), drawn.done
+        drawn.done = lambda: time.monotonic() - t0 > 0.04 and done()
+        return drawn
+
+
+def test_rounds_prepared_ahead_under_the_scheduler_equal_serial(model):
+    """The scheduler's overlap with the runner's prepare-ahead taking nearly every decode round: replies (greedy,
+    sampled, penalties; EOS drawn mid-way while the next round is already prepared) equal the serial ones."""
+    prompts = _prompts(10, model.t.vocab_size, seed=11)
+
+    def plain():
+        return [Request(list(p), _params(i), 8 + i % 5, eos_ids=frozenset([1]), ignore_eos=True)
+                for i, p in enumerate(prompts)]
+
+    serial, _ = run(model, plain, overlap=False)
+    runner = _SlowDevice(model)
+    ahead, _ = run(model, plain, overlap=True, runner=runner)
+    assert _ids(ahead) == _ids(serial)
+    assert runner.rounds_ahead >= 5
+    stops = {i: serial[i].output_ids[1 + i % 4] for i in range(len(prompts))}
+
+    def stopping():
+        return [Request(list(p), _params(i), 8 + i % 5, eos_ids=frozenset([stops[i]]), ignore_eos=False)
+                for i, p in enumerate(prompts)]
+
+    serial_stop, _ = run(model, stopping, overlap=False)
+    runner = _SlowDevice(model)
+    ahead_stop, _ = run(model, stopping, overlap=True, runner=runner)
+    assert _ids(ahead_stop) == _ids(serial_stop)
+    assert runner.rounds_ahead >= 2 and runner.states == {}
