@@ -242,7 +242,7 @@ class EngramStore:
         return slots
 
     def _unique_rows(self, tab: _Table, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        flat = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64).reshape(-1)  # or GPU
+        flat = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64).reshape(-1)  # ids: any device
         if flat.size and (flat.min() < 0 or flat.max() >= tab.rows):
             raise WeightError(tab.name, f"row id outside 0..{tab.rows - 1}")
         return np.unique(flat, return_inverse=True)
@@ -264,12 +264,12 @@ class EngramStore:
                     waits.setdefault(f, []).append(i)
         for f, idx in waits.items():      # being read ahead: wait, then take them from the slab (or read them)
             f.result()
-            with self._lock:
+            idx = np.asarray(idx)
+            with self._lock:              # slots looked up and copied in one hold: an insert may evict them after
                 got = self._cached(keys[idx])
-            ok = got >= 0
-            with self._lock:
-                buf[np.asarray(idx)[ok]] = self._slab[got[ok]]
-            hit[np.asarray(idx)[ok]] = True
+                ok = got >= 0
+                buf[idx[ok]] = self._slab[got[ok]]
+            hit[idx[ok]] = True
         miss = np.flatnonzero(~hit)
         if len(miss):
             data = self._read(tab, uniq[miss])
@@ -328,21 +328,21 @@ class EngramStore:
 
     def _read_part(self, tab: _Table, rows: np.ndarray, keys: np.ndarray, fut: Future) -> None:
         # inside a pool worker: read in this thread (fanning out again from a worker could starve the pool)
+        err = None
         try:
             data = tab.read_rows(rows)
             with self._lock:
                 self.reads += len(rows)
                 self._insert(keys, data)
         except BaseException as e:  # noqa: BLE001 - a waiting lookup re-raises it
-            with self._lock:
-                for k in keys.tolist():
-                    self._inflight.pop(k, None)
-            fut.set_exception(e)
-            return
+            err = e
         with self._lock:
             for k in keys.tolist():
                 self._inflight.pop(k, None)
-        fut.set_result(len(rows))
+        if err is not None:
+            fut.set_exception(err)
+        else:
+            fut.set_result(len(rows))
 
     def prefetch_hashes(self, hash_ids: torch.Tensor) -> list[Future]:
         """prefetch() of every Engram layer's rows: hash_ids [n, n_layers, cols] as EngramHasher gives them."""
