@@ -120,13 +120,13 @@ def matchers(n: int):
     return [spec.matcher() for _ in range(n)]
 
 
-def run_case(model, cost, rows: int, rounds: int, case: str, extra: dict) -> list[dict]:
+def run_case(model, cost, rows: int, rounds: int, case: str, extra: dict, ahead: bool = True) -> list[dict]:
     params = dict(CASES[case])
     ms = matchers(rows) if case.endswith("+json") else [None] * rows
 
     async def go():
         runner = ModelRunner(model)
-        if extra.pop("no_ahead", False):
+        if not ahead:
             runner.upcoming = None
         sched = Scheduler(runner, MemoryBudget(1 << 40, cost), max_streams=max(rows, 1), prefill_chunk=2048, **extra)
         clock = Clock()
@@ -177,10 +177,8 @@ def main() -> None:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for case in args.cases.split(","):
         for rows in [int(x) for x in args.rows.split(",")]:
-            extra = {"overlap": False} if args.no_overlap else {}
-            if args.no_ahead:
-                extra["no_ahead"] = True
-            got = run_case(model, cost, rows, args.rounds, case, extra)
+            got = run_case(model, cost, rows, args.rounds, case, {"overlap": False} if args.no_overlap else {},
+                           ahead=not args.no_ahead)
             col = {k: med([c[k] for c in got if k in c]) for k in ("plan", "forward", "execute", "masks", "commit",
                                                                     "gap")}
             draw = med([c["execute"] - c["forward"] for c in got])

@@ -393,11 +393,7 @@ class Model:
         (per sequence, the read-ahead's fixed cost was most of it: ~0.1 ms a sequence on the planner thread)."""
         if self.engram_store is None or not items:
             return None
-        k = self.hasher.ngram - 1
-        before = np.full((len(items), k), DEAD, dtype=np.int64)
-        for b, (st, _) in enumerate(items):
-            m = min(k, st.length)
-            before[b, k - m:] = st.engram_history.numpy()[st.length - m:st.length]
+        before = _history_tails([(st, st.length) for st, _ in items], self.hasher.ngram - 1)
         starts = torch.tensor([st.length for st, _ in items], dtype=torch.long, device="cpu")
         toks = torch.tensor([tok for _, tok in items], dtype=torch.long, device="cpu")
         hasher = self.hasher
@@ -458,8 +454,7 @@ class Model:
         round) and keeps what they were: a table whose round does not come is taken back with its undo(). None
         where the round takes the per-sequence loop."""
         segs = [(b * n, n, st.length, st) for b, st in enumerate(states)]
-        want = [a + k for a, _, _, _ in segs for k in (range(n) if logits == "all" else
-                                                       [n - 1] if logits == "last" else ())]
+        want = [row for a, _, _, _ in segs for row in _wanted(a, n, logits)]
         return self._prepare_round(segs, None, want, ahead=True) if segs else None
 
     def _forward(self, batch: list[SeqInput], trace: dict[str, Any] | None,
@@ -471,7 +466,7 @@ class Model:
         for s in batch:
             n = s.ids.numel()
             segs.append((a, n, s.state.length, s.state))
-            w = range(a, a + n) if s.logits == "all" else [a + n - 1] if s.logits == "last" else ()
+            w = _wanted(a, n, s.logits)
             want += w
             wants.append(len(w))
             a += n
@@ -688,11 +683,8 @@ class Model:
         n = segs[0][1]
         if image is None and len(segs) > 1 and all(sg[1] == n for sg in segs):
             comp = self.hasher.compress(ids).view(len(segs), n)
-            k = self.hasher.ngram - 1
-            before = np.full((len(segs), k), DEAD, dtype=np.int64)
+            before = _history_tails([(st, start) for _, _, start, st in segs], self.hasher.ngram - 1)
             for b, (_, _, start, st) in enumerate(segs):
-                m = min(k, start)
-                before[b, k - m:] = st.engram_history.numpy()[start - m:start]
                 st.engram_history = _append_ids(st.engram_history, start, comp[b])
             return self.hasher.hash_round(torch.from_numpy(before), torch.tensor([sg[2] for sg in segs], device="cpu"),
                                           comp)
@@ -1215,6 +1207,21 @@ def _append_rows(rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     out, dst = _grow_rows(rows, new.shape[0])
     dst.copy_(new)
     return out
+
+
+def _wanted(a: int, n: int, logits: str) -> Sequence[int]:
+    """The rows that want logits of an input of n rows at row offset a (SeqInput.logits: "all", "last", "none")."""
+    return range(a, a + n) if logits == "all" else [a + n - 1] if logits == "last" else ()
+
+
+def _history_tails(items: list[tuple[SeqState, int]], k: int) -> np.ndarray:
+    """[B, k] int64: each (state, start)'s compressed ids of positions start-k .. start-1 from its Engram history,
+    DEAD before position 0 (hash_round's `before`)."""
+    before = np.full((len(items), k), DEAD, dtype=np.int64)
+    for b, (st, start) in enumerate(items):
+        m = min(k, start)
+        before[b, k - m:] = st.engram_history.numpy()[start - m:start]
+    return before
 
 
 def _append_ids(history: torch.Tensor, start: int, new: torch.Tensor) -> torch.Tensor:

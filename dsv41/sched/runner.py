@@ -150,7 +150,6 @@ class ModelRunner:
             if self.follower:
                 # only rank 0's draws count (its grammar masks exist only there): its decisions arrive in _agree
                 decisions = [(0, 0)] * len(wanted)
-                self._prepare_next(plan, None)
             else:
                 decisions = []
                 outs = [o for r, o in zip(plan.rows, outs) if r.logits]

@@ -57,7 +57,6 @@ from dsv41.sched.runner import RoundResult, encode_params
 log = logging.getLogger("dsv41.sched")
 
 
-
 class SchedulerError(Exception):
     """Base of the errors `submit` raises; the API maps each to a status code."""
 
