@@ -277,3 +277,47 @@ def test_a_failed_round_fails_its_requests_and_the_loop_goes_on():
         await s.stop()
 
     asyncio.run(asyncio.wait_for(run(), 30))
+
+
+class _EchoRunner:
+    """A runner that draws token 7 for every row wanting logits."""
+
+    def execute(self, plan, matchers=None):
+        return answer(plan)
+
+    def drop(self, seqs):
+        pass
+
+
+def test_the_freed_heap_is_handed_back_once_after_an_idle_pause(monkeypatch):
+    import asyncio
+    import time
+
+    from dsv41.sched import scheduler as sched_mod
+
+    trims = []
+    monkeypatch.setattr(sched_mod, "release_free_heap", lambda: trims.append(time.monotonic()))
+    monkeypatch.setattr(sched_mod, "IDLE_TRIM_S", 0.3)
+
+    async def reply(s):
+        r = s.submit(req(3, max_tokens=2))
+        return [ev async for ev in s.stream(r)]
+
+    async def run():
+        s = Scheduler(runner=_EchoRunner(), budget=MemoryBudget(10**9, COST))
+        s.start()
+        await asyncio.sleep(0.5)
+        assert trims == []                      # idle from the start: nothing ran, nothing to hand back
+        evs = await reply(s)
+        assert evs[-1].reason == "length"
+        await asyncio.sleep(0.1)
+        evs = await reply(s)                    # inside the pause: served at once, no trim in its way
+        done = time.monotonic()
+        assert evs[-1].reason == "length" and trims == []
+        await asyncio.sleep(0.6)
+        assert len(trims) == 1 and trims[0] - done >= 0.3 - 0.05
+        await asyncio.sleep(0.5)
+        assert len(trims) == 1                  # once per busy spell, not once per pause
+        await s.stop()
+
+    asyncio.run(asyncio.wait_for(run(), 30))

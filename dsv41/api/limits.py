@@ -16,8 +16,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import gc
 import logging
 import threading
@@ -25,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from dsv41.api.errors import ApiError, bad_request
+from dsv41.sched.memory import release_free_heap
 
 log = logging.getLogger("dsv41.api")
 
@@ -219,7 +218,6 @@ def _drop_tracebacks(e: BaseException | None) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ memory
-_libc = None
 _trimming = threading.Lock()
 
 
@@ -227,33 +225,18 @@ def trim_memory() -> bool:
     """Free what a large request left behind and hand it back to the system: a collection of the young garbage
     generations first (cycles the request made, e.g. an exception and the frames that hold its text), then
     glibc's malloc_trim (freed chunks stay in malloc's arenas otherwise). False where there is no malloc_trim."""
-    global _libc
     if not _trimming.acquire(blocking=False):     # one at a time; a trim running now covers this request too
         return True
     try:
         t0 = time.perf_counter()
         found = gc.collect(1)       # the young generations: what the request left (~1 ms; a full one: ~120 ms)
         t1 = time.perf_counter()
-        done = _malloc_trim()
+        done = release_free_heap()
         log.debug("after a large body: gc found %d objects in %.1f ms, malloc_trim %.1f ms", found,
                   (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3)
         return done
     finally:
         _trimming.release()
-
-
-def _malloc_trim() -> bool:
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _libc = False
-    if not _libc:
-        return False
-    _libc.malloc_trim(0)
-    return True
 
 
 def trim_memory_soon() -> None:

@@ -50,11 +50,14 @@ from dsv41.comm.plan import (PENDING, DropState, FreeSeq, NewSeq, RestoreState, 
 from dsv41.sched.drafting import MEASURE_ROWS, DraftPolicy, DraftStats, RoundCosts
 from dsv41.sched.images import covers_images
 from dsv41.sched.kept import ImageSpan
-from dsv41.sched.memory import MemoryBudget
+from dsv41.sched.memory import MemoryBudget, release_free_heap
 from dsv41.sched.request import FinishEvent, Phase, Request, TokenEvent
 from dsv41.sched.runner import RoundResult, encode_params
 
 log = logging.getLogger("dsv41.sched")
+
+
+IDLE_TRIM_S = 0.5     # seconds idle before the freed heap is handed back (memory.release_free_heap)
 
 
 class SchedulerError(Exception):
@@ -107,6 +110,7 @@ class Scheduler:
         self._last_result_t = 0.0
         self._drawn: dict[int, int] = {}          # seq -> its last drawn token (round thread only: resolves PENDING)
         self._ahead: set[int] = set()             # sequences whose latest row was planned ahead (unmarked, PENDING)
+        self._trim_when_idle = False              # rounds ran since the loop last went idle
         # figures for /metrics and /health
         self.rounds_total = 0
         self.prompt_tokens_total = 0
@@ -237,8 +241,18 @@ class Scheduler:
                 return False
             self._wake.clear()
             if not self._work_pending():
+                if self._trim_when_idle:
+                    # idle for a while after a busy spell: give the heap it freed back (a trim takes up to ~0.1 s,
+                    # so not at every pause between requests; one that comes meanwhile is planned right after)
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), IDLE_TRIM_S)
+                        return True
+                    except asyncio.TimeoutError:
+                        self._trim_when_idle = False
+                        await loop.run_in_executor(self._executor, release_free_heap)
                 await self._wake.wait()
             return True
+        self._trim_when_idle = True
         self._read_ahead()
         matchers = {r.id: r.matcher for r in self.running if r.matcher is not None}
         images = {r.id: r.images for r in self.running if r.images and r.id in self._prompt_rows}
