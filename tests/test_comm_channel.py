@@ -385,3 +385,56 @@ def test_free_lane_port_lies_below_the_ephemeral_range_and_binds():
         with socket.socket() as a, socket.socket() as b:
             a.bind(("127.0.0.1", p))
             b.bind(("127.0.0.1", p + 2))
+
+
+def ahead_follower_main(master, q):
+    """Rank 1 for the Ahead test: polls for rank 0's hint while 'running' each round, reports what it saw."""
+    try:
+        with Follower(master, 1, 2, start_timeout=20, **HB) as f:
+            while True:
+                p = f.recv()
+                if p is None:
+                    q.put(("bye",))
+                    return
+                seen = None
+                deadline = time.monotonic() + {0: 2.0, 1: 0.3}.get(p.round, 0.0)   # round 2 does not poll
+                while seen is None and time.monotonic() < deadline:     # the device 'runs' the round
+                    seen = f.poll_ahead()
+                    time.sleep(0.001)
+                q.put(("round", p.round, None if seen is None else plan.encode(seen)))
+                f.reply(p.round, plan_digest(p))
+    except Exception as e:
+        q.put(("error", type(e).__name__, str(e), getattr(e, "rank", None)))
+
+
+def test_ahead_reaches_a_polling_follower_and_a_late_one_is_dropped():
+    """Rank 0 tells rank 1 the next round's decode rows while this round runs (Leader.send_ahead); the follower's
+    poll_ahead returns them as PENDING rows, and None when none came (round 1). A hint the follower did not poll for
+    (sent while round 2 runs, which polls nothing) never reaches recv(): round 3's plan comes next."""
+    master = free_master()
+    q = CTX.Queue()
+    fp = CTX.Process(target=ahead_follower_main, args=(master, q))
+    fp.start()
+    try:
+        with Leader(master, 2, start_timeout=20, **HB) as lead:
+            p0 = StepPlan(0, rows=[SeqRows(1, 0, [5, 6, 7], [2]), SeqRows(2, 0, [8], [0])])
+            p1 = StepPlan(1, rows=[SeqRows(1, 3, [plan.PENDING], [0]), SeqRows(2, 1, [plan.PENDING], [0])])
+            lead.send(p0)
+            lead.send_ahead(p1)                 # while round 0 runs
+            lead.verify(0, plan_digest(p0))
+            assert get(q) == ("round", 0, plan.encode(p1))
+            with pytest.raises(plan.CommError):  # only rounds of PENDING decode rows are told ahead
+                lead.send_ahead(p0)
+            for k in (1, 2, 3):
+                pk = StepPlan(k, rows=[SeqRows(1, 2 + k, [10 + k], [0]), SeqRows(2, k, [20 + k], [0])])
+                lead.send(pk)
+                if k == 2:
+                    lead.send_ahead(StepPlan(3, rows=[SeqRows(1, 5, [plan.PENDING], [0])]))
+                lead.verify(k, plan_digest(pk))    # the follower's digest of what it received: the plan itself
+                assert get(q) == ("round", k, None)
+            lead.shutdown()
+        assert get(q) == ("bye",)
+        fp.join(10)
+        assert fp.exitcode == 0
+    finally:
+        fp.kill()

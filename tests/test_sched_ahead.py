@@ -5,10 +5,11 @@ ahead and never used changes no state; a plan whose sequences change in between 
 import pytest
 import torch
 
-from dsv41.comm.plan import PENDING, FreeSeq, NewSeq, SeqRows, StepPlan
+from dsv41.comm.plan import PENDING, Ahead, FreeSeq, NewSeq, SeqRows, StepPlan
 from dsv41.model.model import InputError, Model, SeqInput
 from dsv41.sched.runner import ModelRunner, encode_params
 from dsv41.sched.sampler import SamplingParams
+from dsv41.sched.tp import DigestingModel
 
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -110,3 +111,36 @@ def test_forward_refuses_a_table_prepared_for_other_rows(model):
     a = model.forward([SeqInput(s, torch.tensor([7])) for s in st])
     b = model.forward([SeqInput(s, torch.tensor([7])) for s in fresh])
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_follower_prepares_the_rounds_rank0_tells_it(model):
+    """A follower (TP rank >= 1) builds the table of the round rank 0 told it about (Ahead, from its channel's
+    poll_ahead) while its own round runs; its logits are the same bits as a follower's that is told nothing."""
+    prompts = _prompts(4, model.t.vocab_size, seed=4)
+    rounds = 6
+    ref, _ = decode(model, prompts, rounds, tell=False)         # rank 0's draws: the ids of each round
+    seqs = list(range(1, len(prompts) + 1))
+    lengths = {s: len(p) for s, p in zip(seqs, prompts)}
+
+    def drawn(s, k):                      # the token rank 0 drew in round k (0: the prompt's)
+        return ref[s][0] if k == 0 else ref[s][k][0]
+
+    def follow(told: bool):
+        dm = DigestingModel(model)
+        runner = ModelRunner(dm, follower=True)
+        hints: list = []
+        runner.poll_ahead = lambda: hints.pop() if hints else None
+        ops = [NewSeq(s, encode_params(_params(i))) for i, s in enumerate(seqs)]
+        runner.execute(StepPlan(0, ops=ops, rows=[SeqRows(s, 0, p, [len(p) - 1]) for s, p in zip(seqs, prompts)]))
+        digests = [dm.take_digest()]
+        for k in range(1, rounds + 1):
+            if told and k < rounds:       # rank 0's hint for round k + 1 arrives while round k runs
+                hints.append(Ahead(k + 1, [(s, lengths[s] + k) for s in seqs]).plan())
+            runner.execute(StepPlan(k, rows=[SeqRows(s, lengths[s] + k - 1, [drawn(s, k - 1)], [0]) for s in seqs]))
+            digests.append(dm.take_digest())
+        return digests, runner.rounds_ahead
+
+    plain, n_plain = follow(False)
+    told, n_told = follow(True)
+    assert (n_plain, n_told) == (0, rounds - 1)
+    assert told == plain

@@ -39,8 +39,8 @@ import msgspec
 import zmq
 
 from dsv41.comm.plan import (
-    WIRE_VERSION, CommError, Digest, DigestMismatch, Error, Heartbeat, Hello, ProtocolError, RankLost, RemoteError,
-    RoundDigest, Shutdown, StartTimeout, StepPlan, decode, encode,
+    PENDING, WIRE_VERSION, Ahead, CommError, Digest, DigestMismatch, Error, Heartbeat, Hello, ProtocolError, RankLost,
+    RemoteError, RoundDigest, Shutdown, StartTimeout, StepPlan, decode, encode,
 )
 
 if TYPE_CHECKING:
@@ -507,6 +507,22 @@ class Leader(_Channel):
                     raise RankLost(r, "its connection is gone") from None
                 raise CommError(f"send to rank {r}: {e}") from None
 
+    def send_ahead(self, plan: StepPlan) -> None:
+        """Tell every follower the decode rows of the round queued behind the running one (`Ahead`; every row one
+        PENDING token wanting its logits), so each builds that round's table while its device runs this one."""
+        if self.hb.lost is not None:
+            raise self.hb.lost
+        if any(r.ids != [PENDING] or r.logits != [0] or r.draft for r in plan.rows):
+            raise CommError(f"round {plan.round}: only rounds of PENDING decode rows are told ahead")
+        data = encode(Ahead(plan.round, [(r.seq, r.start) for r in plan.rows]))
+        for r in range(1, self.world):
+            try:
+                self.sock.send_multipart([f"rank{r}".encode(), data])
+            except zmq.ZMQError as e:
+                if e.errno == zmq.EHOSTUNREACH:
+                    raise RankLost(r, "its connection is gone") from None
+                raise CommError(f"send to rank {r}: {e}") from None
+
     def collect(self, round: int) -> dict[int, bytes]:
         """Every follower's digest of `round` (waits up to step_timeout; raises RankLost / RemoteError)."""
         deadline = time.monotonic() + self.step_timeout
@@ -563,6 +579,7 @@ class Follower(_Channel):
         super().__init__(rank, world, master, leader=False, heartbeat_interval=heartbeat_interval,
                          heartbeat_timeout=heartbeat_timeout, start_timeout=start_timeout, lost_after=lost_after)
         self._mine: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self._held: collections.deque = collections.deque()    # read by poll_ahead, not an Ahead: recv's next
         try:
             self._handshake()
         except BaseException:
@@ -597,8 +614,11 @@ class Follower(_Channel):
         0 shut down cleanly. Waits forever by default: liveness is the heartbeat's business."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            left = _SLICE_S * 4 if deadline is None else deadline - time.monotonic()
-            got = self._recv(max(left, 0.0))
+            if self._held:
+                got = self._held.popleft()
+            else:
+                left = _SLICE_S * 4 if deadline is None else deadline - time.monotonic()
+                got = self._recv(max(left, 0.0))
             if got is None:
                 if deadline is None:
                     continue
@@ -615,6 +635,20 @@ class Follower(_Channel):
                 return None
             if isinstance(msg, Error):
                 raise RemoteError(0, msg.message)
+
+    def poll_ahead(self) -> StepPlan | None:
+        """Rank 0's `Ahead` for a coming round, as the runner's upcoming plan (Ahead.plan), if one has arrived; never
+        waits. Anything else read here (an Error, a Shutdown) is held for recv(); an Ahead that recv() meets instead
+        (it came after the round it was for had started) is dropped there."""
+        if self.hb.lost is not None and not self.sock.poll(0):
+            raise self.hb.lost
+        while self.sock.poll(0):
+            frames = self.sock.recv_multipart()
+            msg = decode(frames[-1])
+            if isinstance(msg, Ahead):
+                return msg.plan()
+            self._held.append((None, msg))
+        return None
 
     def reply(self, round: int, digest: bytes) -> None:
         self._mine[round] = digest

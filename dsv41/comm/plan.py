@@ -2,7 +2,9 @@
 
 Rank 0 (the leader) plans; every follower receives the same `StepPlan` each round, applies its state ops, runs the
 same forward and answers with a `RoundDigest`. A plan is self-contained: a follower needs nothing else to stay in
-step, and it holds no tensors, so the encoding is small and identical on every host.
+step, and it holds no tensors, so the encoding is small and identical on every host. While a round runs, rank 0 may
+tell the followers which decode rows the next round holds (`Ahead`, a hint), so they build its table as rank 0 does
+(dsv41/sched/runner.py, _prepare_next).
 
 Versioning: `WIRE_VERSION` travels in `Hello`; ranks of different versions refuse each other at the handshake, so a
 follower never has to guess what a field means. Change a Struct -> bump the version.
@@ -15,7 +17,7 @@ from typing import Annotated, Union
 
 import msgspec
 
-WIRE_VERSION = 2          # 2: SeqRows.images
+WIRE_VERSION = 3          # 2: SeqRows.images; 3: Ahead
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Pos = Annotated[int, msgspec.Meta(ge=1)]
@@ -166,6 +168,18 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan", forbid_unk
 
 # ---------------------------------------------------------------------------------------------------- control
 
+class Ahead(msgspec.Struct, array_like=True, gc=False, tag="ahead", forbid_unknown_fields=True):
+    """The round queued behind the one running, when it is one decode row per sequence (`rows`: (seq, start), the
+    ids drawn by the running round, so not known yet): a follower builds that round's table while its device runs
+    the round before. Only a hint: the StepPlan of that round follows as usual and is what the round runs."""
+    round: NonNeg
+    rows: list[tuple[NonNeg, NonNeg]]
+
+    def plan(self) -> StepPlan:
+        """The rows as the runner's upcoming plan: one PENDING decode row each, its logits wanted."""
+        return StepPlan(self.round, rows=[SeqRows(s, start, [PENDING], [0]) for s, start in self.rows])
+
+
 class Hello(msgspec.Struct, array_like=True, gc=False, tag="hello"):
     """First message each way. Followers send theirs; rank 0 answers with its own once all ranks are in, carrying
     the session id (unique per start, names the shared-memory ring) and whether every rank is on one host."""
@@ -201,7 +215,7 @@ class Error(msgspec.Struct, array_like=True, gc=False, tag="error"):
     message: str
 
 
-Message = Union[Hello, Heartbeat, StepPlan, RoundDigest, Shutdown, Error]
+Message = Union[Hello, Heartbeat, StepPlan, Ahead, RoundDigest, Shutdown, Error]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -45,6 +45,7 @@ def run_follower(cfg: ServeConfig) -> int:
         return 1
     print(f"{tag}: waiting for rank 0 at {cfg.master}", flush=True)
     rounds = 0
+    runner = None
     try:
         with Follower(cfg.master, rank, world, heartbeat_interval=cfg.heartbeat_interval_s,
                       heartbeat_timeout=cfg.heartbeat_timeout_s, start_timeout=cfg.tp_start_timeout_s,
@@ -65,6 +66,7 @@ def run_follower(cfg: ServeConfig) -> int:
                       + (f", not cut: {', '.join(whole)}" if whole else ""), flush=True)
                 dm = DigestingModel(model)
                 runner = ModelRunner(dm, follower=True)   # takes rank 0's draft decisions
+                runner.poll_ahead = chan.poll_ahead       # rank 0's next round, told while this one runs
                 while (plan := chan.recv()) is not None:
                     runner.execute(plan)            # draws nothing: only rank 0 samples
                     chan.reply(plan.round, dm.take_digest())
@@ -80,5 +82,6 @@ def run_follower(cfg: ServeConfig) -> int:
     except Exception as e:  # noqa: BLE001 - rank 0 was told why (Follower.__exit__ sends Error); say it here too
         print(f"{tag}: failed after {rounds} rounds: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
-    print(f"{tag}: rank 0 shut down; {rounds} rounds served", flush=True)
+    ahead = runner.rounds_ahead if runner is not None else 0
+    print(f"{tag}: rank 0 shut down; {rounds} rounds served, {ahead} of them prepared ahead", flush=True)
     return 0

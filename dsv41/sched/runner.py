@@ -53,6 +53,26 @@ class RoundResult(msgspec.Struct, array_like=True, gc=False):
     draft_seconds: float = 0.0             # of `seconds`, the DSpark proposals
 
 
+class _DeviceBusy:
+    """Whether the work queued on a CUDA stream so far is still running (an event recorded behind it)."""
+
+    def __init__(self, event):
+        self.event = event
+
+    @classmethod
+    def now(cls, device) -> _DeviceBusy | None:
+        """Behind what `device`'s stream holds now (None on the host: a forward has finished when it returns)."""
+        dev = torch.device(device) if device is not None else None
+        if dev is None or dev.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        return cls(ev)
+
+    def done(self) -> bool:
+        return self.event.query()
+
+
 class ModelRunner:
     def __init__(self, model, seq_input_cls=None, follower: bool = False):
         self.model = model
@@ -73,6 +93,10 @@ class ModelRunner:
         self._next_ready = threading.Event()
         self._ahead: tuple[int, object] | None = None   # (round, its table built by _prepare_next)
         self.rounds_ahead = 0                     # rounds whose table was built while the round before ran
+        # several ranks: rank 0 tells the followers each plan it prepares ahead (tell_ahead(plan): the channel's
+        # send_ahead); a follower learns them from its channel (poll_ahead() -> the plan or None, never waiting)
+        self.tell_ahead = None
+        self.poll_ahead = None
 
     def execute(self, plan: StepPlan, matchers: dict | None = None, images: dict | None = None) -> RoundResult:
         """Apply the plan's ops, run its rows in one forward, draw a token for each row whose logits it asks for.
@@ -150,6 +174,7 @@ class ModelRunner:
             if self.follower:
                 # only rank 0's draws count (its grammar masks exist only there): its decisions arrive in _agree
                 decisions = [(0, 0)] * len(wanted)
+                self._prepare_next(plan, _DeviceBusy.now(getattr(self.model, "device", None)))
             else:
                 decisions = []
                 outs = [o for r, o in zip(plan.rows, outs) if r.logits]
@@ -226,26 +251,41 @@ class ModelRunner:
         self._next = plan
         self._next_ready.set()
 
-    def _prepare_next(self, plan: StepPlan, drawn: Drawn | None) -> None:
+    def _wait_upcoming(self, timeout: float) -> None:
+        """Wait up to `timeout` for the plan queued behind the running round: from the scheduler (upcoming), or on a
+        follower from rank 0 (poll_ahead)."""
+        if self.poll_ahead is None:
+            self._next_ready.wait(timeout)
+            self._next_ready.clear()
+            return
+        nxt = self.poll_ahead()
+        if nxt is not None:
+            self._next = nxt
+        elif timeout > 0:
+            time.sleep(timeout)
+
+    def _prepare_next(self, plan: StepPlan, busy) -> None:
         """While this round's forward and draws run on the device, build the next round's table (Model.prepare_ahead:
         the window slots, the compressor groups, the index counts, the addresses; everything but the ids it
-        draws). Waits for the next plan only while the device is still busy (a GPU round takes milliseconds, the
-        loop plans the next one meanwhile); on the host op set the forward has already finished and only a plan
-        already queued is prepared. A plan is taken only when nothing between here and its forward changes its
-        sequences: every row one PENDING decode token wanting its logits, no state ops on its sequences, nothing
-        after this round, no verify or drafting rows in either."""
+        draws). Waits for the next plan only while the device is still busy (`busy.done()`: rank 0's draws, a
+        follower's forward; a GPU round takes milliseconds, the loop plans the next one meanwhile); on the host op
+        set the forward has already finished and only a plan already queued is prepared. A plan is taken only when
+        nothing between here and its forward changes its sequences: every row one PENDING decode token wanting its
+        logits, no state ops on its sequences, nothing after this round, no verify or drafting rows in either.
+        Rank 0 tells the followers each plan it prepares (tell_ahead), and they prepare it by the same rules: their
+        states are rank 0's."""
         self._take_ahead(None)
         prepare = getattr(self.model, "prepare_ahead", None)
         if prepare is None or plan.after or any(r.draft or len(r.logits) > 1 for r in plan.rows):
             return
+        self._wait_upcoming(0.0)
         while True:
             nxt = self._next
             if nxt is not None and nxt.round == plan.round + 1:
                 break
-            if drawn is None or drawn.done():
+            if busy is None or busy.done():
                 return
-            self._next_ready.wait(_POLL_S)
-            self._next_ready.clear()
+            self._wait_upcoming(_POLL_S)
         seqs = [r.seq for r in nxt.rows]
         if (not seqs or len(set(seqs)) != len(seqs) or nxt.after
                 or any(not isinstance(op, (FreeSeq, NewSeq)) or op.seq in seqs for op in nxt.ops)):
@@ -257,6 +297,8 @@ class ModelRunner:
                     or st.undo is not None):
                 return
             states.append(st)
+        if self.tell_ahead is not None:
+            self.tell_ahead(nxt)
         with torch.no_grad():
             rd = prepare(states, 1, "last")
         if rd is not None:

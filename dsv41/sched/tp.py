@@ -3,7 +3,10 @@
 Rank 0 owns the HTTP server and the scheduler; every other rank runs only the model (dsv41/sched/follower.py). Each
 round rank 0 sends the scheduler's StepPlan to the followers *before* its own forward, every rank runs the same
 forward (heads, experts and vocabulary split by RankShare, partials summed in rank order by the ring, logits
-all-gathered), and after it rank 0 compares every follower's digest of the round with its own.
+all-gathered), and after it rank 0 compares every follower's digest of the round with its own. While a round runs,
+rank 0 also tells the followers the decode rows of the round queued behind it when its runner prepares that round's
+table ahead (`Ahead`), so they build theirs meanwhile too: a follower's host work would otherwise hold back the
+round's first collective on every rank.
 
 Only rank 0 samples for the replies: grammar masks exist only there. So the digest covers the logits rows alone
 (`round_digest((), rows)`), which every rank computes bit for bit the same; a follower's runner draws nothing (it
@@ -158,6 +161,7 @@ class TPRunner:
     def __init__(self, runner, lane: TPLane):
         self.runner, self.lane = runner, lane
         self.model: DigestingModel = runner.model
+        runner.tell_ahead = lane.leader.send_ahead    # the plans it prepares ahead, prepared by the followers too
 
     def execute(self, plan: StepPlan, matchers: dict | None = None, images: dict | None = None):
         lane = self.lane
