@@ -65,17 +65,20 @@ def steady_rate(times: list[list[float]]) -> tuple[float, int, float]:
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) of a process's threads: loop (the main thread: the event loop) and other (the
-    round thread, torch's and the Engram readers' threads: Python names no OS thread, so they are one figure)."""
+    """CPU seconds (user + system) of a process's threads: loop (the main thread: the event loop), round (the
+    scheduler's round thread, named dsv41-round by the server: the forward's launches, the table, the draws) and
+    other (torch's, the grammar masks', the Engram readers')."""
     tick = os.sysconf("SC_CLK_TCK")
-    out = {"loop": 0.0, "other": 0.0}
+    out = {"loop": 0.0, "round": 0.0, "other": 0.0}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             stat = (task / "stat").read_text()
         except OSError:
             continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2:].split()
-        out["loop" if int(task.name) == pid else "other"] += (int(fields[11]) + int(fields[12])) / tick
+        kind = "loop" if int(task.name) == pid else "round" if name.startswith("dsv41-round") else "other"
+        out[kind] += (int(fields[11]) + int(fields[12])) / tick
     return out
 
 
@@ -130,14 +133,16 @@ def http_phase(a, streams: list[int]) -> dict[int, dict]:
                 t.start()
             cpu0 = thread_cpu(proc.pid)
             barrier.wait()
+            w0 = time.perf_counter()
             for t in threads:
                 t.join()
+            wall = time.perf_counter() - w0
             cpu1 = thread_cpu(proc.pid)
             rate, n, sec = steady_rate(times)
             total = sum(len(t) for t in times)
             if i >= len(warm):
                 res[b] = {"rate": rate, "tokens": n, "window": sec, "total": total, "errors": errors,
-                          "cpu": {k: cpu1[k] - cpu0[k] for k in cpu0}}
+                          "cpu": {k: cpu1[k] - cpu0[k] for k in cpu0}, "wall": wall}
             print(f"HTTP B={b}: {rate:.1f} tok/s ({n} tokens in {sec:.2f} s), errors {len(errors)}", flush=True)
     finally:
         proc.terminate()
@@ -169,11 +174,13 @@ def engine_phase(a, streams: list[int]) -> dict[int, dict]:
                 async for ev in eng.sched.stream(r):
                     if isinstance(ev, TokenEvent):
                         times[i].append(time.perf_counter())
-            t0 = time.thread_time()
+            t0, cpu0, w0 = time.thread_time(), thread_cpu(os.getpid()), time.perf_counter()
             await asyncio.gather(*[drain(i, p.r) for i, p in enumerate(preps)])
+            wall, cpu1 = time.perf_counter() - w0, thread_cpu(os.getpid())
             rate, n, sec = steady_rate(times)
             if j >= len(warm):
                 res[b] = {"rate": rate, "tokens": n, "window": sec, "loop_cpu": time.thread_time() - t0,
+                          "round_cpu": cpu1["round"] - cpu0["round"], "wall": wall,
                           "total": sum(len(t) for t in times)}
             print(f"engine B={b}: {rate:.1f} tok/s ({n} tokens in {sec:.2f} s)", flush=True)
         await eng.sched.stop()
@@ -214,15 +221,19 @@ def main(argv=None) -> int:
              f"- machine: {platform.node()}, {os.cpu_count()} CPUs, device {dev}; checkpoint "
              f"{a.checkpoint or 'built-in tiny'}; server flags `{a.serve_args}`; {a.tokens} tokens a reply",
              "- rate: tokens per second while every reply of the B decodes (HTTP: content chunks at the client); "
-             "CPU: the server's threads per streamed token (HTTP phase)", "",
+             "CPU: the server's threads per streamed token; round thread busy: its CPU seconds per second of the "
+             "pass (near 100 %: the rounds are bound by the round thread's host work, not by the device)", "",
              "| streams | engine-only tok/s | HTTP tok/s | HTTP / engine | loop CPU us/token, HTTP (engine-only) | "
+             "round thread CPU us/token, HTTP (engine-only) | round thread busy, HTTP (engine-only) | "
              "other threads' CPU us/token, HTTP | errors |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for b in streams:
         h, e = http[b], engine[b]
-        per = max(h["total"], 1)
+        per, eper = max(h["total"], 1), max(e["total"], 1)
         lines.append(f"| {b} | {e['rate']:.1f} | {h['rate']:.1f} | {h['rate'] / e['rate']:.0%} | "
-                     f"{h['cpu']['loop'] / per * 1e6:.0f} ({e['loop_cpu'] / max(e['total'], 1) * 1e6:.0f}) | "
+                     f"{h['cpu']['loop'] / per * 1e6:.0f} ({e['loop_cpu'] / eper * 1e6:.0f}) | "
+                     f"{h['cpu']['round'] / per * 1e6:.0f} ({e['round_cpu'] / eper * 1e6:.0f}) | "
+                     f"{h['cpu']['round'] / h['wall']:.0%} ({e['round_cpu'] / e['wall']:.0%}) | "
                      f"{h['cpu']['other'] / per * 1e6:.0f} | {len(h['errors'])} |")
     text = "\n".join(lines) + "\n"
     print(text)

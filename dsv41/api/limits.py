@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from dsv41.api.errors import ApiError, bad_request
-from dsv41.sched.memory import release_free_heap
+from dsv41.sched.host import name_os_thread, release_free_heap
 
 log = logging.getLogger("dsv41.api")
 
@@ -159,7 +159,7 @@ def _executor() -> ThreadPoolExecutor:
     with _prep_lock:
         if _prep is None:
             # two: one slow preparation does not hold up every other request's
-            _prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dsv41-prep")
+            _prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dsv41-prep", initializer=name_os_thread)
         return _prep
 
 

@@ -17,8 +17,6 @@ A 25% margin covers allocator rounding and growth slack of the state's buffers.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 from dataclasses import dataclass
 
@@ -230,21 +228,3 @@ class MemoryBudget:
         return self.used / self.budget if self.budget else 0.0
 
 
-
-def _malloc_trim():
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):        # not glibc: its allocator keeps its own counsel
-        return lambda: False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-
-    def release() -> bool:
-        trim(0)
-        return True
-    return release
-
-
-# Hands the heap's free pages back to the system (glibc keeps what was freed in its arenas, so a server's resident
-# size would stay at its busiest minute's); False where there is no malloc_trim. Called by the scheduler once idle
-# after a busy spell and by the API after a large body (api/limits.py).
-release_free_heap = _malloc_trim()

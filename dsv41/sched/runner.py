@@ -26,6 +26,7 @@ import msgspec
 import torch
 
 from dsv41.comm.plan import PENDING, DropState, FreeSeq, NewSeq, RestoreState, Rollback, SaveState, StepPlan
+from dsv41.sched.host import name_os_thread
 from dsv41.sched.kept import KeptStates
 from dsv41.sched.sampler import Drawn, Sample, SamplingParams, draw_rows
 
@@ -88,7 +89,8 @@ class ModelRunner:
         layout = getattr(model, "layout", None)
         self.ratios = {r.index: r.ratio for r in layout.layers if r.owns_compressor} if layout else {}
         self.vocab = int(getattr(getattr(model, "t", None), "vocab_size", 0) or 0)
-        self._masker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-masks")
+        self._masker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-masks",
+                                          initializer=name_os_thread)
         self._next: StepPlan | None = None        # the plan queued behind the running round (upcoming)
         self._next_ready = threading.Event()
         self._ahead: tuple[int, object] | None = None   # (round, its table built by _prepare_next)

@@ -50,7 +50,8 @@ from dsv41.comm.plan import (PENDING, DropState, FreeSeq, NewSeq, RestoreState, 
 from dsv41.sched.drafting import MEASURE_ROWS, DraftPolicy, DraftStats, RoundCosts
 from dsv41.sched.images import covers_images
 from dsv41.sched.kept import ImageSpan
-from dsv41.sched.memory import MemoryBudget, release_free_heap
+from dsv41.sched.host import name_os_thread, release_free_heap
+from dsv41.sched.memory import MemoryBudget
 from dsv41.sched.request import FinishEvent, Phase, Request, TokenEvent
 from dsv41.sched.runner import RoundResult, encode_params
 
@@ -101,7 +102,8 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._draining = False
         self._stopped = False
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-round")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-round",
+                                            initializer=name_os_thread)
         self._task: asyncio.Task | None = None
         self._prompt_rows: dict[int, int] = {}    # the last planned round's prompt rows per sequence
         self._plan_has_decode = False
