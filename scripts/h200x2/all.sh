@@ -110,6 +110,8 @@ if [ "$serving" = 1 ] && [ -f "$VEC/vectors.safetensors" ]; then
     say "vectors: a server did not come up (logs/vectors-tp*.log)"
   fi
   stop_pids 30 "$t1" "$t2"
+  # rank 1's last line: its rounds and how many it prepared while the round before ran (rank 0's Ahead hints)
+  say "vectors: $(grep -ho 'rank 0 shut down;.*' "$LOG/vectors-tp2.log" | tail -1)"
 else
   say "vectors: skipped (serving=$serving, vectors at $VEC)"
 fi
