@@ -438,3 +438,42 @@ def test_ahead_reaches_a_polling_follower_and_a_late_one_is_dropped():
         assert fp.exitcode == 0
     finally:
         fp.kill()
+
+
+def idle_follower_main(master, q):
+    try:
+        with Follower(master, 1, 2, start_timeout=20, **HB) as f:
+            while True:
+                p = f.recv(idle_s=0.2, on_idle=lambda: q.put(("idle",)))
+                if p is None:
+                    q.put(("bye",))
+                    return
+                q.put(("round", p.round))
+                f.reply(p.round, plan_digest(p))
+    except Exception as e:
+        q.put(("error", type(e).__name__, str(e), getattr(e, "rank", None)))
+
+
+def test_recv_calls_on_idle_once_when_no_plan_comes():
+    """A follower's recv(idle_s, on_idle) calls on_idle once when no plan has come for idle_s (the follower hands
+    its heap back then), and not while plans keep coming."""
+    master = free_master()
+    q = CTX.Queue()
+    fp = CTX.Process(target=idle_follower_main, args=(master, q))
+    fp.start()
+    try:
+        with Leader(master, 2, start_timeout=20, **HB) as lead:
+            time.sleep(0.8)                       # four idle periods long: still one call
+            for k in range(3):                   # back to back: no idle call between them
+                p = StepPlan(k, rows=[SeqRows(1, k, [5 + k], [0])])
+                lead.send(p)
+                lead.verify(k, plan_digest(p))
+            assert [get(q) for _ in range(4)] == [("idle",), ("round", 0), ("round", 1), ("round", 2)]
+            time.sleep(0.5)
+            assert get(q) == ("idle",)
+            lead.shutdown()
+        assert get(q) == ("bye",)
+        fp.join(10)
+        assert fp.exitcode == 0
+    finally:
+        fp.kill()

@@ -609,17 +609,26 @@ class Follower(_Channel):
             self.hb.watch(0, msg.pid)
         self.hb.arm()
 
-    def recv(self, timeout: float | None = None) -> StepPlan | None:
+    def recv(self, timeout: float | None = None, idle_s: float = 0.0, on_idle=None) -> StepPlan | None:
         """The next plan (validated, and rank 0's `prev` digest checked against this rank's own), or None when rank
-        0 shut down cleanly. Waits forever by default: liveness is the heartbeat's business."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        0 shut down cleanly. Waits forever by default: liveness is the heartbeat's business. `on_idle()` is called
+        once when no plan has come for `idle_s` seconds (the follower hands its freed heap back then)."""
+        t0 = time.monotonic()
+        deadline = None if timeout is None else t0 + timeout
+        idle_at = t0 + idle_s if on_idle is not None else None
         while True:
             if self._held:
                 got = self._held.popleft()
             else:
                 left = _SLICE_S * 4 if deadline is None else deadline - time.monotonic()
+                if idle_at is not None:
+                    left = min(left, idle_at - time.monotonic())
                 got = self._recv(max(left, 0.0))
             if got is None:
+                if idle_at is not None and time.monotonic() >= idle_at:
+                    idle_at = None
+                    on_idle()
+                    continue
                 if deadline is None:
                     continue
                 raise CommError(f"rank {self.rank}: no plan within {timeout:g} s")

@@ -17,6 +17,7 @@ import torch
 from dsv41.comm.channel import Follower
 from dsv41.comm.plan import CommError
 from dsv41.comm.ring import open_ring
+from dsv41.sched.host import IDLE_TRIM_S, release_free_heap
 from dsv41.sched.tp import DigestingModel, ring_comm
 from dsv41.serve_config import ServeConfig
 
@@ -67,10 +68,12 @@ def run_follower(cfg: ServeConfig) -> int:
                 dm = DigestingModel(model)
                 runner = ModelRunner(dm, follower=True)   # takes rank 0's draft decisions
                 runner.poll_ahead = chan.poll_ahead       # rank 0's next round, told while this one runs
-                while (plan := chan.recv()) is not None:
+                idle = None                         # idle after rounds: hand the heap they freed back, once
+                while (plan := chan.recv(idle_s=IDLE_TRIM_S, on_idle=idle)) is not None:
                     runner.execute(plan)            # draws nothing: only rank 0 samples
                     chan.reply(plan.round, dm.take_digest())
                     rounds += 1
+                    idle = release_free_heap
             finally:
                 ring.close()
     except CommError as e:

@@ -18,6 +18,8 @@ if _trim is not None:
 _prctl = getattr(_libc, "prctl", None)
 _PR_SET_NAME = 15
 
+IDLE_TRIM_S = 0.5     # seconds idle after a busy spell before the freed heap is handed back (scheduler, follower)
+
 
 def release_free_heap() -> bool:
     """Hand the heap's free pages back to the system (glibc keeps what was freed in its arenas, so a server's

@@ -50,15 +50,12 @@ from dsv41.comm.plan import (PENDING, DropState, FreeSeq, NewSeq, RestoreState, 
 from dsv41.sched.drafting import MEASURE_ROWS, DraftPolicy, DraftStats, RoundCosts
 from dsv41.sched.images import covers_images
 from dsv41.sched.kept import ImageSpan
-from dsv41.sched.host import name_os_thread, release_free_heap
+from dsv41.sched.host import IDLE_TRIM_S, name_os_thread, release_free_heap
 from dsv41.sched.memory import MemoryBudget
 from dsv41.sched.request import FinishEvent, Phase, Request, TokenEvent
 from dsv41.sched.runner import RoundResult, encode_params
 
 log = logging.getLogger("dsv41.sched")
-
-
-IDLE_TRIM_S = 0.5     # seconds idle before the freed heap is handed back (memory.release_free_heap)
 
 
 class SchedulerError(Exception):
