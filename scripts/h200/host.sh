@@ -7,6 +7,7 @@
 #   table is built, off the round's critical path).
 # - long-2048.md / long-131072.md: the decode round after a 2K and a 128K prompt (target <= 1.3x) and the peak of
 #   4096-row chunks against the memory plan (prompt_scratch_bytes still counts gathered keys).
+# - round-profile-128k.md: round_profile of a 1-row decode round after 128K (kernels by GPU time).
 set -u
 export PYTHONPATH=${PYTHONPATH:-/tmp/site:$PWD} TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=0
 ck=/tmp/dsv41-real-2
@@ -26,3 +27,8 @@ for n in 2048 131072; do
         --budget-s 40 --decode 16 --four 0 --out "$OUT/long-$n.md" > "$OUT/long-$n.log" 2>&1
     echo "long $n rc=$?"; grep -i "decode after\|peak above\|^| prefill" "$OUT/long-$n.md"
 done
+# where the decode round's extra time after a long prompt goes (the 128K profile on record is session 9's H200)
+timeout -k 5 120 python3 bench/round_profile.py --checkpoint "$ck" --context 131072 --rows 1 --chunk 4096 \
+    --chunk-context 4096 --rounds 3 ${DSV41_COMMIT:+--commit "$DSV41_COMMIT"} --out "$OUT/round-profile-128k.md" \
+    > "$OUT/profile-128k.log" 2>&1
+echo "profile 128k rc=$?"; grep -A12 "decode round, 1 row: top kernels" "$OUT/round-profile-128k.md" | head -14
