@@ -370,37 +370,55 @@ DEVI void linear_body(const float* __restrict__ x, int ldx, const u8* __restrict
     if (!last) return;
     __threadfence();
     // The tile's sums, each 0 + p_0 + ... + p_{S-1} in chunk order whichever thread adds it (the same bits): a
-    // thread takes four adjacent columns of a row (16-byte loads) and asks for RB chunks' partials before adding
-    // them. They come from L2; a tail that waited for each load before asking for the next was S round trips long,
-    // most of a wide-split launch's time (K cut in 16-40 chunks so the weight fills the SMs at one row).
-    constexpr int RB = 8;
+    // thread takes four adjacent columns of each of its rows (16-byte loads) and asks for RB chunks' partials of
+    // every one of its rows at once before adding them. They come from L2 and one block adds the whole tile, so
+    // the loads it keeps in flight bound it: a tail that waited for each load before asking for the next was S
+    // round trips long, most of a wide-split launch's time at one row (K cut in 16-40 chunks so the weight fills
+    // the SMs), and one that took its rows one after the other paid that per row at 32 rows (the partials grow
+    // with the rows: 40 chunks x 32 rows x 64 columns are 320 KB for one block). 16 loads in flight a thread (8
+    // before); at four row tiles 12 (FP8) and 8 (bf16): what each variant holds in registers without spilling
+    // (ptxas -v, sm_90).
+    constexpr int RB = MAXT == 4 ? (WFP8 ? 3 : 2) : 16 / MAXT;
     const int n = nb0 + 4 * (threadIdx.x & 15);            // columns n..n+3 (parts end on multiples of 16)
     if (n >= p_hi) return;
     const int m_end = min(M, m0 + 8 * live);
     const long long cstride = (long long)M * N;
-    for (int m = m0 + (threadIdx.x >> 4); m < m_end; m += 8) {
-        const float* src = part + (long long)m * N + n;
-        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int c0 = 0; c0 < S; c0 += RB) {
-            float4 v[RB];
+    const int mt = m0 + (threadIdx.x >> 4);                // this thread's rows: mt, mt + 8, ... (one a row tile)
+    float4 sum[MAXT];
+#pragma unroll
+    for (int i = 0; i < MAXT; ++i) sum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c0 = 0; c0 < S; c0 += RB) {
+        float4 v[MAXT][RB];
+#pragma unroll
+        for (int i = 0; i < MAXT; ++i) {
+            const float* src = part + (long long)(mt + 8 * i) * N + n;
 #pragma unroll
             for (int j = 0; j < RB; ++j)
-                v[j] = c0 + j < S ? ld_cg4(src + (c0 + j) * cstride) : make_float4(0.f, 0.f, 0.f, 0.f);
+                v[i][j] = mt + 8 * i < m_end && c0 + j < S ? ld_cg4(src + (c0 + j) * cstride)
+                                                          : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int i = 0; i < MAXT; ++i) {
 #pragma unroll
             for (int j = 0; j < RB; ++j) {
                 if (c0 + j < S) {
-                    sum.x = sum.x + v[j].x;
-                    sum.y = sum.y + v[j].y;
-                    sum.z = sum.z + v[j].z;
-                    sum.w = sum.w + v[j].w;
+                    sum[i].x = sum[i].x + v[i][j].x;
+                    sum[i].y = sum[i].y + v[i][j].y;
+                    sum[i].z = sum[i].z + v[i][j].z;
+                    sum[i].w = sum[i].w + v[i][j].w;
                 }
             }
         }
-        float* o = yp + (long long)m * ldy + n;
-        o[0] = sum.x;
-        o[1] = sum.y;
-        o[2] = sum.z;
-        o[3] = sum.w;
+    }
+#pragma unroll
+    for (int i = 0; i < MAXT; ++i) {
+        if (mt + 8 * i < m_end) {
+            float* o = yp + (long long)(mt + 8 * i) * ldy + n;
+            o[0] = sum[i].x;
+            o[1] = sum[i].y;
+            o[2] = sum[i].z;
+            o[3] = sum[i].w;
+        }
     }
 }
 
