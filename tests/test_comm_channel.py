@@ -1,5 +1,6 @@
 """The control channel with real processes: plans round-trip, digests catch a divergent rank, a killed or silent
 rank is named within the heartbeat timeout, either rank may start first. Each test is bounded by timeouts."""
+import contextlib
 import multiprocessing as mp
 import time
 
@@ -74,6 +75,25 @@ def leader_main(master, q, rounds, delay=0.0, hb=HB, other_host=False):
 
 def get(q, timeout=20):
     return q.get(timeout=timeout)
+
+
+@contextlib.contextmanager
+def leader_with(target):
+    """Rank 1 running `target(master, q)` in a process, rank 0 (a Leader) here: yields (lead, q); on the way out
+    rank 0 shuts down and rank 1 must say bye and exit 0."""
+    master = free_master()
+    q = CTX.Queue()
+    fp = CTX.Process(target=target, args=(master, q))
+    fp.start()
+    try:
+        with Leader(master, 2, start_timeout=20, **HB) as lead:
+            yield lead, q
+            lead.shutdown()
+        assert get(q) == ("bye",)
+        fp.join(10)
+        assert fp.exitcode == 0
+    finally:
+        fp.kill()
 
 
 def plans():
@@ -411,33 +431,22 @@ def test_ahead_reaches_a_polling_follower_and_a_late_one_is_dropped():
     """Rank 0 tells rank 1 the next round's decode rows while this round runs (Leader.send_ahead); the follower's
     poll_ahead returns them as PENDING rows, and None when none came (round 1). A hint the follower did not poll for
     (sent while round 2 runs, which polls nothing) never reaches recv(): round 3's plan comes next."""
-    master = free_master()
-    q = CTX.Queue()
-    fp = CTX.Process(target=ahead_follower_main, args=(master, q))
-    fp.start()
-    try:
-        with Leader(master, 2, start_timeout=20, **HB) as lead:
-            p0 = StepPlan(0, rows=[SeqRows(1, 0, [5, 6, 7], [2]), SeqRows(2, 0, [8], [0])])
-            p1 = StepPlan(1, rows=[SeqRows(1, 3, [plan.PENDING], [0]), SeqRows(2, 1, [plan.PENDING], [0])])
-            lead.send(p0)
-            lead.send_ahead(p1)                 # while round 0 runs
-            lead.verify(0, plan_digest(p0))
-            assert get(q) == ("round", 0, plan.encode(p1))
-            with pytest.raises(plan.CommError):  # only rounds of PENDING decode rows are told ahead
-                lead.send_ahead(p0)
-            for k in (1, 2, 3):
-                pk = StepPlan(k, rows=[SeqRows(1, 2 + k, [10 + k], [0]), SeqRows(2, k, [20 + k], [0])])
-                lead.send(pk)
-                if k == 2:
-                    lead.send_ahead(StepPlan(3, rows=[SeqRows(1, 5, [plan.PENDING], [0])]))
-                lead.verify(k, plan_digest(pk))    # the follower's digest of what it received: the plan itself
-                assert get(q) == ("round", k, None)
-            lead.shutdown()
-        assert get(q) == ("bye",)
-        fp.join(10)
-        assert fp.exitcode == 0
-    finally:
-        fp.kill()
+    with leader_with(ahead_follower_main) as (lead, q):
+        p0 = StepPlan(0, rows=[SeqRows(1, 0, [5, 6, 7], [2]), SeqRows(2, 0, [8], [0])])
+        p1 = StepPlan(1, rows=[SeqRows(1, 3, [plan.PENDING], [0]), SeqRows(2, 1, [plan.PENDING], [0])])
+        lead.send(p0)
+        lead.send_ahead(p1)                     # while round 0 runs
+        lead.verify(0, plan_digest(p0))
+        assert get(q) == ("round", 0, plan.encode(p1))
+        with pytest.raises(plan.CommError):      # only rounds of PENDING decode rows are told ahead
+            lead.send_ahead(p0)
+        for k in (1, 2, 3):
+            pk = StepPlan(k, rows=[SeqRows(1, 2 + k, [10 + k], [0]), SeqRows(2, k, [20 + k], [0])])
+            lead.send(pk)
+            if k == 2:
+                lead.send_ahead(StepPlan(3, rows=[SeqRows(1, 5, [plan.PENDING], [0])]))
+            lead.verify(k, plan_digest(pk))        # the follower's digest of what it received: the plan itself
+            assert get(q) == ("round", k, None)
 
 
 def idle_follower_main(master, q):
@@ -457,23 +466,12 @@ def idle_follower_main(master, q):
 def test_recv_calls_on_idle_once_when_no_plan_comes():
     """A follower's recv(idle_s, on_idle) calls on_idle once when no plan has come for idle_s (the follower hands
     its heap back then), and not while plans keep coming."""
-    master = free_master()
-    q = CTX.Queue()
-    fp = CTX.Process(target=idle_follower_main, args=(master, q))
-    fp.start()
-    try:
-        with Leader(master, 2, start_timeout=20, **HB) as lead:
-            time.sleep(0.8)                       # four idle periods long: still one call
-            for k in range(3):                   # back to back: no idle call between them
-                p = StepPlan(k, rows=[SeqRows(1, k, [5 + k], [0])])
-                lead.send(p)
-                lead.verify(k, plan_digest(p))
-            assert [get(q) for _ in range(4)] == [("idle",), ("round", 0), ("round", 1), ("round", 2)]
-            time.sleep(0.5)
-            assert get(q) == ("idle",)
-            lead.shutdown()
-        assert get(q) == ("bye",)
-        fp.join(10)
-        assert fp.exitcode == 0
-    finally:
-        fp.kill()
+    with leader_with(idle_follower_main) as (lead, q):
+        time.sleep(0.8)                           # four idle periods long: still one call
+        for k in range(3):                       # back to back: no idle call between them
+            p = StepPlan(k, rows=[SeqRows(1, k, [5 + k], [0])])
+            lead.send(p)
+            lead.verify(k, plan_digest(p))
+        assert [get(q) for _ in range(4)] == [("idle",), ("round", 0), ("round", 1), ("round", 2)]
+        time.sleep(0.5)
+        assert get(q) == ("idle",)

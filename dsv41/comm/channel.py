@@ -483,12 +483,19 @@ class Leader(_Channel):
         self.hb.arm()
 
     def _send_to(self, rank: int, msg) -> None:
+        self._send_raw(rank, encode(msg))
+
+    def _send_raw(self, rank: int, data: bytes) -> None:
         try:
-            self.sock.send_multipart([f"rank{rank}".encode(), encode(msg)])
+            self.sock.send_multipart([f"rank{rank}".encode(), data])
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 raise RankLost(rank, "its connection is gone") from None
             raise CommError(f"send to rank {rank}: {e}") from None
+
+    def _send_all(self, data: bytes) -> None:
+        for r in range(1, self.world):
+            self._send_raw(r, data)
 
     def send(self, plan: StepPlan) -> None:
         """Validate and send one plan to every follower. If the plan carries no `prev`, the last digest this leader
@@ -498,14 +505,7 @@ class Leader(_Channel):
         plan.validate()
         if plan.prev is None and self._last is not None and self._last.round < plan.round:
             plan = msgspec.structs.replace(plan, prev=self._last)
-        data = encode(plan)
-        for r in range(1, self.world):
-            try:
-                self.sock.send_multipart([f"rank{r}".encode(), data])
-            except zmq.ZMQError as e:
-                if e.errno == zmq.EHOSTUNREACH:
-                    raise RankLost(r, "its connection is gone") from None
-                raise CommError(f"send to rank {r}: {e}") from None
+        self._send_all(encode(plan))
 
     def send_ahead(self, plan: StepPlan) -> None:
         """Tell every follower the decode rows of the round queued behind the running one (`Ahead`; every row one
@@ -514,14 +514,7 @@ class Leader(_Channel):
             raise self.hb.lost
         if any(r.ids != [PENDING] or r.logits != [0] or r.draft for r in plan.rows):
             raise CommError(f"round {plan.round}: only rounds of PENDING decode rows are told ahead")
-        data = encode(Ahead(plan.round, [(r.seq, r.start) for r in plan.rows]))
-        for r in range(1, self.world):
-            try:
-                self.sock.send_multipart([f"rank{r}".encode(), data])
-            except zmq.ZMQError as e:
-                if e.errno == zmq.EHOSTUNREACH:
-                    raise RankLost(r, "its connection is gone") from None
-                raise CommError(f"send to rank {r}: {e}") from None
+        self._send_all(encode(Ahead(plan.round, [(r.seq, r.start) for r in plan.rows])))
 
     def collect(self, round: int) -> dict[int, bytes]:
         """Every follower's digest of `round` (waits up to step_timeout; raises RankLost / RemoteError)."""
