@@ -48,9 +48,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dsv41.comm.plan import (PENDING, DropState, FreeSeq, NewSeq, RestoreState, Rollback, SaveState, SeqRows,
                              StepPlan)
 from dsv41.sched.drafting import MEASURE_ROWS, DraftPolicy, DraftStats, RoundCosts
+from dsv41.sched.host import IDLE_TRIM_S, name_os_thread, release_free_heap
 from dsv41.sched.images import covers_images
 from dsv41.sched.kept import ImageSpan
-from dsv41.sched.host import IDLE_TRIM_S, name_os_thread, release_free_heap
 from dsv41.sched.memory import MemoryBudget
 from dsv41.sched.request import FinishEvent, Phase, Request, TokenEvent
 from dsv41.sched.runner import RoundResult, encode_params
