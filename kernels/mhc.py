@@ -35,7 +35,7 @@ from triton.language.extra import libdevice
 from kernels import pdl
 from kernels.numerics import inv_count
 from kernels.pdl import wait_inputs
-from kernels.rowops import _f32, _stream_sum
+from kernels.rowops import _f32
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROWS = 16
