@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_server import ROOT, LiveServer
 
-from dsv41.sched.scheduler import IDLE_TRIM_S
+from dsv41.sched.host import IDLE_TRIM_S
 
 CONTEXT = 512
 KEYS = ["robust-key-1", "robust-key-2"]
@@ -358,7 +358,8 @@ def test_64_clients_with_disconnects_then_idle_and_rss_stable(server, http):
     assert kept1 * 1024 <= gauge(http, "kept_state_budget_bytes")
     # RSS after the second pass stays near the first, less what the kept prompt states (a cache bounded by
     # --prompt-cache-gib) grew by: no per-request leak (64 MiB + 10% slack). The server hands its freed heap back
-    # once idle (memory.release_free_heap): without that, glibc's arenas kept up to +200 MiB a pass on a CI host.
+    # once idle (sched/host.py, release_free_heap): without that, glibc's arenas kept up to +200 MiB a pass on a
+    # CI host.
     assert rss1 - rss0 - (kept1 - kept0) < 64 * 1024 + rss0 // 10, (rss0, rss1, kept0, kept1)
     still_answers(http)
 
