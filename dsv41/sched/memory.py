@@ -127,29 +127,35 @@ class MemoryPlan:
 
 def prompt_scratch_bytes(text_config: dict, rows: int, positions: int = 0) -> int:
     """An estimate of one prompt pass's activations: per row the hyper-connection streams and their mixes, the
-    attention's queries, its gathered keys (window + top-k rows of head_dim: 1.3 MB a row at the release's sizes,
-    the largest term; left out before 2026-12-03, when a 4096-row chunk peaked 7 GiB above the plan on the H200)
-    and its scores against them, the routed experts' intermediates and slot sums, float32, with a factor 2.25 for
-    temporaries. (The forward frees them between layers; one pass is alive at a time.)
+    attention's queries, the routed experts' intermediates and slot sums, float32, with a factor 2.25 for
+    temporaries; the attention's key sets for one row tile only (a prompt pass reads each row's keys from the pool
+    through its indices: the GPU kernel gathers none, the reference gathers one tile of rows at a time,
+    ops.attend_tiled; until session 16 this counted every row's gathered keys, ~1.3 MB a row at the release's
+    sizes, the largest term). (The forward frees them between layers; one pass is alive at a time.)
     positions: the longest sequence (up to one index key per position): the indexer's scores and top-k temporaries
     for one block of rows (dsv41.model.model.index_row_block), ~24 bytes per (row, key), and the candidate mask of
     the whole chunk, 1 byte per (row, key).
-    Checked on the H200 (real shapes, 4096-row chunks, bench/results/long-h200*.md): at 16,384 positions the pass
-    peaked 21.06 GiB above weights and state against 19.20 estimated before the routed experts' slot sums
-    ([rows, top_k, H], dsv41.model.moe) were counted and the temporaries' factor raised from 2 to 2.25 (now 22.5);
-    at 1,048,560 positions it peaked 24.98 GiB against 27.64 (now 30.9: the index term dominates there)."""
+    Checked on GPUs (real shapes, 4096-row chunks, bench/results/long-h200*.md): the H100 at 536,576 positions
+    (session 15) peaked 5.7 GiB above weights and state, against 28.9 estimated with every row's keys and 16.3
+    without them; the H200's earlier peaks (21.06 GiB at 16,384 positions, 24.98 at 1,048,560) predate the pool
+    form of the prompt attention."""
     tc = text_config
     H, hc = int(tc["hidden_size"]), int(tc.get("hc_mult", 4))
     heads, hd = int(tc["num_attention_heads"]), int(tc["head_dim"])
     keys = int(tc.get("sliding_window", 0)) + int(tc.get("index_topk", 0))
     top_k = int(tc.get("num_experts_per_tok", 1))
     moe = int(tc.get("moe_intermediate_size", 0)) * top_k
-    per_row = 4 * (hc * H * 4 + heads * hd * 2 + keys * hd + heads * keys + moe * 3 + top_k * H + H * 4)
+    per_row = 4 * (hc * H * 4 + heads * hd * 2 + moe * 3 + top_k * H + H * 4)
+    # one tile of the reference's attention: its rows' keys [R, K, D], the scores and the softmax's [R, heads, K + 1]
+    tile = 4 * min(rows, ATTEND_TILE_ROWS) * (keys * hd + 3 * heads * (keys + 1))
     index = 0
     if positions > 0 and int(tc.get("index_topk", 0)):
         from dsv41.model.model import index_row_block
         index = min(rows, index_row_block(positions)) * positions * 24 + rows * positions
-    return 9 * rows * per_row // 4 + index
+    return 9 * (rows * per_row + tile) // 4 + index
+
+
+ATTEND_TILE_ROWS = 64     # the largest op set row tile (device.CUDA_ROW_TILE; the host's linear.ROW_TILE is 16)
 
 
 def memory_plan(text_config: dict, cost: StateCost, window: int, max_streams: int, prompt_chunk: int,
