@@ -396,7 +396,8 @@ class _Channel:
             self.ctx.term()
             raise
 
-    # one frame from the main socket, or None after `timeout` seconds; raises what the heartbeat found
+    # one frame from the main socket, or None after `timeout` seconds (0: a frame already here, never waiting);
+    # raises what the heartbeat found
     def _recv(self, timeout: float) -> tuple[int | None, object] | None:
         deadline = time.monotonic() + timeout
         while True:
@@ -404,15 +405,15 @@ class _Channel:
             if self.hb.lost is not None and not self.sock.poll(0):
                 raise self.hb.lost
             left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            if self.sock.poll(int(min(left, _SLICE_S) * 1000) + 1):
+            if self.sock.poll(int(min(left, _SLICE_S) * 1000) + 1 if left > 0 else 0):
                 frames = self.sock.recv_multipart()
                 sender = None
                 if len(frames) == 2:           # ROUTER: [identity, payload]
                     ident = frames[0].decode(errors="replace")
                     sender = int(ident[4:]) if ident.startswith("rank") and ident[4:].isdigit() else -1
                 return sender, decode(frames[-1])
+            if left <= 0:
+                return None
 
     def close(self) -> None:
         """Leave cleanly: peers see Shutdown on the heartbeat socket, not a lost rank."""
@@ -642,14 +643,10 @@ class Follower(_Channel):
         """Rank 0's `Ahead` for a coming round, as the runner's upcoming plan (Ahead.plan), if one has arrived; never
         waits. Anything else read here (an Error, a Shutdown) is held for recv(); an Ahead that recv() meets instead
         (it came after the round it was for had started) is dropped there."""
-        if self.hb.lost is not None and not self.sock.poll(0):
-            raise self.hb.lost
-        while self.sock.poll(0):
-            frames = self.sock.recv_multipart()
-            msg = decode(frames[-1])
-            if isinstance(msg, Ahead):
-                return msg.plan()
-            self._held.append((None, msg))
+        while (got := self._recv(0.0)) is not None:
+            if isinstance(got[1], Ahead):
+                return got[1].plan()
+            self._held.append(got)
         return None
 
     def reply(self, round: int, digest: bytes) -> None:

@@ -68,12 +68,12 @@ def run_follower(cfg: ServeConfig) -> int:
                 dm = DigestingModel(model)
                 runner = ModelRunner(dm, follower=True)   # takes rank 0's draft decisions
                 runner.poll_ahead = chan.poll_ahead       # rank 0's next round, told while this one runs
-                idle = None                         # idle after rounds: hand the heap they freed back, once
-                while (plan := chan.recv(idle_s=IDLE_TRIM_S, on_idle=idle)) is not None:
+                # idle after rounds: the heap they freed handed back, once (recv calls on_idle once a wait)
+                while (plan := chan.recv(idle_s=IDLE_TRIM_S,
+                                         on_idle=release_free_heap if rounds else None)) is not None:
                     runner.execute(plan)            # draws nothing: only rank 0 samples
                     chan.reply(plan.round, dm.take_digest())
                     rounds += 1
-                    idle = release_free_heap
             finally:
                 ring.close()
     except CommError as e:

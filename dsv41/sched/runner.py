@@ -54,24 +54,15 @@ class RoundResult(msgspec.Struct, array_like=True, gc=False):
     draft_seconds: float = 0.0             # of `seconds`, the DSpark proposals
 
 
-class _DeviceBusy:
-    """Whether the work queued on a CUDA stream so far is still running (an event recorded behind it)."""
-
-    def __init__(self, event):
-        self.event = event
-
-    @classmethod
-    def now(cls, device) -> _DeviceBusy | None:
-        """Behind what `device`'s stream holds now (None on the host: a forward has finished when it returns)."""
-        dev = torch.device(device) if device is not None else None
-        if dev is None or dev.type != "cuda":
-            return None
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(dev))
-        return cls(ev)
-
-    def done(self) -> bool:
-        return self.event.query()
+def _queued_work_done(device):
+    """A check of whether what `device`'s stream holds now has run (an event recorded behind it); None on the host,
+    where a forward has finished when it returns."""
+    dev = torch.device(device) if device is not None else None
+    if dev is None or dev.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(dev))
+    return ev.query
 
 
 class ModelRunner:
@@ -176,12 +167,12 @@ class ModelRunner:
             if self.follower:
                 # only rank 0's draws count (its grammar masks exist only there): its decisions arrive in _agree
                 decisions = [(0, 0)] * len(wanted)
-                self._prepare_next(plan, _DeviceBusy.now(getattr(self.model, "device", None)))
+                self._prepare_next(plan, _queued_work_done(getattr(self.model, "device", None)))
             else:
                 decisions = []
                 outs = [o for r, o in zip(plan.rows, outs) if r.logits]
                 drawn = self._draw_all(wanted, outs, bitmask)
-                self._prepare_next(plan, drawn)
+                self._prepare_next(plan, drawn.done)
                 draws, at = [], 0
                 got_all = drawn.fetch()
                 for out in outs:
@@ -266,10 +257,10 @@ class ModelRunner:
         elif timeout > 0:
             time.sleep(timeout)
 
-    def _prepare_next(self, plan: StepPlan, busy) -> None:
+    def _prepare_next(self, plan: StepPlan, done) -> None:
         """While this round's forward and draws run on the device, build the next round's table (Model.prepare_ahead:
         the window slots, the compressor groups, the index counts, the addresses; everything but the ids it
-        draws). Waits for the next plan only while the device is still busy (`busy.done()`: rank 0's draws, a
+        draws). Waits for the next plan only while the device is still busy (until `done()`: rank 0's draws, a
         follower's forward; a GPU round takes milliseconds, the loop plans the next one meanwhile); on the host op
         set the forward has already finished and only a plan already queued is prepared. A plan is taken only when
         nothing between here and its forward changes its sequences: every row one PENDING decode token wanting its
@@ -285,7 +276,7 @@ class ModelRunner:
             nxt = self._next
             if nxt is not None and nxt.round == plan.round + 1:
                 break
-            if busy is None or busy.done():
+            if done is None or done():
                 return
             self._wait_upcoming(_POLL_S)
         seqs = [r.seq for r in nxt.rows]
