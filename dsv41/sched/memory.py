@@ -136,7 +136,7 @@ def prompt_scratch_bytes(text_config: dict, rows: int, positions: int = 0) -> in
     for one block of rows (dsv41.model.model.index_row_block), ~24 bytes per (row, key), and the candidate mask of
     the whole chunk, 1 byte per (row, key).
     Checked on GPUs (real shapes, 4096-row chunks, bench/results/long-h200*.md): the H100 at 536,576 positions
-    (session 15) peaked 5.7 GiB above weights and state, against 28.9 estimated with every row's keys and 16.3
+    (session 15) peaked 5.7 GiB above weights and state, against 28.9 estimated with every row's keys and 16.5
     without them; the H200's earlier peaks (21.06 GiB at 16,384 positions, 24.98 at 1,048,560) predate the pool
     form of the prompt attention."""
     tc = text_config
@@ -146,16 +146,15 @@ def prompt_scratch_bytes(text_config: dict, rows: int, positions: int = 0) -> in
     top_k = int(tc.get("num_experts_per_tok", 1))
     moe = int(tc.get("moe_intermediate_size", 0)) * top_k
     per_row = 4 * (hc * H * 4 + heads * hd * 2 + moe * 3 + top_k * H + H * 4)
-    # one tile of the reference's attention: its rows' keys [R, K, D], the scores and the softmax's [R, heads, K + 1]
-    tile = 4 * min(rows, ATTEND_TILE_ROWS) * (keys * hd + 3 * heads * (keys + 1))
+    # one tile of the reference's attention (the largest op set row tile, the GPU's): its rows' keys [R, K, D], the
+    # scores and the softmax's [R, heads, K + 1]
+    from dsv41.model.device import CUDA_ROW_TILE
+    tile = 4 * min(rows, CUDA_ROW_TILE) * (keys * hd + 3 * heads * (keys + 1))
     index = 0
     if positions > 0 and int(tc.get("index_topk", 0)):
         from dsv41.model.model import index_row_block
         index = min(rows, index_row_block(positions)) * positions * 24 + rows * positions
     return 9 * (rows * per_row + tile) // 4 + index
-
-
-ATTEND_TILE_ROWS = 64     # the largest op set row tile (device.CUDA_ROW_TILE; the host's linear.ROW_TILE is 16)
 
 
 def memory_plan(text_config: dict, cost: StateCost, window: int, max_streams: int, prompt_chunk: int,
@@ -232,5 +231,3 @@ class MemoryBudget:
         if self.window:
             return self.positions_used / self.window
         return self.used / self.budget if self.budget else 0.0
-
-
