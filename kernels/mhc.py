@@ -35,7 +35,7 @@ from triton.language.extra import libdevice
 from kernels import pdl
 from kernels.numerics import inv_count
 from kernels.pdl import wait_inputs
-from kernels.rowops import _f32
+from kernels.rowops import _f32, _stream_sum
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROWS = 16
@@ -79,67 +79,26 @@ def _mix_rows(m_ptr, s_ptr, b_ptr, pre_ptr, post_ptr, comb_ptr, n, stride_m, ite
     x = (tl.load(mrow[:, None] + HC + j[None, :], mask=ok[:, None], other=0.0) * tl.load(s_ptr + 1)
          + tl.load(b_ptr + HC + j)[None, :])
     tl.store(post_ptr + at, 2.0 * _sigmoid(x, INTERP), mask=ok[:, None])
-    # comb: row j of the 4 x 4 matrix (streams j, k), a softmax over k, then Sinkhorn. Each entry is its own [BR]
-    # vector, so every sum below is elementwise across the 16 vectors: a row's whole matrix stays in one thread's
-    # registers (as [BR, HC, HC] tensors with axis sums, each of the ~80 sums of the Sinkhorn loop was a trip
-    # through shared memory and a barrier: ~12 us a launch at one row). The same operations in the same order.
-    tl.static_assert(HC == 4)
-    cb = mrow + 2 * HC
-    s2 = tl.load(s_ptr + 2)
-    c00, c01, c02, c03 = _softmax4(cb, b_ptr + 2 * HC, 0, s2, ok, eps, INTERP)
-    c10, c11, c12, c13 = _softmax4(cb, b_ptr + 2 * HC, 4, s2, ok, eps, INTERP)
-    c20, c21, c22, c23 = _softmax4(cb, b_ptr + 2 * HC, 8, s2, ok, eps, INTERP)
-    c30, c31, c32, c33 = _softmax4(cb, b_ptr + 2 * HC, 12, s2, ok, eps, INTERP)
-    # Sinkhorn (kernels/rowops.py's order): norm_cols, then (iters - 1) x (norm_rows, norm_cols); each stream sum
-    # left to right, ((c_0 + c_1) + c_2) + c_3, then + eps, each division correctly rounded
-    c00, c10, c20, c30 = _div4(c00, c10, c20, c30, (((c00 + c10) + c20) + c30) + eps)
-    c01, c11, c21, c31 = _div4(c01, c11, c21, c31, (((c01 + c11) + c21) + c31) + eps)
-    c02, c12, c22, c32 = _div4(c02, c12, c22, c32, (((c02 + c12) + c22) + c32) + eps)
-    c03, c13, c23, c33 = _div4(c03, c13, c23, c33, (((c03 + c13) + c23) + c33) + eps)
+    # comb: [BR, HC (stream j), HC (stream k)], softmax over k
+    jj = tl.arange(0, HC)[None, :, None]
+    kk = tl.arange(0, HC)[None, None, :]
+    off = jj * HC + kk
+    ok3 = ok[:, None, None]
+    x = tl.load(mrow[:, None, None] + 2 * HC + off, mask=ok3, other=0.0) * tl.load(s_ptr + 2) + \
+        tl.load(b_ptr + 2 * HC + off)
+    e = _exp(x - tl.max(x, axis=2)[:, :, None], INTERP)
+    # the warp butterfly of 4 lanes: lane k + lane k^2, then + lane k^1 -> (e0 + e2) + (e1 + e3); each term picked
+    # alone by a masked sum whose other terms are +0.0 (exact: the terms are >= 0)
+    e0 = tl.sum(tl.where(kk == 0, e, 0.0), axis=2)
+    e1 = tl.sum(tl.where(kk == 1, e, 0.0), axis=2)
+    e2 = tl.sum(tl.where(kk == 2, e, 0.0), axis=2)
+    e3 = tl.sum(tl.where(kk == 3, e, 0.0), axis=2)
+    c = tl.div_rn(e, ((e0 + e2) + (e1 + e3))[:, :, None]) + eps
+    c = tl.div_rn(c, _stream_sum(c, 1, HC)[:, None, :] + eps)          # Sinkhorn: norm_cols
     for _ in range(iters - 1):
-        c00, c01, c02, c03 = _div4(c00, c01, c02, c03, (((c00 + c01) + c02) + c03) + eps)
-        c10, c11, c12, c13 = _div4(c10, c11, c12, c13, (((c10 + c11) + c12) + c13) + eps)
-        c20, c21, c22, c23 = _div4(c20, c21, c22, c23, (((c20 + c21) + c22) + c23) + eps)
-        c30, c31, c32, c33 = _div4(c30, c31, c32, c33, (((c30 + c31) + c32) + c33) + eps)
-        c00, c10, c20, c30 = _div4(c00, c10, c20, c30, (((c00 + c10) + c20) + c30) + eps)
-        c01, c11, c21, c31 = _div4(c01, c11, c21, c31, (((c01 + c11) + c21) + c31) + eps)
-        c02, c12, c22, c32 = _div4(c02, c12, c22, c32, (((c02 + c12) + c22) + c32) + eps)
-        c03, c13, c23, c33 = _div4(c03, c13, c23, c33, (((c03 + c13) + c23) + c33) + eps)
-    out = comb_ptr + r64 * (HC * HC)
-    _store4(out, 0, c00, c01, c02, c03, ok)
-    _store4(out, 4, c10, c11, c12, c13, ok)
-    _store4(out, 8, c20, c21, c22, c23, ok)
-    _store4(out, 12, c30, c31, c32, c33, ok)
-
-
-@triton.jit
-def _softmax4(cb, bb, at: tl.constexpr, scale, ok, eps, INTERP: tl.constexpr):
-    """One comb row of 4 ([BR] vectors): x = m · scale + base, e = exp(x - max), e / ((e0 + e2) + (e1 + e3)) + eps
-    (torch's warp softmax for rows of 4: its butterfly's order)."""
-    x0 = tl.load(cb + at, mask=ok, other=0.0) * scale + tl.load(bb + at)
-    x1 = tl.load(cb + at + 1, mask=ok, other=0.0) * scale + tl.load(bb + at + 1)
-    x2 = tl.load(cb + at + 2, mask=ok, other=0.0) * scale + tl.load(bb + at + 2)
-    x3 = tl.load(cb + at + 3, mask=ok, other=0.0) * scale + tl.load(bb + at + 3)
-    mx = tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3))      # exact in any order (finite values)
-    e0 = _exp(x0 - mx, INTERP)
-    e1 = _exp(x1 - mx, INTERP)
-    e2 = _exp(x2 - mx, INTERP)
-    e3 = _exp(x3 - mx, INTERP)
-    t = (e0 + e2) + (e1 + e3)
-    return tl.div_rn(e0, t) + eps, tl.div_rn(e1, t) + eps, tl.div_rn(e2, t) + eps, tl.div_rn(e3, t) + eps
-
-
-@triton.jit
-def _div4(a, b, c, d, t):
-    return tl.div_rn(a, t), tl.div_rn(b, t), tl.div_rn(c, t), tl.div_rn(d, t)
-
-
-@triton.jit
-def _store4(out, at: tl.constexpr, a, b, c, d, ok):
-    tl.store(out + at, a, mask=ok)
-    tl.store(out + at + 1, b, mask=ok)
-    tl.store(out + at + 2, c, mask=ok)
-    tl.store(out + at + 3, d, mask=ok)
+        c = tl.div_rn(c, _stream_sum(c, 2, HC)[:, :, None] + eps)      # norm_rows
+        c = tl.div_rn(c, _stream_sum(c, 1, HC)[:, None, :] + eps)      # norm_cols
+    tl.store(comb_ptr + r64[:, None, None] * (HC * HC) + off, c, mask=ok3)
 
 
 @triton.jit
