@@ -10,6 +10,9 @@ Runs B requests through a real Scheduler + ModelRunner on a checkpoint (default:
 - commit: Scheduler.commit_round (token events, stops, grammar and reasoning controls);
 - gap: the engine thread idle between two rounds' execute calls (commit + plan + the event loop's own latency):
   time the model cannot run.
+- GPU busy (on CUDA; issue 25's >= 95 %): the union of the device's kernel and copy intervals over the span from the
+  first to the last of them, recorded (CUDA activity only, no host ops traced) while the middle rounds of the case
+  run; the share the device spends idle is the host time the rounds did not hide, or gaps inside the round's graph.
 Cases: greedy, sampled (T 0.7, top-k 20, top-p 0.95: the server's defaults), sampled with every row under a
 48-property JSON schema (bench/grammar_bench.py's), and sampled with top-k off (1024 candidates).
 
@@ -65,6 +68,9 @@ class Clock:
         self.by_round: dict[int, dict] = {}
         self.running: dict | None = None       # the record of the round the round thread runs
         self.exec_end: float | None = None
+        self.full = 0                          # rounds begun that carried every row
+        self.profile_at: tuple[int, int] | None = None   # (first, last) such round to record the device over
+        self.prof = None
 
 
 def instrument(sched: Scheduler, runner: ModelRunner, model, clock: Clock) -> None:
@@ -84,6 +90,15 @@ def instrument(sched: Scheduler, runner: ModelRunner, model, clock: Clock) -> No
             rec["gap"] = t - clock.exec_end
         g0 = runner.grammar_seconds
         rec["forward"] = 0.0
+        if clock.profile_at is not None and p.rows and all(r.logits and len(r.ids) == 1 for r in p.rows):
+            clock.full += 1
+            if clock.full == clock.profile_at[0]:
+                from torch.profiler import ProfilerActivity, profile
+                clock.prof = profile(activities=[ProfilerActivity.CUDA])
+                clock.prof.start()
+            elif clock.full == clock.profile_at[1] and clock.prof is not None:
+                torch.cuda.synchronize()
+                clock.prof.stop()
         out = execute(p, *a)
         clock.exec_end = time.perf_counter()
         rec["execute"] = clock.exec_end - t
@@ -107,6 +122,23 @@ def instrument(sched: Scheduler, runner: ModelRunner, model, clock: Clock) -> No
                                                                              timed_forward)
 
 
+def device_busy(prof) -> float:
+    """The share of the span from the first recorded device interval to the last that some kernel or copy covers."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start)
+    if not spans:
+        return float("nan")
+    covered, cur_s, cur_e = 0.0, *spans[0]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            covered += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    covered += cur_e - cur_s
+    return covered / (spans[-1][1] - spans[0][0]) if len(spans) > 1 else 1.0
+
+
 def matchers(n: int):
     import tokenizers
     from grammar_bench import large_schema
@@ -120,7 +152,8 @@ def matchers(n: int):
     return [spec.matcher() for _ in range(n)]
 
 
-def run_case(model, cost, rows: int, rounds: int, case: str, extra: dict, ahead: bool = True) -> list[dict]:
+def run_case(model, cost, rows: int, rounds: int, case: str, extra: dict, ahead: bool = True,
+             busy: bool = False) -> tuple[list[dict], float]:
     params = dict(CASES[case])
     ms = matchers(rows) if case.endswith("+json") else [None] * rows
 
@@ -130,6 +163,8 @@ def run_case(model, cost, rows: int, rounds: int, case: str, extra: dict, ahead:
             runner.upcoming = None
         sched = Scheduler(runner, MemoryBudget(1 << 40, cost), max_streams=max(rows, 1), prefill_chunk=2048, **extra)
         clock = Clock()
+        if busy:            # the middle rounds: past the first (graph captures) and before the last rows finish
+            clock.profile_at = (max(2, rounds // 4), max(3, rounds - 2))
         instrument(sched, runner, model, clock)
         sched.start()
         reqs = [Request([0] + [100 + (7 * i + j) % 5000 for j in range(24)], SamplingParams(seed=i, **params),
@@ -142,7 +177,8 @@ def run_case(model, cost, rows: int, rounds: int, case: str, extra: dict, ahead:
                 pass
         await asyncio.gather(*[drain(r) for r in reqs])
         await sched.stop()
-        return [c for c in clock.rounds if c.get("decode") == rows and c.get("rows") == rows]
+        got = [c for c in clock.rounds if c.get("decode") == rows and c.get("rows") == rows]
+        return got, (device_busy(clock.prof) if clock.prof is not None else float("nan"))
     return asyncio.run(go())
 
 
@@ -173,18 +209,20 @@ def main() -> None:
     cfg = json.loads((ckpt / "config.json").read_text())
     cost = state_cost(cfg.get("text_config", cfg))
 
-    lines = ["| case | rows | rounds | plan | forward | draw | (masks) | commit | gap | round |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    busy = args.device.startswith("cuda")
+    lines = ["| case | rows | rounds | plan | forward | draw | (masks) | commit | gap | round | GPU busy |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for case in args.cases.split(","):
         for rows in [int(x) for x in args.rows.split(",")]:
-            got = run_case(model, cost, rows, args.rounds, case, {"overlap": False} if args.no_overlap else {},
-                           ahead=not args.no_ahead)
+            got, share = run_case(model, cost, rows, args.rounds, case,
+                                  {"overlap": False} if args.no_overlap else {}, ahead=not args.no_ahead, busy=busy)
             col = {k: med([c[k] for c in got if k in c]) for k in ("plan", "forward", "execute", "masks", "commit",
                                                                     "gap")}
             draw = med([c["execute"] - c["forward"] for c in got])
             whole = med([c["execute"] + c.get("gap", 0.0) for c in got])
             lines.append(f"| {case} | {rows} | {len(got)} | {col['plan']:.2f} | {col['forward']:.1f} | {draw:.2f} | "
-                         f"{col['masks']:.2f} | {col['commit']:.2f} | {col['gap']:.2f} | {whole:.1f} |")
+                         f"{col['masks']:.2f} | {col['commit']:.2f} | {col['gap']:.2f} | {whole:.1f} | "
+                         f"{'-' if share != share else f'{share:.1%}'} |")
             print(lines[-1], flush=True)
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
@@ -194,7 +232,8 @@ def main() -> None:
             f"UTC, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load "
             f"{os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}, checkpoint {ckpt.name}, "
             f"device {args.device}.\nMilliseconds, median over the decode rounds that carried every row; round = "
-            f"execute + gap (one decode round as the engine thread sees it).\n\n")
+            f"execute + gap (one decode round as the engine thread sees it); GPU busy: the device's kernels and "
+            f"copies over the middle rounds' span (CUDA activity recorded, no host ops traced).\n\n")
     section = head + "\n".join(lines) + "\n"
     out = Path(args.out)
     title = "# Scheduler + runner host time per decode round (bench/sched_round_bench.py)\n\n"

@@ -4,7 +4,10 @@ pick (384 experts, top 6: `linear.stable_topk`, a full stable sort) and the inde
 top 512: `indexer.select_topk`, three torch.topk calls; the kernel in its forms: up to REG_T entries the row in
 registers (the served form there); the radix passes one program per row and a row split in SPLIT_CHUNK-entry chunks
 (select_topk picks by T > SPLIT_T), each with 11- and 8-bit radix digits),
-each checked equal first (the scores' row says "NOT bitwise" where they differ).
+each checked equal first (the scores' row says "NOT bitwise" where they differ). Beside them the indexer's scores
+of a decode round (`kernels.indexer.index_scores_table`, 32 heads of 128, T float32 keys a sequence, a row a
+sequence) against the same function in torch (bmm, relu, the heads' weighted sum; float32, not bitwise) and the
+keys' read at the device's copy rate.
 
 Each op is captured `--calls` times in one CUDA graph (inputs fixed), the graph replayed `--reps` times between CUDA
 events: µs per call, launch overhead included as a graphed decode round has it.
@@ -48,6 +51,41 @@ def graphed_us(fn, calls: int, reps: int) -> float:
     return a.elapsed_time(b) * 1e3 / (reps * calls)
 
 
+def copy_rate() -> float:
+    """Bytes a second of a 1 GiB device copy (read + write)."""
+    x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
+    y = torch.empty_like(x)
+    us = graphed_us(lambda: y.copy_(x), 2, 10)
+    return 2 * x.numel() * 4 / (us * 1e-6)
+
+
+def index_scores_line(rows: int, T: int, g, dev, calls: int, reps: int) -> str:
+    """The decode round's indexer scores: `rows` sequences of one row, T keys each, V4.1's 32 heads of 128."""
+    from kernels.indexer import index_scores_table
+    H, D = 32, 128
+    keys = [(torch.randn(T, D, generator=g)).to(dev) for _ in range(rows)]
+    q = torch.randn(rows, H, D, generator=g).to(dev)
+    w = (torch.randn(rows, H, generator=g) * H ** -0.5).to(dev)
+    table = torch.tensor([k.data_ptr() for k in keys], dtype=torch.int64, device=dev)
+    counts = torch.full((rows,), T, dtype=torch.int64, device=dev)
+    kk = torch.stack(keys)                                                  # [rows, T, D] for the torch form
+
+    def torch_form():
+        s = torch.relu(torch.bmm(q, kk.transpose(1, 2))) * D ** -0.5       # [rows, H, T]
+        return (s * w[:, :, None]).sum(1)
+
+    got = index_scores_table(q, w, table, counts, T, D ** -0.5)
+    close = torch.allclose(got, torch_form(), rtol=1e-4, atol=1e-4 * got.abs().max().item())
+    t0 = graphed_us(torch_form, min(calls, 10), reps)
+    t1 = graphed_us(lambda: index_scores_table(q, w, table, counts, T, D ** -0.5), min(calls, 10), reps)
+    floor = rows * T * D * 4 / RATE[0] * 1e6
+    return (f"| indexer scores T={T} H={H}{'' if close else ' (NOT close to torch)'}, keys' read "
+            f"{floor:.1f} us at copy rate | {rows} | {t0:.1f} | {t1:.1f} | {t0 / t1:.1f} |")
+
+
+RATE = [0.0]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,8,32")
@@ -62,6 +100,7 @@ def main() -> int:
     from kernels import router, topk
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
+    RATE[0] = copy_rate()
     lines = ["| op | rows | torch µs | kernel µs | torch / kernel |", "|---|---:|---:|---:|---:|"]
     for rows in [int(r) for r in a.rows.split(",")]:
         z = (torch.randn(rows, 384, generator=g) * 4).to(dev)
@@ -78,6 +117,7 @@ def main() -> int:
         t1 = graphed_us(lambda s=s: topk.router_topk(s, 6), a.calls, a.reps)
         lines.append(f"| router pick E=384 k=6 | {rows} | {t0:.1f} | {t1:.1f} | {t0 / t1:.1f} |")
         for T in [int(t) for t in a.T.split(",")]:
+            lines.append(index_scores_line(rows, T, g, dev, a.calls, a.reps))
             x = torch.randn(rows, T, generator=g).to(dev)
             x[:, T - T // 8:] = float("-inf")                          # a round's padding
             want = select_topk(x, 512)
@@ -100,7 +140,7 @@ def main() -> int:
                             check=False).stdout.strip()
     head = [f"## topk_bench ({commit}, {torch.cuda.get_device_name()}, {platform.node()})", "",
             f"`python bench/topk_bench.py --rows {a.rows} --T {a.T}`: µs per call, {a.calls} calls per CUDA graph, "
-            f"{a.reps} replays; each pair checked equal first.", ""]
+            f"{a.reps} replays; each pair checked equal first; device copy {RATE[0] / 1e12:.2f} TB/s.", ""]
     out = Path(a.out)
     old = out.read_text() if out.exists() else "# Top-k selections: kernels/topk.py against the torch paths\n\n"
     title, _, rest = old.partition("\n\n")

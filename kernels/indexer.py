@@ -95,11 +95,25 @@ def _index_scores_round_kernel(tab_ptr, q_ptr, w_ptr, cnt_ptr, out_ptr, n, T, RB
             else:
                 s = tl.dot(q, kt, input_precision="tf32x3")                                    # [HP, BN]
             g = tl.maximum(s, 0.0) * scale
-            acc = tl.zeros((BN,), dtype=tl.float32)
-            for h in range(H):     # head h's row of g, exactly (the others add zeros), then its term in order
-                g_h = tl.sum(tl.where((hh == h)[:, None], g, 0.0), axis=0)
-                acc = acc + g_h * tl.load(w_ptr + row * H + h)
-            tl.store(out_ptr + row.to(tl.int64) * T + keys, acc, mask=keys < T)
+            if INTERP:
+                acc = tl.zeros((BN,), dtype=tl.float32)
+                for h in range(H):     # head h's row of g, exactly (the others add zeros), then its term in order
+                    g_h = tl.sum(tl.where((hh == h)[:, None], g, 0.0), axis=0)
+                    acc = acc + g_h * tl.load(w_ptr + row * H + h)
+                tl.store(out_ptr + row.to(tl.int64) * T + keys, acc, mask=keys < T)
+            else:
+                # The heads' terms in order as a float32 FMA product: Triton lowers an "ieee" float32 dot to one
+                # accumulator per output, k = 0..HP-1 in order, each step fma(w[k], g[k, key], acc) from zero: the
+                # per-sequence kernel's loop, bit for bit (heads past H add w = 0 times g = 0 to a sum that is never
+                # -0). Row 0 of the 16-row operand is the row's weights, the rest zeros; only row 0 is stored. The
+                # masked sum per head it replaces crossed the warps HP times a key tile (the 1-row round's scores
+                # took 160 us a layer at 128K positions).
+                r16 = tl.arange(0, 16)
+                wv = tl.load(w_ptr + row * H + hh, mask=hh < H, other=0.0)
+                w16 = tl.where((r16 == 0)[:, None], wv[None, :], 0.0)                             # [16, HP]
+                acc16 = tl.dot(w16, g, input_precision="ieee")                                    # [16, BN]
+                tl.store(out_ptr + row.to(tl.int64) * T + keys[None, :] + 0 * r16[:, None], acc16,
+                         mask=(r16 == 0)[:, None] & (keys < T)[None, :])
 
 
 def _heads_tile(H: int) -> int:
