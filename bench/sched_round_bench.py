@@ -10,9 +10,10 @@ Runs B requests through a real Scheduler + ModelRunner on a checkpoint (default:
 - commit: Scheduler.commit_round (token events, stops, grammar and reasoning controls);
 - gap: the engine thread idle between two rounds' execute calls (commit + plan + the event loop's own latency):
   time the model cannot run.
-- GPU busy (on CUDA; issue 25's >= 95 %): the union of the device's kernel and copy intervals over the span from the
-  first to the last of them, recorded (CUDA activity only, no host ops traced) while the middle rounds of the case
-  run; the share the device spends idle is the host time the rounds did not hide, or gaps inside the round's graph.
+- GPU busy (on CUDA; issue 25's >= 95 %): the device's work a round (the union of its kernel and copy intervals,
+  recorded with CUDA activity only while the middle rounds run, per round) over the median round of the unrecorded
+  rounds (the recording slows the host side: the round's own share inside the recorded span is printed beside it).
+  The share the device is not busy is host time the rounds do not hide, or gaps between the graph's kernels.
 Cases: greedy, sampled (T 0.7, top-k 20, top-p 0.95: the server's defaults), sampled with every row under a
 48-property JSON schema (bench/grammar_bench.py's), and sampled with top-k off (1024 candidates).
 
@@ -92,6 +93,7 @@ def instrument(sched: Scheduler, runner: ModelRunner, model, clock: Clock) -> No
         rec["forward"] = 0.0
         if clock.profile_at is not None and p.rows and all(r.logits and len(r.ids) == 1 for r in p.rows):
             clock.full += 1
+            rec["recorded"] = clock.profile_at[0] <= clock.full <= clock.profile_at[1]   # (the stop's sync too)
             if clock.full == clock.profile_at[0]:
                 from torch.profiler import ProfilerActivity, profile
                 clock.prof = profile(activities=[ProfilerActivity.CUDA])
@@ -122,12 +124,13 @@ def instrument(sched: Scheduler, runner: ModelRunner, model, clock: Clock) -> No
                                                                              timed_forward)
 
 
-def device_busy(prof) -> float:
-    """The share of the span from the first recorded device interval to the last that some kernel or copy covers."""
+def device_busy(prof) -> tuple[float, float]:
+    """(µs some kernel or copy covers, the share of the span from the first recorded device interval to the last
+    that they cover)."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start)
     if not spans:
-        return float("nan")
+        return float("nan"), float("nan")
     covered, cur_s, cur_e = 0.0, *spans[0]
     for s, e in spans[1:]:
         if s > cur_e:
@@ -136,7 +139,7 @@ def device_busy(prof) -> float:
         else:
             cur_e = max(cur_e, e)
     covered += cur_e - cur_s
-    return covered / (spans[-1][1] - spans[0][0]) if len(spans) > 1 else 1.0
+    return covered, (covered / (spans[-1][1] - spans[0][0]) if len(spans) > 1 else 1.0)
 
 
 def matchers(n: int):
@@ -153,7 +156,7 @@ def matchers(n: int):
 
 
 def run_case(model, cost, rows: int, rounds: int, case: str, extra: dict, ahead: bool = True,
-             busy: bool = False) -> tuple[list[dict], float]:
+             busy: bool = False) -> tuple[list[dict], tuple[float, float]]:
     params = dict(CASES[case])
     ms = matchers(rows) if case.endswith("+json") else [None] * rows
 
@@ -164,7 +167,8 @@ def run_case(model, cost, rows: int, rounds: int, case: str, extra: dict, ahead:
         sched = Scheduler(runner, MemoryBudget(1 << 40, cost), max_streams=max(rows, 1), prefill_chunk=2048, **extra)
         clock = Clock()
         if busy:            # the middle rounds: past the first (graph captures) and before the last rows finish
-            clock.profile_at = (max(2, rounds // 4), max(3, rounds - 2))
+            k0 = max(2, rounds // 3)
+            clock.profile_at = (k0, k0 + max(4, rounds // 3))
         instrument(sched, runner, model, clock)
         sched.start()
         reqs = [Request([0] + [100 + (7 * i + j) % 5000 for j in range(24)], SamplingParams(seed=i, **params),
@@ -178,7 +182,10 @@ def run_case(model, cost, rows: int, rounds: int, case: str, extra: dict, ahead:
         await asyncio.gather(*[drain(r) for r in reqs])
         await sched.stop()
         got = [c for c in clock.rounds if c.get("decode") == rows and c.get("rows") == rows]
-        return got, (device_busy(clock.prof) if clock.prof is not None else float("nan"))
+        if clock.prof is None:
+            return got, (float("nan"), float("nan"))
+        covered, share = device_busy(clock.prof)
+        return got, (covered / 1e3 / (clock.profile_at[1] - clock.profile_at[0]), share)
     return asyncio.run(go())
 
 
@@ -210,19 +217,19 @@ def main() -> None:
     cost = state_cost(cfg.get("text_config", cfg))
 
     busy = args.device.startswith("cuda")
-    lines = ["| case | rows | rounds | plan | forward | draw | (masks) | commit | gap | round | GPU busy |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| case | rows | rounds | plan | forward | draw | (masks) | commit | gap | round | GPU work a round | "
+             "GPU busy | (recorded span's share) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for case in args.cases.split(","):
         for rows in [int(x) for x in args.rows.split(",")]:
-            got, share = run_case(model, cost, rows, args.rounds, case,
+            got, (work, share) = run_case(model, cost, rows, args.rounds, case,
                                   {"overlap": False} if args.no_overlap else {}, ahead=not args.no_ahead, busy=busy)
             col = {k: med([c[k] for c in got if k in c]) for k in ("plan", "forward", "execute", "masks", "commit",
                                                                     "gap")}
             draw = med([c["execute"] - c["forward"] for c in got])
-            whole = med([c["execute"] + c.get("gap", 0.0) for c in got])
+            whole = med([c["execute"] + c.get("gap", 0.0) for c in got if not c.get("recorded")])
             lines.append(f"| {case} | {rows} | {len(got)} | {col['plan']:.2f} | {col['forward']:.1f} | {draw:.2f} | "
-                         f"{col['masks']:.2f} | {col['commit']:.2f} | {col['gap']:.2f} | {whole:.1f} | "
-                         f"{'-' if share != share else f'{share:.1%}'} |")
+                         f"{col['masks']:.2f} | {col['commit']:.2f} | {col['gap']:.2f} | {whole:.2f} | "
+                         + (f"{work:.2f} | {work / whole:.1%} | {share:.1%} |" if work == work else "- | - | - |"))
             print(lines[-1], flush=True)
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
@@ -232,8 +239,9 @@ def main() -> None:
             f"UTC, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, load "
             f"{os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}, checkpoint {ckpt.name}, "
             f"device {args.device}.\nMilliseconds, median over the decode rounds that carried every row; round = "
-            f"execute + gap (one decode round as the engine thread sees it); GPU busy: the device's kernels and "
-            f"copies over the middle rounds' span (CUDA activity recorded, no host ops traced).\n\n")
+            f"execute + gap (one decode round as the engine thread sees it; on CUDA the median of the rounds not "
+            f"recorded); GPU work a round: the device's kernels and copies over the recorded middle rounds (CUDA "
+            f"activity only); GPU busy: that over the round.\n\n")
     section = head + "\n".join(lines) + "\n"
     out = Path(args.out)
     title = "# Scheduler + runner host time per decode round (bench/sched_round_bench.py)\n\n"
