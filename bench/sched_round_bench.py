@@ -156,12 +156,13 @@ def matchers(n: int):
 
 
 def run_case(model, cost, rows: int, rounds: int, case: str, extra: dict, ahead: bool = True,
-             busy: bool = False) -> tuple[list[dict], tuple[float, float]]:
+             busy: bool = False, launch: bool = True) -> tuple[list[dict], tuple[float, float]]:
     params = dict(CASES[case])
     ms = matchers(rows) if case.endswith("+json") else [None] * rows
 
     async def go():
         runner = ModelRunner(model)
+        runner.launch_ahead = launch
         if not ahead:
             runner.upcoming = None
         sched = Scheduler(runner, MemoryBudget(1 << 40, cost), max_streams=max(rows, 1), prefill_chunk=2048, **extra)
@@ -204,6 +205,9 @@ def main() -> None:
     ap.add_argument("--no-overlap", action="store_true", help="commit each round before planning the next")
     ap.add_argument("--no-ahead", action="store_true",
                     help="the runner is not told the queued plan: each round's table is built when it starts")
+    ap.add_argument("--no-launch", action="store_true",
+                    help="plain decode rounds are prepared ahead but not launched ahead (queued on the device with "
+                         "their ids read from the round before's draws there; only without Engram layers)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "sched-round-cpu.md"))
     args = ap.parse_args()
 
@@ -222,7 +226,8 @@ def main() -> None:
     for case in args.cases.split(","):
         for rows in [int(x) for x in args.rows.split(",")]:
             got, (work, share) = run_case(model, cost, rows, args.rounds, case,
-                                  {"overlap": False} if args.no_overlap else {}, ahead=not args.no_ahead, busy=busy)
+                                  {"overlap": False} if args.no_overlap else {}, ahead=not args.no_ahead,
+                                  busy=busy, launch=not args.no_launch)
             col = {k: med([c[k] for c in got if k in c]) for k in ("plan", "forward", "execute", "masks", "commit",
                                                                     "gap")}
             draw = med([c["execute"] - c["forward"] for c in got])

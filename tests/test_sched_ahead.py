@@ -1,9 +1,16 @@
 """A round's host side prepared while the round before runs (issue 25: ModelRunner._prepare_next,
 Model.prepare_ahead): the runner, told the plan queued behind the running round, builds that round's table before
 the running round's draws are read. The replies are the same bits as rounds prepared when they start; a table built
-ahead and never used changes no state; a plan whose sequences change in between is not prepared ahead."""
+ahead and never used changes no state; a plan whose sequences change in between is not prepared ahead. A plain
+decode round is launched ahead (queued with its ids read from the round before's draws on the device, before they
+reach the host): the same bits again, and not where the host needs the tokens first."""
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from dsv41.comm.plan import PENDING, Ahead, FreeSeq, NewSeq, SeqRows, StepPlan
 from dsv41.model.model import InputError, Model, SeqInput
@@ -18,30 +25,63 @@ def model(shared, request):
     return Model.load(shared / "vectors/model/tiny-a/checkpoint", device=request.param)
 
 
+def _without_engram(src: Path, out: Path) -> Path:
+    """tiny-a without its Engram layers (as make_real writes a checkpoint): the config lists none and the shards
+    drop their tensors. Its rows' Engram reads would otherwise hash the ids on the host (no launch ahead)."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    t = cfg.get("text_config", cfg)
+    t["engram_layer_ids"], t["engram_num_embeddings"] = [], []
+    (out / "config.json").write_text(json.dumps(cfg))
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if ".engram." not in k}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    for f in sorted(src.glob("*.safetensors")):
+        kept = {k: v for k, v in load_file(str(f)).items() if ".engram." not in k}
+        save_file(kept, str(out / f.name), metadata={"format": "pt"})
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / f, out / f)
+    return out
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def plain_model(shared, request, tmp_path_factory):
+    """A model without Engram layers: its plain decode rounds may be launched ahead."""
+    ck = _without_engram(shared / "vectors/model/tiny-a/checkpoint", tmp_path_factory.mktemp("no-engram"))
+    return Model.load(ck, device=request.param)
+
+
 def _prompts(n, vocab, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab - 1, (5 + 3 * i,), generator=g).tolist() for i in range(n)]
 
 
-def _params(i):
+def _params(i, adjust=False):
+    if adjust:                   # a repetition penalty: the draw reads the reply's tokens on the host
+        return SamplingParams(temperature=0.9, seed=5 + i, repetition_penalty=1.3)
     return (SamplingParams(temperature=0.0) if i % 2 == 0 else
             SamplingParams(temperature=0.9, top_p=0.9, seed=11 + i, logprobs=True, top_logprobs=2))
 
 
-def decode(model, prompts, rounds, *, tell, skip_one=False):
+def decode(model, prompts, rounds, *, tell, skip_one=False, launch=False, reverse=False, adjust=(),
+           matchers=None):
     """Open the sequences, fill their prompts, then `rounds` decode rounds of one PENDING row each, each plan made
     before the round before it has run (as the overlapped scheduler makes them). tell: hand each plan to the runner
-    as the one queued behind the running round. skip_one: drop the table built for round 3 (it runs as usual)."""
+    as the one queued behind the running round. skip_one: drop the table built for round 3 (it runs as usual).
+    launch: the runner may launch rounds ahead. reverse: every other round lists its rows in reverse order.
+    adjust: the sequences whose params adjust the logits by the reply. matchers: passed to every execute."""
     runner = ModelRunner(model)
+    runner.launch_ahead = launch
     seqs = list(range(1, len(prompts) + 1))
-    ops = [NewSeq(s, encode_params(_params(i))) for i, s in enumerate(seqs)]
+    ops = [NewSeq(s, encode_params(_params(i, s in adjust))) for i, s in enumerate(seqs)]
     res = runner.execute(StepPlan(0, ops=ops, rows=[SeqRows(s, 0, p, [len(p) - 1]) for s, p in zip(seqs, prompts)]))
     last = {s: smp.token_id for s, smp in res.samples}
     out = {s: [t] for s, t in last.items()}
     lengths = {s: len(p) for s, p in zip(seqs, prompts)}
 
     def plan(k):
-        return StepPlan(k, rows=[SeqRows(s, lengths[s] + k - 1, [PENDING], [0]) for s in seqs])
+        order = seqs[::-1] if reverse and k % 2 else seqs
+        return StepPlan(k, rows=[SeqRows(s, lengths[s] + k - 1, [PENDING], [0]) for s in order])
     plans = [plan(k) for k in range(1, rounds + 1)]
     for k, p in enumerate(plans):
         if tell and k + 1 < len(plans):
@@ -51,7 +91,7 @@ def decode(model, prompts, rounds, *, tell, skip_one=False):
             assert runner._take_ahead(None) is None      # taken back: the round builds its own table
         for r in p.rows:                         # the round thread resolves PENDING just before the round
             r.ids = [last[r.seq]]
-        res = runner.execute(p)
+        res = runner.execute(p, matchers)
         for s, smp in res.samples:
             last[s] = smp.token_id
             out[s].append((smp.token_id, smp.logprob, smp.top))
@@ -75,8 +115,39 @@ def test_a_table_built_ahead_and_never_used_changes_nothing(model):
     assert skipped == plain
 
 
+def test_rounds_launched_ahead_equal_rounds_run_when_they_start(plain_model):
+    """Each round queued with its ids read from the round before's draws on the device (before they reach the
+    host) gives the bits of rounds run one after the other: greedy and sampled rows with logprobs, rows in the
+    draws' order and in another (their ids gathered)."""
+    model = plain_model
+    prompts = _prompts(5, model.t.vocab_size, seed=6)
+    plain, _ = decode(model, prompts, 7, tell=False)
+    for reverse in (False, True):
+        launched, runner = decode(model, prompts, 7, tell=True, launch=True, reverse=reverse)
+        assert (runner.rounds_launched, runner.rounds_ahead) == (6, 0)
+        assert launched == plain
+
+
+def test_rows_the_host_must_see_first_are_not_launched_ahead(plain_model, model):
+    """A round with a row whose params adjust its logits by the reply (penalties), or whose sequence is
+    constrained (its mask needs the matcher to consume the token first), or a model with Engram layers (their
+    rows are read by hashes of the ids on the host), is prepared ahead but not launched."""
+    _, runner = decode(model, _prompts(2, model.t.vocab_size, seed=8), 3, tell=True, launch=True)
+    assert (runner.rounds_launched, runner.rounds_ahead) == (0, 2)
+    model = plain_model
+    prompts = _prompts(3, model.t.vocab_size, seed=7)
+    plain, _ = decode(model, prompts, 5, tell=False, adjust={2})
+    launched, runner = decode(model, prompts, 5, tell=True, launch=True, adjust={2})
+    assert (runner.rounds_launched, runner.rounds_ahead) == (0, 4)
+    assert launched == plain
+    # a matcher entry for sequence 3 (never consulted past the check: its rows' masks would be filled by it)
+    _, runner = decode(model, prompts, 2, tell=True, launch=True, matchers={3: None})
+    assert (runner.rounds_launched, runner.rounds_ahead) == (0, 1)
+
+
 def test_a_plan_that_changes_its_sequences_first_is_not_prepared_ahead(model):
     runner = ModelRunner(model)
+    runner.launch_ahead = False
     p = _prompts(2, model.t.vocab_size, seed=3)
     runner.execute(StepPlan(0, ops=[NewSeq(1, encode_params(_params(0))), NewSeq(2, encode_params(_params(0)))],
                             rows=[SeqRows(1, 0, p[0], [len(p[0]) - 1]), SeqRows(2, 0, p[1], [len(p[1]) - 1])]))
@@ -144,3 +215,40 @@ def test_a_follower_prepares_the_rounds_rank0_tells_it(model):
     told, n_told = follow(True)
     assert (n_plain, n_told) == (0, rounds - 1)
     assert told == plain
+
+
+def test_the_served_scheduler_launches_plain_rounds_ahead_with_the_same_replies(plain_model, shared):
+    """Through the real Scheduler (overlapped rounds, admissions, stops at max_tokens mid-run): replies with rounds
+    launched ahead == replies without, token for token with logprobs; some rounds were launched."""
+    import asyncio
+
+    from dsv41.sched.memory import MemoryBudget, state_cost
+    from dsv41.sched.request import Request, TokenEvent
+    from dsv41.sched.scheduler import Scheduler
+    model = plain_model
+    prompts = _prompts(6, model.t.vocab_size, seed=9)
+    cfg = json.loads((shared / "vectors/model/tiny-a/checkpoint/config.json").read_text())
+    cost = state_cost(cfg.get("text_config", cfg))      # (a bound: tiny-a's Engram history too)
+
+    def serve(launch: bool):
+        async def go():
+            runner = ModelRunner(model)
+            runner.launch_ahead = launch
+            sched = Scheduler(runner, MemoryBudget(1 << 40, cost), max_streams=4, prefill_chunk=64)
+            sched.start()
+            reqs = [Request(p, _params(i), max_tokens=6 + 3 * i, ignore_eos=True) for i, p in enumerate(prompts)]
+            for r in reqs:
+                sched.submit(r)
+
+            async def reply(r):
+                return [(e.token_id, e.sample.logprob, e.sample.top) for e in [ev async for ev in sched.stream(r)]
+                        if isinstance(e, TokenEvent)]
+            got = await asyncio.gather(*[reply(r) for r in reqs])
+            await sched.stop()
+            return got, runner.rounds_launched
+        return asyncio.run(asyncio.wait_for(go(), 120))
+
+    plain, n0 = serve(False)
+    launched, n1 = serve(True)
+    assert n0 == 0 and n1 > 0
+    assert launched == plain

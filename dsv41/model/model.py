@@ -435,17 +435,23 @@ class Model:
 
     @torch.no_grad()
     def forward(self, batch: list[SeqInput], trace: dict[str, Any] | None = None,
-                ahead: _Round | None = None) -> list[torch.Tensor]:
+                ahead: _Round | None = None, ids_on_device: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Run every SeqInput's new tokens; returns per input float32 logits [n | 1 | 0, vocab] and advances each
         state by len(ids). `trace`, when given, receives intermediate arrays (tests, debugging). `ahead`: this
-        round's table from prepare_ahead (the same states, rows and logits wanted; checked, else taken back)."""
+        round's table from prepare_ahead (the same states, rows and logits wanted; checked, else taken back).
+        `ids_on_device` (with `ahead`, no Engram layers): the round's token ids as a tensor on the model's device,
+        [rows] int64, which replace the SeqInputs' ids (placeholders) in the table after it is sent: the round is
+        queued before the round that draws them has finished (the runner's launch ahead)."""
         try:
             self._check(batch)
+            if ids_on_device is not None and (ahead is None or self.t.engram_layer_ids
+                                              or ids_on_device.shape != (sum(s.ids.numel() for s in batch),)):
+                raise InputError("ids_on_device needs a table prepared ahead, no Engram layers and a row each")
         except InputError:
             if ahead is not None:
                 ahead.undo()
             raise
-        return self._forward(batch, trace, ahead)
+        return self._forward(batch, trace, ahead, ids_on_device)
 
     def prepare_ahead(self, states: list[SeqState], n: int, logits: str = "last") -> _Round | None:
         """The host side of the next round of `states` (n rows each, `logits` as SeqInput's) built before its
@@ -458,7 +464,7 @@ class Model:
         return self._prepare_round(segs, None, want, ahead=True) if segs else None
 
     def _forward(self, batch: list[SeqInput], trace: dict[str, Any] | None,
-                 ahead: _Round | None = None) -> list[torch.Tensor]:
+                 ahead: _Round | None = None, ids_on_device: torch.Tensor | None = None) -> list[torch.Tensor]:
         t = self.t
         segs = []          # (row offset, n, start position, state)
         want, wants = [], []     # the rows that want logits; how many of them each input has
@@ -487,6 +493,8 @@ class Model:
                 raise InputError("the round does not match the table prepared ahead for it")
             rd = ahead
             rd.send(dv, ids_host)
+            if ids_on_device is not None:     # stream-ordered after the draw that made them and the table's copy
+                rd.meta[:, rd.cols["ids"]].copy_(ids_on_device)
         if rd is not None:
             ids, rows = rd.meta[:, rd.cols["ids"]], rd.rows
             pos = rd.meta[:, rd.cols["pos"] + t.sliding_window - 1]

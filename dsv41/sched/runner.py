@@ -86,6 +86,11 @@ class ModelRunner:
         self._next_ready = threading.Event()
         self._ahead: tuple[int, object] | None = None   # (round, its table built by _prepare_next)
         self.rounds_ahead = 0                     # rounds whose table was built while the round before ran
+        # launch ahead: a plain decode round is queued on the device, its ids read there from the round before's
+        # draw, before that round's tokens reach the host (_launch); (plan, its Drawn, draws per wanted row)
+        self.launch_ahead = True
+        self._launched: tuple[StepPlan, Drawn, list[int]] | None = None
+        self.rounds_launched = 0                  # rounds queued that way
         # several ranks: rank 0 tells the followers each plan it prepares ahead (tell_ahead(plan): the channel's
         # send_ahead); a follower learns them from its channel (poll_ahead() -> the plan or None, never waiting)
         self.tell_ahead = None
@@ -99,6 +104,9 @@ class ModelRunner:
         images: seq -> PromptImage spans of its prompt (rank 0): rows at span positions take the image rows
         (dsv41/sched/images.py; on several ranks rank 0 sends them to the others)."""
         t0 = time.perf_counter()
+        launched, self._launched = self._launched, None
+        if launched is not None and launched[0] is not plan:
+            raise PlanError(f"round {plan.round}: round {launched[0].round} was launched ahead in its place")
         for op in plan.ops:
             if isinstance(op, FreeSeq):
                 self.states.pop(op.seq, None)
@@ -121,6 +129,10 @@ class ModelRunner:
             st = self.states.get(r.seq)
             if st is None:
                 raise PlanError(f"round {plan.round}: rows for unknown sequence {r.seq}")
+            if launched is not None:     # its forward is queued: the state holds the row already
+                if st.length != r.start + len(r.ids):
+                    raise PlanError(f"round {plan.round}: sequence {r.seq} does not hold the row launched ahead")
+                continue
             if st.length != r.start:
                 raise PlanError(f"round {plan.round}: sequence {r.seq} holds {st.length} tokens, plan starts at "
                                 f"{r.start}")
@@ -149,7 +161,7 @@ class ModelRunner:
         drafts: dict[int, tuple[list[int], list[float]]] = {}
         draft_s = 0.0
         lasts: dict[int, int] = {}
-        if inputs:
+        if plan.rows:
             wanted = [r for r in plan.rows if r.logits]
             ms = [matchers.get(r.seq) for r in wanted] if matchers and not self.follower else []
             masking = None
@@ -158,7 +170,9 @@ class ModelRunner:
                 masking = self._masker.submit(self._masks, wanted, ms)
             ahead = self._take_ahead(plan.round)
             with torch.no_grad():
-                if ahead is not None:
+                if launched is not None:
+                    outs = []
+                elif ahead is not None:
                     outs = self.model.forward(inputs, ahead=ahead)
                     self.rounds_ahead += 1
                 else:
@@ -170,14 +184,19 @@ class ModelRunner:
                 self._prepare_next(plan, _queued_work_done(getattr(self.model, "device", None)))
             else:
                 decisions = []
-                outs = [o for r, o in zip(plan.rows, outs) if r.logits]
-                drawn = self._draw_all(wanted, outs, bitmask)
-                self._prepare_next(plan, drawn.done)
+                if launched is None:
+                    outs = [o for r, o in zip(plan.rows, outs) if r.logits]
+                    sizes = [o.shape[0] for o in outs]
+                    drawn = self._draw_all(wanted, outs, bitmask)
+                else:
+                    _, drawn, sizes = launched
+                    self.rounds_launched += 1
+                self._prepare_next(plan, drawn.done, drawn, wanted, matchers)
                 draws, at = [], 0
                 got_all = drawn.fetch()
-                for out in outs:
-                    draws.append(got_all[at:at + out.shape[0]])
-                    at += out.shape[0]
+                for size in sizes:
+                    draws.append(got_all[at:at + size])
+                    at += size
                 for k, (r, row_draws) in enumerate(zip(wanted, draws)):
                     got = self._accept(r, row_draws, ms[k] if ms else None, errors)
                     samples += [(r.seq, s) for s in got]
@@ -257,7 +276,8 @@ class ModelRunner:
         elif timeout > 0:
             time.sleep(timeout)
 
-    def _prepare_next(self, plan: StepPlan, done) -> None:
+    def _prepare_next(self, plan: StepPlan, done, drawn: Drawn | None = None, wanted: list = (),
+                      matchers: dict | None = None) -> None:
         """While this round's forward and draws run on the device, build the next round's table (Model.prepare_ahead:
         the window slots, the compressor groups, the index counts, the addresses; everything but the ids it
         draws). Waits for the next plan only while the device is still busy (until `done()`: rank 0's draws, a
@@ -266,7 +286,8 @@ class ModelRunner:
         nothing between here and its forward changes its sequences: every row one PENDING decode token wanting its
         logits, no state ops on its sequences, nothing after this round, no verify or drafting rows in either.
         Rank 0 tells the followers each plan it prepares (tell_ahead), and they prepare it by the same rules: their
-        states are rank 0's."""
+        states are rank 0's. Where the round may be launched ahead (_may_launch: `drawn`, this round's draws still
+        on the device), its forward and draws are queued now too (_launch)."""
         self._take_ahead(None)
         prepare = getattr(self.model, "prepare_ahead", None)
         if prepare is None or plan.after or any(r.draft or len(r.logits) > 1 for r in plan.rows):
@@ -294,8 +315,48 @@ class ModelRunner:
             self.tell_ahead(nxt)
         with torch.no_grad():
             rd = prepare(states, 1, "last")
-        if rd is not None:
+        if rd is None:
+            return
+        if drawn is not None and self._may_launch(nxt, wanted, matchers, drawn):
+            self._launch(nxt, states, rd, drawn, wanted)
+        else:
             self._ahead = (nxt.round, rd)
+
+    def _may_launch(self, nxt: StepPlan, wanted: list, matchers: dict | None, drawn: Drawn) -> bool:
+        """Whether round `nxt` (prepared: each row one PENDING decode token of a sequence this round draws for) may
+        be queued before this round's tokens reach the host: nothing on the host needs them first. Not where a row
+        is constrained (its mask needs the matcher to have consumed the token), its params adjust the logits by the
+        reply (penalties read the reply's tokens), the model has Engram layers (their rows are read by hashes of
+        the ids on the host), or several ranks serve (a follower takes the ids from rank 0's plan)."""
+        if (not self.launch_ahead or self.follower or drawn.token is None
+                or getattr(getattr(self.model, "comm", None), "world", 1) > 1
+                or getattr(self.model, "hasher", None) is not None):
+            return False
+        at = {r.seq: i for i, r in enumerate(wanted)}
+        if len(at) != len(wanted) or drawn.token.shape != (len(wanted),):
+            return False
+        for r in nxt.rows:
+            p = self.params.get(r.seq)
+            if r.seq not in at or (matchers and r.seq in matchers) or p is None or p.adjusts:
+                return False
+        return True
+
+    def _launch(self, nxt: StepPlan, states: list, rd, drawn: Drawn, wanted: list) -> None:
+        """Queue round `nxt`'s forward and draws behind this round's: its ids are this round's draws for its
+        sequences, read on the device (the same tokens the host resolves its PENDING rows to when it comes), so
+        its rows compute what they would have after this round's commit. execute(nxt) then only waits for them."""
+        at = {r.seq: i for i, r in enumerate(wanted)}
+        src = [at[r.seq] for r in nxt.rows]
+        ids = drawn.token
+        if src != list(range(len(wanted))):
+            index = torch.tensor(src, dtype=torch.long)
+            if ids.device.type == "cuda":      # pinned: a pageable copy would wait for the device to drain
+                index = index.pin_memory().to(ids.device, non_blocking=True)
+            ids = ids.index_select(0, index)
+        inputs = [self.SeqInput(state=st, ids=torch.zeros(1, dtype=torch.long), logits="last") for st in states]
+        with torch.no_grad():
+            outs = self.model.forward(inputs, ahead=rd, ids_on_device=ids)
+        self._launched = (nxt, self._draw_all(list(nxt.rows), outs, None), [1] * len(outs))
 
     @staticmethod
     def _accept(r, draws: list[Sample], m, errors: dict[int, str]) -> list[Sample]:

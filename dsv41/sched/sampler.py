@@ -383,8 +383,10 @@ class Drawn:
     prepares the next round's host side while the GPU still runs this one (done() says whether it has finished),
     then fetch() waits for the copy and reads the tokens and logprobs."""
 
-    def __init__(self, flat: torch.Tensor | None, event, lp: list[int], tops: list[int], params: list[SamplingParams]):
+    def __init__(self, flat: torch.Tensor | None, event, lp: list[int], tops: list[int], params: list[SamplingParams],
+                 token: torch.Tensor | None = None):
         self._flat, self._event, self._lp, self._tops, self._params = flat, event, lp, tops, params
+        self.token = token      # the drawn ids on the logits' device [rows] (the next round may read them there)
 
     def done(self) -> bool:
         return self._event is None or self._event.query()
@@ -431,12 +433,12 @@ def _fetch(raw: torch.Tensor, token: torch.Tensor, params: list[SamplingParams])
             parts += [order.double().reshape(-1), logp.gather(1, order).reshape(-1)]
         flat = torch.cat(parts)
     if dev.type != "cuda":
-        return Drawn(flat, None, lp, tops, params)
+        return Drawn(flat, None, lp, tops, params, token)
     host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
     host.copy_(flat, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
-    return Drawn(host, event, lp, tops, params)
+    return Drawn(host, event, lp, tops, params, token)
 
 
 def sample_row(logits: torch.Tensor, position: int, params: SamplingParams, reply=()) -> Sample:

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The shortest useful device call (~7 min; session 17): the GPU tests of the kernels changed without a device,
-# then their timings and issue 25's round figures. Everything lands in $OUT/quick/, packed into $OUT/quick.tgz
-# after each step (at most 8 files come back; a call cut at its limit keeps what ran).
-# - tests.txt: the indexer round kernel's heads' sum as an FMA product == the per-sequence kernel bitwise
-#   (test_gpu_indexer at V4.1 shapes, test_model_round's table test); hc_mix's warp form (reverted to) == torch.
-# - topk.md: the round's indexer scores at T = 2K / 32K / 262K keys (1M positions / 4) for 1 and 32 rows, beside a
-#   torch bmm form and the keys' read (before: 160 us a launch at 32K keys, 1 row, H100 at 27f3608).
-# - sched.md: sched_round_bench's GPU busy share of the served rounds at 1 and 32 rows (target >= 95 %).
-# - long-2048.md / long-131072.md: the decode round after 2K and 128K prompts (target <= 1.3x; 1.23x at 27f3608).
+# The shortest useful device call (~5 min; written in session 17 after its device time was spent): rounds launched
+# ahead (runner._launch: a plain decode round queued with its ids read from the round before's draws on the device,
+# before they reach the host; models without Engram layers) on a GPU for the first time.
+# Outputs in $OUT/quick/, packed into $OUT/quick.tgz after each step (at most 8 files come back).
+# - tests.txt: test_sched_ahead on CUDA (launched == run when they start, bitwise, rows gathered in another order;
+#   the served scheduler's replies with and without; the cases that must not launch), test_sampler_gpu.
+# - sched.md: sched_round_bench at 1 and 32 rows with launch ahead and without (--no-launch): the GPU busy share
+#   (issue 25's >= 95 %; H200 at 67a9ef7 without launching: 64.4 % at 1 row, 73.4 % at 32).
+# - serve-rate.md: http_rate at 1 and 32 streams (H100 at 27f3608: 91 % / 87 % of the engine-only rate).
 # Call (repo root on the device, carry [".whl-gpu", ".gpu-shared"]): bash scripts/h200/quick.sh
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -19,20 +19,17 @@ pack() { tar -C "$OUT" -czf "$OUT/quick.tgz" quick; }
 t0=$(date +%s)
 ck=/tmp/dsv41-real-2
 [ -f "$ck/config.json" ] || timeout -k 5 120 python3 -m dsv41.tools.make_real --layers 2 --out "$ck" > /dev/null 2>&1 &
-timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_gpu_indexer.py \
-    "tests/test_model_round.py::test_index_scores_table_kernel_equals_per_sequence_launches" \
-    tests/test_kernels_mhc.py > "$d/tests.txt" 2>&1
+timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_sched_ahead.py \
+    tests/test_sampler_gpu.py -k "cuda or gpu" > "$d/tests.txt" 2>&1
 echo "quick.sh: tests rc=$? at $(( $(date +%s) - t0 ))s"; tail -3 "$d/tests.txt"; pack
-timeout -k 5 120 python3 bench/topk_bench.py --rows 1,32 --T 2048,32768,262144 --calls 10 --reps 10 \
-    --out "$d/topk.md" > "$d/topk.log" 2>&1
-echo "quick.sh: topk rc=$? at $(( $(date +%s) - t0 ))s"; grep "indexer scores" "$d/topk.md"; pack
 wait
-timeout -k 5 60 python3 bench/sched_round_bench.py --checkpoint "$ck" --device cuda --rows 1,32 --rounds 24 \
-    --cases greedy --tag "${DSV41_COMMIT:-} busy" --out "$d/sched.md" > "$d/sched.log" 2>&1
-echo "quick.sh: sched rc=$? at $(( $(date +%s) - t0 ))s"; grep "^| greedy" "$d/sched.md"; pack
-for n in 2048 131072; do
-    timeout -k 5 60 python3 bench/long_bench.py --checkpoint "$ck" --device cuda --tokens $n --chunk 4096 \
-        --budget-s 40 --decode 16 --four 0 --out "$d/long-$n.md" > "$d/long-$n.log" 2>&1
-    echo "quick.sh: long $n rc=$? at $(( $(date +%s) - t0 ))s"; grep -i "decode after\|^| prefill" "$d/long-$n.md"
-    pack
+for v in launch no-launch; do
+    f=""; [ "$v" = no-launch ] && f=--no-launch
+    timeout -k 5 120 python3 bench/sched_round_bench.py --checkpoint "$ck" --device cuda --rows 1,32 --rounds 30 \
+        --cases greedy,sampled $f --tag "${DSV41_COMMIT:-} $v" --out "$d/sched.md" > "$d/sched-$v.log" 2>&1
+    echo "quick.sh: sched $v rc=$? at $(( $(date +%s) - t0 ))s"; pack
 done
+grep "^| greedy\|^| sampled\|^## " "$d/sched.md"
+timeout -k 5 100 python3 bench/http_rate.py --checkpoint "$ck" --device cuda --streams 1,32 --tokens 256 \
+    --out "$d/serve-rate.md" ${DSV41_COMMIT:+--commit "$DSV41_COMMIT"} > "$d/http.log" 2>&1
+echo "quick.sh: http rc=$? at $(( $(date +%s) - t0 ))s"; grep "^| [0-9]" "$d/serve-rate.md"; pack
