@@ -16,6 +16,7 @@ import datetime
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -100,19 +101,26 @@ def prefill(model: Model, ids: torch.Tensor, chunk: int, device: str, budget_s: 
 DECODE_WARM = 2   # decode rounds not timed: the first ones capture their CUDA graphs and compile decode shapes
 
 
-def decode(model: Model, st, last: torch.Tensor, steps: int, device: str) -> tuple[float, int]:
+def decode(model: Model, st, last: torch.Tensor, steps: int, device: str) -> tuple[float, int, float]:
     """Greedy decode rounds after the prompt: (tokens/s over the timed rounds, rounds not timed: the first
-    DECODE_WARM, at least one round timed)."""
+    DECODE_WARM, at least one round timed; the median round in ms). Each round reads its token on the host before
+    the next is queued, so a round here is its device time plus its host time; the median is steadier than the
+    mean against the host's hiccups (session 17: the mean rate after 2K swung 480-614 tok/s on one H200)."""
     warm = max(0, min(DECODE_WARM, steps - 1))
     t0 = time.perf_counter()
+    each = []
     for k in range(steps):
         if k == warm:
             sync(device)
             t0 = time.perf_counter()
+        t = time.perf_counter()
         nxt = last.reshape(-1).argmax().reshape(1).to(torch.long)
         last = model.forward([SeqInput(st, nxt.cpu(), "last")])[0]
+        if k >= warm:
+            each.append(time.perf_counter() - t)
     sync(device)
-    return ((steps - warm) / (time.perf_counter() - t0) if steps else 0.0), warm
+    med = statistics.median(each) * 1e3 if each else float("nan")
+    return ((steps - warm) / (time.perf_counter() - t0) if steps else 0.0), warm, med
 
 
 def four_at_once(model: Model, n: int, chunk: int, vocab: int, device: str) -> tuple[bool, float, float]:
@@ -189,7 +197,7 @@ def main(argv=None) -> int:
     if done < tokens:
         skipped.append(f"the prompt pass stopped at {done:,} of {tokens:,} tokens after {secs:.0f} s (--budget-s)")
     prefill_tps = done / secs
-    dec_tps, dec_warm = decode(model, st, last, a.decode, dev)
+    dec_tps, dec_warm, dec_med = decode(model, st, last, a.decode, dev)
     peak_dev = torch.cuda.max_memory_allocated() if cuda else 0
     state_bytes = held_bytes(st)
     host = host_peak()
@@ -218,7 +226,7 @@ def main(argv=None) -> int:
         ("prompt tokens done / asked", f"{done:,} / {tokens:,}"),
         ("prefill", f"{prefill_tps:,.1f} tok/s ({secs:.1f} s, chunks of {a.chunk})"),
         (f"decode after it ({a.decode} rounds, 1 row; the first {dec_warm} not timed)",
-         f"{dec_tps:,.2f} tok/s"),
+         f"{dec_tps:,.2f} tok/s; median round {dec_med:.3f} ms"),
         ("state held (its tensors' storages)", f"{state_bytes / GIB:.3f} GiB"),
         ("plan: state lines for that length", f"{(plan_done.pool + plan_done.fixed) / GIB:.3f} GiB"),
         ("plan: + prompt-pass scratch", f"{(plan_done.pool + plan_done.fixed + plan_done.prompt_scratch) / GIB:.3f} GiB"),
