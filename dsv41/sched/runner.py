@@ -345,6 +345,7 @@ class ModelRunner:
         """Queue round `nxt`'s forward and draws behind this round's: its ids are this round's draws for its
         sequences, read on the device (the same tokens the host resolves its PENDING rows to when it comes), so
         its rows compute what they would have after this round's commit. execute(nxt) then only waits for them."""
+        from dsv41.model.model import InputError     # (as SeqInput: the runner imports no model at import time)
         at = {r.seq: i for i, r in enumerate(wanted)}
         src = [at[r.seq] for r in nxt.rows]
         ids = drawn.token
@@ -354,8 +355,11 @@ class ModelRunner:
                 index = index.pin_memory().to(ids.device, non_blocking=True)
             ids = ids.index_select(0, index)
         inputs = [self.SeqInput(state=st, ids=torch.zeros(1, dtype=torch.long), logits="last") for st in states]
-        with torch.no_grad():
-            outs = self.model.forward(inputs, ahead=rd, ids_on_device=ids)
+        try:
+            with torch.no_grad():
+                outs = self.model.forward(inputs, ahead=rd, ids_on_device=ids)
+        except InputError:      # refused before any state moved (the table taken back): the round runs when it comes
+            return
         self._launched = (nxt, self._draw_all(list(nxt.rows), outs, None), [1] * len(outs))
 
     @staticmethod
