@@ -78,9 +78,20 @@ def index_scores_line(rows: int, T: int, g, dev, calls: int, reps: int) -> str:
     close = torch.allclose(got, torch_form(), rtol=1e-4, atol=1e-4 * got.abs().max().item())
     t0 = graphed_us(torch_form, min(calls, 10), reps)
     t1 = graphed_us(lambda: index_scores_table(q, w, table, counts, T, D ** -0.5), min(calls, 10), reps)
+    # QAT's inputs (FP4 values times powers of two, exact in TF32): the served one-pass form, its bits checked
+    from dsv41.model.quant import fp4_fake_quant_ue8m0
+    q.copy_(fp4_fake_quant_ue8m0(q))
+    for k in keys:
+        k.copy_(fp4_fake_quant_ue8m0(k))
+    same = torch.equal(index_scores_table(q, w, table, counts, T, D ** -0.5, one_pass=True),
+                       index_scores_table(q, w, table, counts, T, D ** -0.5))
+    t2 = graphed_us(lambda: index_scores_table(q, w, table, counts, T, D ** -0.5, one_pass=True), min(calls, 10),
+                    reps)
     floor = rows * T * D * 4 / RATE[0] * 1e6
     return (f"| indexer scores T={T} H={H}{'' if close else ' (NOT close to torch)'}, keys' read "
-            f"{floor:.1f} us at copy rate | {rows} | {t0:.1f} | {t1:.1f} | {t0 / t1:.1f} |")
+            f"{floor:.1f} us at copy rate | {rows} | {t0:.1f} | {t1:.1f} | {t0 / t1:.1f} |\n"
+            f"| indexer scores T={T} H={H}, QAT inputs, one TF32 pass (served under QAT)"
+            f"{'' if same else ' (NOT the three passes bits)'} | {rows} | {t0:.1f} | {t2:.1f} | {t0 / t2:.1f} |")
 
 
 RATE = [0.0]

@@ -93,16 +93,19 @@ def _cases():
            {(i,): div for i in range(4)},
            {"num_warps": 4})
 
-    isig = {"D": "constexpr", "BM": "constexpr", "BN": "constexpr", "INTERP": "constexpr"}
-    ic = {"D": 128, "BM": indexer.BLOCK_M, "BN": indexer.BLOCK_N, "INTERP": False}
-    yield ("indexer scores", indexer._index_scores_kernel,
-           {"q_ptr": "*fp32", "w_ptr": "*fp32", "k_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "T": "i32",
-            "scale": "fp32", "H": "i32", **isig}, ic, {(i,): div for i in range(4)}, {"num_warps": indexer.NUM_WARPS})
-    for hp in (16, 32):        # the round kernel's head tile: small test shapes, the release's 32 heads
-        yield (f"indexer round scores, {hp}-head tile", indexer._index_scores_round_kernel,
-               {"tab_ptr": "*i64", "q_ptr": "*fp32", "w_ptr": "*fp32", "cnt_ptr": "*i64", "out_ptr": "*fp32",
-                "n": "i32", "T": "i32", "RB": "i32", "scale": "fp32", "H": "i32", "HP": "constexpr", **isig},
-               {"HP": hp, **ic}, {(i,): div for i in range(5)}, {"num_warps": indexer.ROUND_WARPS})
+    isig = {"D": "constexpr", "BM": "constexpr", "BN": "constexpr", "INTERP": "constexpr", "PREC": "constexpr"}
+    ic = {"D": 128, "BM": indexer.BLOCK_M, "BN": indexer.BLOCK_N, "INTERP": False, "PREC": "tf32x3"}
+    for prec in ("tf32x3", "tf32"):       # three TF32 passes; one where q and keys are exact in TF32 (QAT)
+        icp = {**ic, "PREC": prec}
+        yield (f"indexer scores, {prec}", indexer._index_scores_kernel,
+               {"q_ptr": "*fp32", "w_ptr": "*fp32", "k_ptr": "*fp32", "out_ptr": "*fp32", "N": "i32", "T": "i32",
+                "scale": "fp32", "H": "i32", **isig}, icp, {(i,): div for i in range(4)},
+               {"num_warps": indexer.NUM_WARPS})
+        for hp in (16, 32):        # the round kernel's head tile: small test shapes, the release's 32 heads
+            yield (f"indexer round scores, {hp}-head tile, {prec}", indexer._index_scores_round_kernel,
+                   {"tab_ptr": "*i64", "q_ptr": "*fp32", "w_ptr": "*fp32", "cnt_ptr": "*i64", "out_ptr": "*fp32",
+                    "n": "i32", "T": "i32", "RB": "i32", "scale": "fp32", "H": "i32", "HP": "constexpr", **isig},
+                   {"HP": hp, **icp}, {(i,): div for i in range(5)}, {"num_warps": indexer.ROUND_WARPS})
     for E, k in ((384, 6), (256, 8), (1024, 16)):   # V4.1's router (384 experts, top 6) and the limits
         be = 1 << (E - 1).bit_length()
         yield (f"router_topk E={E} k={k}", topk._router_topk_kernel,

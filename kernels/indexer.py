@@ -9,6 +9,11 @@ products, fp32 accumulation), about float32's accuracy (~1e-6 relative) at sever
 (which ran at ~13 TFLOP/s on the H200 and bound long prompts: 2026-12-03 gpu.md). Under QAT the indexer's q and k
 are FP4 values times a power of two, exact in TF32, so the remainders are zero and every product is exact. The sum
 over the head dim is the kernel's own fixed order, so values differ from the torch path by float32-level rounding.
+One pass (`one_pass=True`, the op set's choice at load when QAT is on): the products in a single TF32 pass. Its
+bits are the three passes' exactly when q and k are exact in TF32 (each operand's remainder is zero, so the two
+remainder products add exact zeros to a zero accumulator before the main product), as the FP4 values times powers
+of two of QAT's indexer q and keys are; a third of the tensor-core work, which bounds the kernel at 32 rows (3x
+its keys' read on the H100). Both kernels take the same mode, so a round's values stay the per-sequence kernel's.
 Exactness: one configuration (BLOCK_M rows x BLOCK_N keys per program, the whole head dim in one product), so a
 (row, key) value depends only on that row and that key: not on the other rows of the call, nor on how many keys
 the sequence has (chunked prompt == one pass, a row alone == among many).
@@ -37,7 +42,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # every call (the first H200 run spent ~70 s compiling unrolled variants per key count).
 @triton.jit(do_not_specialize=["N", "T", "H"])
 def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, N, T, scale, H, D: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
+                         BM: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     keys = tl.program_id(1) * BN + tl.arange(0, BN)
     d = tl.arange(0, D)
@@ -49,15 +54,16 @@ def _index_scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, N, T, scale, H, D: tl.con
         if INTERP:   # numpy's BLAS would round a row by its place in the tile: an explicit product-sum instead
             s = tl.sum(q[:, :, None] * kt[None, :, :], axis=1)
         else:
-            s = tl.dot(q, kt, input_precision="tf32x3")
+            s = tl.dot(q, kt, input_precision=PREC)
         w = tl.load(w_ptr + rows * H + h, mask=rmask, other=0.0)
         acc = acc + (tl.maximum(s, 0.0) * scale) * w[:, None]
     tl.store(out_ptr + rows[:, None] * T + keys[None, :], acc, mask=rmask[:, None] & kmask[None, :])
 
 
-def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float,
+                 one_pass: bool = False) -> torch.Tensor:
     """q [n, H, D] float32, w [n, H] float32, keys [T, D] float32 -> scores [n, T] float32 (no visibility mask).
-    D must be a power of two (the release's 128)."""
+    D must be a power of two (the release's 128). one_pass: q and keys are exact in TF32 (module docstring)."""
     n, H, D = q.shape
     T = keys.shape[0]
     if D & (D - 1) or keys.shape[1] != D or w.shape != (n, H):
@@ -68,7 +74,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: fl
     q, w, keys = (t.float().contiguous() for t in (q, w, keys))
     grid = (triton.cdiv(n, BLOCK_M), triton.cdiv(T, BLOCK_N))
     _index_scores_kernel[grid](q, w, keys, out, n, T, float(scale), H, D=D, BM=BLOCK_M, BN=BLOCK_N,
-                               INTERP=INTERPRET, num_warps=NUM_WARPS)
+                               INTERP=INTERPRET, PREC=_precision(one_pass), num_warps=NUM_WARPS)
     return out
 
 
@@ -77,7 +83,8 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: fl
 # (no padded copy of every sequence's keys per layer); keys past a sequence's count read 0.
 @triton.jit(do_not_specialize=["n", "T", "RB", "H"])
 def _index_scores_round_kernel(tab_ptr, q_ptr, w_ptr, cnt_ptr, out_ptr, n, T, RB, scale, H, HP: tl.constexpr,
-                               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr):
+                               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, INTERP: tl.constexpr,
+                               PREC: tl.constexpr):
     b = tl.program_id(0) // RB
     first = (tl.program_id(0) % RB) * BM
     keys = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -93,7 +100,7 @@ def _index_scores_round_kernel(tab_ptr, q_ptr, w_ptr, cnt_ptr, out_ptr, n, T, RB
             if INTERP:
                 s = tl.sum(q[:, :, None] * kt[None, :, :], axis=1)
             else:
-                s = tl.dot(q, kt, input_precision="tf32x3")                                    # [HP, BN]
+                s = tl.dot(q, kt, input_precision=PREC)                                        # [HP, BN]
             g = tl.maximum(s, 0.0) * scale
             if INTERP:
                 acc = tl.zeros((BN,), dtype=tl.float32)
@@ -116,17 +123,22 @@ def _index_scores_round_kernel(tab_ptr, q_ptr, w_ptr, cnt_ptr, out_ptr, n, T, RB
                          mask=(r16 == 0)[:, None] & (keys < T)[None, :])
 
 
+def _precision(one_pass: bool) -> str:
+    """The products' tl.dot precision: one TF32 pass for operands exact in TF32, else three (~float32's accuracy)."""
+    return "tf32" if one_pass else "tf32x3"
+
+
 def _heads_tile(H: int) -> int:
     """The round kernel's product rows for H heads: a power of two, >= 16 (tl.dot's least); heads past H read 0."""
     return max(16, triton.next_power_of_2(H))
 
 
 def index_scores_table(q: torch.Tensor, w: torch.Tensor, table: torch.Tensor, counts: torch.Tensor, T: int,
-                       scale: float) -> torch.Tensor:
+                       scale: float, one_pass: bool = False) -> torch.Tensor:
     """Each sequence's rows against its own keys, sequence b's keys reached through table[b] (int64 address of a
     contiguous float32 [counts[b], D] tensor; its rows are q[b*n:(b+1)*n]): q [B*n, H, D], w [B*n, H], counts [B]
     int64 -> scores [B*n, T] (T >= every count; columns past a sequence's count score zero keys). One launch, no copy
-    of the keys; equal (torch.equal) to index_scores per sequence."""
+    of the keys; equal (torch.equal) to index_scores per sequence in the same mode (one_pass)."""
     N, H, D = q.shape
     B = table.shape[0]
     if D & (D - 1) or w.shape != (N, H) or table.dtype != torch.int64 or counts.shape != (B,) or (B and N % B):
@@ -139,5 +151,6 @@ def index_scores_table(q: torch.Tensor, w: torch.Tensor, table: torch.Tensor, co
     rb = triton.cdiv(n, BLOCK_M)
     grid = (B * rb, triton.cdiv(T, BLOCK_N))
     _index_scores_round_kernel[grid](table, q, w, counts, out, n, T, rb, float(scale), H, HP=_heads_tile(H), D=D,
-                                     BM=BLOCK_M, BN=BLOCK_N, INTERP=INTERPRET, num_warps=ROUND_WARPS)
+                                     BM=BLOCK_M, BN=BLOCK_N, INTERP=INTERPRET, PREC=_precision(one_pass),
+                                     num_warps=ROUND_WARPS)
     return out

@@ -68,7 +68,7 @@ def tiny_fallbacks():
 def path_model(request):
     """The built-in tiny checkpoint on CUDA on each op set: the torch fallbacks, the kernels."""
     m = request.getfixturevalue("tiny_cuda" if request.param == "kernels" else "tiny_fallbacks")
-    assert m.ops.name == ("cuda" if request.param == "kernels" else "cuda-fallbacks")
+    assert m.ops.name == ("cuda+tf32-index" if request.param == "kernels" else "cuda-fallbacks")   # (QAT on)
     return m
 
 

@@ -68,3 +68,29 @@ def test_round_kernel_equals_per_sequence_kernel(H, n):
 def test_round_kernel_equals_per_sequence_kernel_at_v41_shapes():
     for n in (1, 2):
         _round_equals_per_sequence(32, 128, n, [1024, 700, 2048, 64, 1000, 1024, 512, 333], seed=n)
+
+
+@pytest.mark.gpu
+def test_one_tf32_pass_gives_the_three_passes_bits_for_qat_inputs():
+    """QAT's indexer q and keys (FP4 values times powers of two) are exact in TF32: the one-pass products (the op
+    set's choice under QAT) give the three passes' bits, per sequence and in a round, which stays equal to the
+    per-sequence kernel. A control: for plain float32 inputs the two modes differ (the mode is really switched)."""
+    from dsv41.model.quant import fp4_fake_quant_ue8m0
+    g = torch.Generator().manual_seed(5)
+    H, D, n, counts = 32, 128, 2, [700, 64, 1024]
+    q = fp4_fake_quant_ue8m0(torch.randn(len(counts) * n, H, D, generator=g)).to(DEVICE)
+    w = (torch.randn(len(counts) * n, H, generator=g) * H ** -0.5).to(DEVICE)
+    srcs = [fp4_fake_quant_ue8m0(torch.randn(c, D, generator=g)).to(DEVICE) for c in counts]
+    table = torch.tensor([k.data_ptr() for k in srcs], dtype=torch.int64, device=DEVICE)
+    cnt = torch.tensor(counts, device=DEVICE)
+    T = max(counts)
+    three = index_scores_table(q, w, table, cnt, T, D ** -0.5)
+    one = index_scores_table(q, w, table, cnt, T, D ** -0.5, one_pass=True)
+    assert torch.equal(one, three)
+    for b, k in enumerate(srcs):
+        rows = slice(b * n, (b + 1) * n)
+        ref = index_scores(q[rows], w[rows], k, D ** -0.5, one_pass=True)
+        assert torch.equal(ref, index_scores(q[rows], w[rows], k, D ** -0.5))
+        assert torch.equal(one[rows, :k.shape[0]], ref)
+    x, kx = torch.randn(4, H, D, generator=g).to(DEVICE), torch.randn(300, D, generator=g).to(DEVICE)
+    assert not torch.equal(index_scores(x, w[:4], kx, 0.1, one_pass=True), index_scores(x, w[:4], kx, 0.1))

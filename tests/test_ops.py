@@ -638,3 +638,16 @@ def test_projections_sharing_an_input_in_one_launch():
             assert one_run([parts[0], parts[2]]) is None
         outs.append(moe(x))
     assert torch.equal(outs[0], outs[1]) and outs[0].abs().amax() > 0
+
+
+def test_qat_picks_the_one_pass_index_scores_at_load():
+    """Under QAT the indexer's q and keys are exact in TF32, so the CUDA op set's index-score kernels run one TF32
+    pass (kernels/indexer.py; the GPU test checks the bits are the three passes'): an op set of its own, chosen once
+    at load; one without those kernels is unchanged."""
+    assert REF.with_exact_index_inputs() is REF and FALLBACKS.with_exact_index_inputs() is FALLBACKS
+    if "index_scores" not in CUDA.kernels:
+        return
+    one = CUDA.with_exact_index_inputs()
+    assert one.name == "cuda+tf32-index" and one.kernels == CUDA.kernels and one is CUDA.with_exact_index_inputs()
+    assert one.index_scores is not CUDA.index_scores and one.round_scores is not CUDA.round_scores
+    assert one.fp8_linear is CUDA.fp8_linear                       # nothing else changes

@@ -357,6 +357,8 @@ class Model:
             if kernels is None:
                 kernels = os.environ.get("DSV41_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
             ops = ops_for(dv, kernels)
+            if qat:      # the indexer's q and keys are FP4 values times powers of two: exact in TF32
+                ops = ops.with_exact_index_inputs()
         if any(isinstance(w, Exl3Packed) for w in W.values()):
             ops = ops.with_exl3()
         store = None

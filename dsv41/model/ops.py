@@ -268,6 +268,12 @@ class Ops:
         """linear.tiled in this op set's row tile."""
         return L.tiled(fn, *xs, rows=self.row_tile)
 
+    def with_exact_index_inputs(self) -> Ops:
+        """This op set for a model whose indexer q and keys are exact in TF32 (QAT: FP4 values times powers of two,
+        Model.load's qat=True): the index-score kernels' products in one TF32 pass instead of three, the same bits
+        for such inputs (kernels/indexer.py). The same op set where it runs no index-score kernel."""
+        return _with_exact_index_inputs(self) if "index_scores" in self.kernels else self
+
     def with_exl3(self) -> Ops:
         """This op set for a model with EXL3 codes: the fused EXL3 kernels (kernels/exl3.py) for its packed linears
         and stacked experts when this op set runs kernels and they import -- the CUDA C kernel (csrc/exl3.cu) where
@@ -284,6 +290,17 @@ def _exl3_cuda_runs(device: int) -> bool:
     except Exception:  # noqa: BLE001 - Triton absent
         return False
     return cuda_available(device)
+
+
+@functools.cache
+def _with_exact_index_inputs(ops: Ops) -> Ops:
+    from kernels import indexer
+    scores = _kernel_index_scores(functools.partial(indexer.index_scores, one_pass=True),
+                                  functools.partial(_index_scores_tiled, rows=ops.row_tile))
+    table = (functools.partial(indexer.index_scores_table, one_pass=True) if "index_scores_table" in ops.kernels
+             else None)
+    return dataclasses.replace(ops, name=ops.name + "+tf32-index", index_scores=scores,
+                               round_scores=_cuda_round_scores(table, scores))
 
 
 @functools.cache

@@ -4,7 +4,10 @@
 # before they reach the host; models without Engram layers) on a GPU for the first time.
 # Outputs in $OUT/quick/, packed into $OUT/quick.tgz after each step (at most 8 files come back).
 # - tests.txt: test_sched_ahead on CUDA (launched == run when they start, bitwise, rows gathered in another order;
-#   the served scheduler's replies with and without; the cases that must not launch), test_sampler_gpu.
+#   the served scheduler's replies with and without; the cases that must not launch), test_sampler_gpu, the
+#   indexer's one-pass products == the three passes' bits for QAT inputs (test_gpu_indexer), a row alone == in 64.
+# - topk.md: the indexer round scores in one TF32 pass for QAT's inputs (the op set's choice under QAT) beside the
+#   three passes (H100 at 60ee317: 21 us at 32K keys and 1 row; 664 us at 32 rows, compute-bound).
 # - sched.md: sched_round_bench at 1 and 32 rows with launch ahead and without (--no-launch): the GPU busy share
 #   (issue 25's >= 95 %; H200 at 67a9ef7 without launching: 64.4 % at 1 row, 73.4 % at 32).
 # - serve-rate.md: http_rate at 1 and 32 streams (H100 at 27f3608: 91 % / 87 % of the engine-only rate).
@@ -19,9 +22,13 @@ pack() { tar -C "$OUT" -czf "$OUT/quick.tgz" quick; }
 t0=$(date +%s)
 ck=/tmp/dsv41-real-2
 [ -f "$ck/config.json" ] || timeout -k 5 120 python3 -m dsv41.tools.make_real --layers 2 --out "$ck" > /dev/null 2>&1 &
-timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_sched_ahead.py \
-    tests/test_sampler_gpu.py -k "cuda or gpu" > "$d/tests.txt" 2>&1
+timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE tests/test_sched_ahead.py \
+    tests/test_sampler_gpu.py tests/test_gpu_indexer.py "tests/test_gpu_cuda.py::test_row_alone_equals_row_in_64_and_in_a_2048_chunk" \
+    -k "cuda or gpu or one_tf32" > "$d/tests.txt" 2>&1
 echo "quick.sh: tests rc=$? at $(( $(date +%s) - t0 ))s"; tail -3 "$d/tests.txt"; pack
+timeout -k 5 90 python3 bench/topk_bench.py --rows 1,32 --T 32768,262144 --calls 10 --reps 10 \
+    --out "$d/topk.md" > "$d/topk.log" 2>&1
+echo "quick.sh: topk rc=$? at $(( $(date +%s) - t0 ))s"; grep "indexer scores" "$d/topk.md"; pack
 wait
 for v in launch no-launch; do
     f=""; [ "$v" = no-launch ] && f=--no-launch
