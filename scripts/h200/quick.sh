@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The shortest useful device call (~5 min; written in session 17 after its device time was spent): rounds launched
+# The shortest useful device call (~8-9 min with a fresh machine's compiles; written in session 17 after its device time was spent): rounds launched
 # ahead (runner._launch: a plain decode round queued with its ids read from the round before's draws on the device,
 # before they reach the host; models without Engram layers) on a GPU for the first time.
 # Outputs in $OUT/quick/, packed into $OUT/quick.tgz after each step (at most 8 files come back).
