@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The shortest useful device call (~8-9 min with a fresh machine's compiles; written in session 17 after its device time was spent): rounds launched
-# ahead (runner._launch: a plain decode round queued with its ids read from the round before's draws on the device,
-# before they reach the host; models without Engram layers) on a GPU for the first time.
+# The shortest useful device call (~8-9 min with a fresh machine's compiles; written in session 17 after its device
+# time was spent): rounds launched ahead (runner._launch: a plain decode round queued with its ids read from the
+# round before's draws on the device, before they reach the host; models without Engram layers) on a GPU for the
+# first time, and the indexer's one-pass TF32 products under QAT.
 # Outputs in $OUT/quick/, packed into $OUT/quick.tgz after each step (at most 8 files come back).
 # - tests.txt: test_sched_ahead on CUDA (launched == run when they start, bitwise, rows gathered in another order;
 #   the served scheduler's replies with and without; the cases that must not launch), test_sampler_gpu, the
