@@ -183,6 +183,8 @@ def run_case(model, cost, rows: int, rounds: int, case: str, extra: dict, ahead:
         await asyncio.gather(*[drain(r) for r in reqs])
         await sched.stop()
         got = [c for c in clock.rounds if c.get("decode") == rows and c.get("rows") == rows]
+        print(f"rows {rows}: {runner.rounds_ahead} rounds prepared ahead, {runner.rounds_launched} launched ahead",
+              flush=True)
         if clock.prof is None:
             return got, (float("nan"), float("nan"))
         covered, share = device_busy(clock.prof)
