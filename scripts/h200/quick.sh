@@ -37,7 +37,7 @@ for v in launch no-launch; do
         --cases greedy,sampled $f --tag "${DSV41_COMMIT:-} $v" --out "$d/sched.md" > "$d/sched-$v.log" 2>&1
     echo "quick.sh: sched $v rc=$? at $(( $(date +%s) - t0 ))s"; pack
 done
-grep "^| greedy\|^| sampled\|^## " "$d/sched.md"
+grep "^| greedy\|^| sampled\|^## " "$d/sched.md"; grep -H "launched ahead" "$d"/sched-*.log
 timeout -k 5 100 python3 bench/http_rate.py --checkpoint "$ck" --device cuda --streams 1,32 --tokens 256 \
     --out "$d/serve-rate.md" ${DSV41_COMMIT:+--commit "$DSV41_COMMIT"} > "$d/http.log" 2>&1
 echo "quick.sh: http rc=$? at $(( $(date +%s) - t0 ))s"; grep "^| [0-9]" "$d/serve-rate.md"; pack
