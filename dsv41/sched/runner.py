@@ -15,6 +15,11 @@ accepts drafts while the draw equals the draft, rolls the state back past the fi
 > 0) lets the DSpark head propose the next draft from the last accepted position. On several ranks rank 0's
 decisions (accepted count, bonus token) are summed into every rank (followers add zeros), so every rank rolls back
 and drafts alike even where only rank 0 has the grammar masks.
+
+Ahead of the device (issue 25): told the plan queued behind the running round (upcoming), the runner builds its
+table while the round runs (_prepare_next), and where nothing on the host needs the running round's tokens first
+it queues that next round too, its ids read on the device from the running round's draws (_launch): the device
+goes from one round to the next without waiting for the host. Either way every row computes what it would have.
 """
 from __future__ import annotations
 
