@@ -78,22 +78,30 @@ def get(q, timeout=20):
 
 
 @contextlib.contextmanager
+def spawned(target, *extra, q=None):
+    """The other rank in a process running `target(master, q, *extra)` on a fresh master address: yields
+    (master, q, the process), killed on the way out. q: the queue it reports on (default a new one)."""
+    master = free_master()
+    q = CTX.Queue() if q is None else q
+    proc = CTX.Process(target=target, args=(master, q, *extra))
+    proc.start()
+    try:
+        yield master, q, proc
+    finally:
+        proc.kill()
+
+
+@contextlib.contextmanager
 def leader_with(target):
     """Rank 1 running `target(master, q)` in a process, rank 0 (a Leader) here: yields (lead, q); on the way out
     rank 0 shuts down and rank 1 must say bye and exit 0."""
-    master = free_master()
-    q = CTX.Queue()
-    fp = CTX.Process(target=target, args=(master, q))
-    fp.start()
-    try:
+    with spawned(target) as (master, q, fp):
         with Leader(master, 2, start_timeout=20, **HB) as lead:
             yield lead, q
             lead.shutdown()
         assert get(q) == ("bye",)
         fp.join(10)
         assert fp.exitcode == 0
-    finally:
-        fp.kill()
 
 
 def plans():
@@ -116,11 +124,7 @@ def run_leader_rounds(lead, q):
 
 
 def test_follower_first_plans_round_trip_and_shutdown():
-    master = free_master()
-    q = CTX.Queue()
-    fp = CTX.Process(target=follower_main, args=(master, q))
-    fp.start()                                # rank 1 before rank 0
-    try:
+    with spawned(follower_main) as (master, q, fp):      # rank 1 before rank 0
         time.sleep(0.5)
         with Leader(master, 2, start_timeout=20, **HB) as lead:
             assert get(q) == ("session", lead.session, True)
@@ -135,16 +139,10 @@ def test_follower_first_plans_round_trip_and_shutdown():
         assert get(q) == ("bye",)
         fp.join(10)
         assert fp.exitcode == 0
-    finally:
-        fp.kill()
 
 
 def test_leader_first_and_divergent_rank_is_caught():
-    master = free_master()
-    q = CTX.Queue()
-    fp = CTX.Process(target=follower_main, args=(master, q, 1.0, 2))   # rank 0 first; rank 1 lies at round 2
-    fp.start()
-    try:
+    with spawned(follower_main, 1.0, 2) as (master, q, fp):     # rank 0 first; rank 1 lies at round 2
         t0 = time.monotonic()
         with Leader(master, 2, start_timeout=20, **HB) as lead:
             assert time.monotonic() - t0 > 0.5          # it waited for rank 1
@@ -161,16 +159,10 @@ def test_leader_first_and_divergent_rank_is_caught():
         kind, name, msg, rank = get(q)
         assert (kind, name, rank) == ("error", "RemoteError", 0) and "diverged" in msg
         fp.join(10)
-    finally:
-        fp.kill()
 
 
 def test_follower_checks_rank0_digest_too():
-    master = free_master()
-    q = CTX.Queue()
-    fp = CTX.Process(target=follower_main, args=(master, q))
-    fp.start()
-    try:
+    with spawned(follower_main) as (master, q, _):
         with Leader(master, 2, start_timeout=20, **HB) as lead:
             get(q)
             p0 = StepPlan(0, rows=[SeqRows(1, 0, [1], [0])])
@@ -183,8 +175,6 @@ def test_follower_checks_rank0_digest_too():
             with pytest.raises(RemoteError, match="rank 1 failed: DigestMismatch") as e:
                 lead.collect(1)
             assert e.value.rank == 1
-    finally:
-        fp.kill()
 
 
 @pytest.mark.parametrize("watch", [True, False])
@@ -194,11 +184,7 @@ def test_killed_follower_is_named_within_heartbeat_timeout(when, watch):
     the heartbeat finds it); between_steps: rank 1 dies after answering round 2, rank 0 finds it when it sends
     round 3 (or by the watch or the heartbeat)."""
     hb = HB if watch else HB_ONLY
-    master = free_master()
-    q = CTX.Queue()
-    fp = CTX.Process(target=follower_main, args=(master, q, 0.0, -1, 2 if when == "in_step" else -1, hb))
-    fp.start()
-    try:
+    with spawned(follower_main, 0.0, -1, 2 if when == "in_step" else -1, hb) as (master, q, fp):
         with pytest.raises(RankLost) as e:
             with Leader(master, 2, start_timeout=20, **hb) as lead:
                 get(q)
@@ -220,18 +206,12 @@ def test_killed_follower_is_named_within_heartbeat_timeout(when, watch):
         if when == "in_step":
             assert (f"its process {fp.pid} exited" if watch else "no heartbeat for 1 s") in str(e.value)
         assert took < (0.5 if watch else HB["heartbeat_timeout"] + 1.0), took
-    finally:
-        fp.kill()
 
 
 @pytest.mark.parametrize("watch", [True, False])
 def test_killed_leader_is_named_by_the_follower(watch):
     hb = HB if watch else HB_ONLY
-    master = free_master()
-    q = CTX.Queue()
-    lp = CTX.Process(target=leader_main, args=(master, q, 2, 0.0, hb))
-    lp.start()
-    try:
+    with spawned(leader_main, 2, 0.0, hb) as (master, q, lp):
         with Follower(master, 1, 2, start_timeout=20, **hb) as f:
             assert get(q)[0] == "session"
             for _ in range(2):
@@ -245,8 +225,6 @@ def test_killed_leader_is_named_by_the_follower(watch):
                 f.recv()
             assert e.value.rank == 0
             assert time.monotonic() - t0 < (0.5 if watch else HB["heartbeat_timeout"] + 1.0)
-    finally:
-        lp.kill()
 
 
 def wait_lost(hb, timeout: float) -> float:
@@ -263,36 +241,28 @@ def test_stopped_follower_is_lost_within_lost_after_while_idle():
     process state (same host) shows it stopped; after lost_after it is lost, naming the rank and the pid."""
     import os
     import signal
-    master = free_master()
-    q = CTX.Queue()
-    fp = CTX.Process(target=follower_main, args=(master, q, 0.0, -1, -1, dict(HB, heartbeat_timeout=30.0,
-                                                                             lost_after=0.5)))
-    fp.start()
-    try:
-        with Leader(master, 2, start_timeout=20, **dict(HB, heartbeat_timeout=30.0, lost_after=0.5)) as lead:
-            get(q)
-            time.sleep(0.3)
-            assert lead.hb.lost is None                # a live, idle follower is not lost
-            os.kill(fp.pid, signal.SIGSTOP)
-            took = wait_lost(lead.hb, 5)
-            assert 0.5 <= took < 1.0, took
-            assert str(lead.hb.lost).startswith(f"rank 1 lost: its process {fp.pid} is stopped")
-            with pytest.raises(RankLost, match="is stopped"):      # the next channel call raises it
-                lead.send(StepPlan(0))
-    finally:
-        os.kill(fp.pid, signal.SIGCONT)
-        fp.kill()
+    hb = dict(HB, heartbeat_timeout=30.0, lost_after=0.5)
+    with spawned(follower_main, 0.0, -1, -1, hb) as (master, q, fp):
+        try:
+            with Leader(master, 2, start_timeout=20, **hb) as lead:
+                get(q)
+                time.sleep(0.3)
+                assert lead.hb.lost is None                # a live, idle follower is not lost
+                os.kill(fp.pid, signal.SIGSTOP)
+                took = wait_lost(lead.hb, 5)
+                assert 0.5 <= took < 1.0, took
+                assert str(lead.hb.lost).startswith(f"rank 1 lost: its process {fp.pid} is stopped")
+                with pytest.raises(RankLost, match="is stopped"):      # the next channel call raises it
+                    lead.send(StepPlan(0))
+        finally:
+            os.kill(fp.pid, signal.SIGCONT)   # (then spawned kills it)
 
 
 def test_follower_on_another_host_is_lost_when_its_connection_closes():
     """No process to watch (another host): the heartbeat connection closing is the sign, judged after lost_after
     (a live peer reconnects within 0.1 s), long before heartbeat_timeout."""
-    master = free_master()
-    q = CTX.Queue()
     hb = dict(HB, heartbeat_interval=1.0, heartbeat_timeout=30.0, lost_after=0.5)
-    fp = CTX.Process(target=follower_main, args=(master, q, 0.0, -1, -1, hb, True))
-    fp.start()
-    try:
+    with spawned(follower_main, 0.0, -1, -1, hb, True) as (master, q, fp):
         with Leader(master, 2, start_timeout=20, **hb) as lead:
             get(q)
             assert not lead.same_host and lead.hb.pids == {}
@@ -301,14 +271,9 @@ def test_follower_on_another_host_is_lost_when_its_connection_closes():
             took = wait_lost(lead.hb, 5)
             assert took < 1.5, took
             assert str(lead.hb.lost).startswith("rank 1 lost: its connection closed")
-    finally:
-        fp.kill()
     # the other way round: a follower sees rank 0's connection close
     hb = dict(hb, lost_after=0.5)
-    master = free_master()
-    lp = CTX.Process(target=leader_main, args=(master, q, 1, 0.0, hb, True))
-    lp.start()
-    try:
+    with spawned(leader_main, 1, 0.0, hb, True, q=q) as (master, q, lp):
         with Follower(master, 1, 2, start_timeout=20, **hb) as f:
             assert get(q)[0] == "session" and not f.same_host
             p = f.recv()
@@ -320,8 +285,6 @@ def test_follower_on_another_host_is_lost_when_its_connection_closes():
             assert took < 1.5, took
             with pytest.raises(RankLost, match="rank 0 lost: its connection closed"):
                 f.recv()
-    finally:
-        lp.kill()
 
 
 def test_start_timeouts_name_the_missing_rank():
