@@ -291,8 +291,8 @@ class ModelRunner:
         nothing between here and its forward changes its sequences: every row one PENDING decode token wanting its
         logits, no state ops on its sequences, nothing after this round, no verify or drafting rows in either.
         Rank 0 tells the followers each plan it prepares (tell_ahead), and they prepare it by the same rules: their
-        states are rank 0's. Where the round may be launched ahead (_may_launch: `drawn`, this round's draws still
-        on the device), its forward and draws are queued now too (_launch)."""
+        states are rank 0's. Where the round may be launched ahead (_launch_sources: `drawn`, this round's draws
+        still on the device), its forward and draws are queued now too (_launch)."""
         self._take_ahead(None)
         prepare = getattr(self.model, "prepare_ahead", None)
         if prepare is None or plan.after or any(r.draft or len(r.logits) > 1 for r in plan.rows):
@@ -322,39 +322,40 @@ class ModelRunner:
             rd = prepare(states, 1, "last")
         if rd is None:
             return
-        if drawn is not None and self._may_launch(nxt, wanted, matchers, drawn):
-            self._launch(nxt, states, rd, drawn, wanted)
+        src = self._launch_sources(nxt, wanted, matchers, drawn) if drawn is not None else None
+        if src is not None:
+            self._launch(nxt, states, rd, drawn, src)
         else:
             self._ahead = (nxt.round, rd)
 
-    def _may_launch(self, nxt: StepPlan, wanted: list, matchers: dict | None, drawn: Drawn) -> bool:
-        """Whether round `nxt` (prepared: each row one PENDING decode token of a sequence this round draws for) may
-        be queued before this round's tokens reach the host: nothing on the host needs them first. Not where a row
-        is constrained (its mask needs the matcher to have consumed the token), its params adjust the logits by the
-        reply (penalties read the reply's tokens), the model has Engram layers (their rows are read by hashes of
-        the ids on the host), or several ranks serve (a follower takes the ids from rank 0's plan)."""
+    def _launch_sources(self, nxt: StepPlan, wanted: list, matchers: dict | None, drawn: Drawn) -> list[int] | None:
+        """Where round `nxt` (prepared: each row one PENDING decode token of a sequence this round draws for) may
+        be queued before this round's tokens reach the host, each of its rows' place among this round's draws; None
+        where something on the host needs them first: a constrained row (its mask needs the matcher to have consumed
+        the token), params that adjust the logits by the reply (penalties read the reply's tokens), a model with
+        Engram layers (their rows are read by hashes of the ids on the host), several ranks (a follower takes the ids
+        from rank 0's plan)."""
         if (not self.launch_ahead or self.follower or drawn.token is None
                 or getattr(getattr(self.model, "comm", None), "world", 1) > 1
                 or getattr(self.model, "hasher", None) is not None):
-            return False
+            return None
         at = {r.seq: i for i, r in enumerate(wanted)}
         if len(at) != len(wanted) or drawn.token.shape != (len(wanted),):
-            return False
+            return None
         for r in nxt.rows:
             p = self.params.get(r.seq)
             if r.seq not in at or (matchers and r.seq in matchers) or p is None or p.adjusts:
-                return False
-        return True
+                return None
+        return [at[r.seq] for r in nxt.rows]
 
-    def _launch(self, nxt: StepPlan, states: list, rd, drawn: Drawn, wanted: list) -> None:
-        """Queue round `nxt`'s forward and draws behind this round's: its ids are this round's draws for its
-        sequences, read on the device (the same tokens the host resolves its PENDING rows to when it comes), so
-        its rows compute what they would have after this round's commit. execute(nxt) then only waits for them."""
+    def _launch(self, nxt: StepPlan, states: list, rd, drawn: Drawn, src: list[int]) -> None:
+        """Queue round `nxt`'s forward and draws behind this round's: its ids are this round's draws `src` (each
+        row's place among them), read on the device (the same tokens the host resolves its PENDING rows to when it
+        comes), so its rows compute what they would have after this round's commit. execute(nxt) then only waits
+        for them."""
         from dsv41.model.model import InputError     # (as SeqInput: the runner imports no model at import time)
-        at = {r.seq: i for i, r in enumerate(wanted)}
-        src = [at[r.seq] for r in nxt.rows]
         ids = drawn.token
-        if src != list(range(len(wanted))):
+        if src != list(range(ids.shape[0])):
             index = torch.tensor(src, dtype=torch.long)
             if ids.device.type == "cuda":      # pinned: a pageable copy would wait for the device to drain
                 index = index.pin_memory().to(ids.device, non_blocking=True)
