@@ -59,8 +59,9 @@ def copy_rate() -> float:
     return 2 * x.numel() * 4 / (us * 1e-6)
 
 
-def index_scores_line(rows: int, T: int, g, dev, calls: int, reps: int) -> str:
-    """The decode round's indexer scores: `rows` sequences of one row, T keys each, V4.1's 32 heads of 128."""
+def index_scores_line(rows: int, T: int, g, dev, calls: int, reps: int, rate: float) -> str:
+    """The decode round's indexer scores: `rows` sequences of one row, T keys each, V4.1's 32 heads of 128; rate:
+    the device's copy rate (bytes a second) for the keys' read."""
     from kernels.indexer import index_scores_table
     H, D = 32, 128
     keys = [(torch.randn(T, D, generator=g)).to(dev) for _ in range(rows)]
@@ -87,14 +88,11 @@ def index_scores_line(rows: int, T: int, g, dev, calls: int, reps: int) -> str:
                        index_scores_table(q, w, table, counts, T, D ** -0.5))
     t2 = graphed_us(lambda: index_scores_table(q, w, table, counts, T, D ** -0.5, one_pass=True), min(calls, 10),
                     reps)
-    floor = rows * T * D * 4 / RATE[0] * 1e6
+    floor = rows * T * D * 4 / rate * 1e6
     return (f"| indexer scores T={T} H={H}{'' if close else ' (NOT close to torch)'}, keys' read "
             f"{floor:.1f} us at copy rate | {rows} | {t0:.1f} | {t1:.1f} | {t0 / t1:.1f} |\n"
             f"| indexer scores T={T} H={H}, QAT inputs, one TF32 pass (served under QAT)"
             f"{'' if same else ' (NOT the three passes bits)'} | {rows} | {t0:.1f} | {t2:.1f} | {t0 / t2:.1f} |")
-
-
-RATE = [0.0]
 
 
 def main() -> int:
@@ -111,7 +109,7 @@ def main() -> int:
     from kernels import router, topk
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
-    RATE[0] = copy_rate()
+    rate = copy_rate()
     lines = ["| op | rows | torch µs | kernel µs | torch / kernel |", "|---|---:|---:|---:|---:|"]
     for rows in [int(r) for r in a.rows.split(",")]:
         z = (torch.randn(rows, 384, generator=g) * 4).to(dev)
@@ -128,7 +126,7 @@ def main() -> int:
         t1 = graphed_us(lambda s=s: topk.router_topk(s, 6), a.calls, a.reps)
         lines.append(f"| router pick E=384 k=6 | {rows} | {t0:.1f} | {t1:.1f} | {t0 / t1:.1f} |")
         for T in [int(t) for t in a.T.split(",")]:
-            lines.append(index_scores_line(rows, T, g, dev, a.calls, a.reps))
+            lines.append(index_scores_line(rows, T, g, dev, a.calls, a.reps, rate))
             x = torch.randn(rows, T, generator=g).to(dev)
             x[:, T - T // 8:] = float("-inf")                          # a round's padding
             want = select_topk(x, 512)
@@ -151,7 +149,7 @@ def main() -> int:
                             check=False).stdout.strip()
     head = [f"## topk_bench ({commit}, {torch.cuda.get_device_name()}, {platform.node()})", "",
             f"`python bench/topk_bench.py --rows {a.rows} --T {a.T}`: µs per call, {a.calls} calls per CUDA graph, "
-            f"{a.reps} replays; each pair checked equal first; device copy {RATE[0] / 1e12:.2f} TB/s.", ""]
+            f"{a.reps} replays; each pair checked equal first; device copy {rate / 1e12:.2f} TB/s.", ""]
     out = Path(a.out)
     old = out.read_text() if out.exists() else "# Top-k selections: kernels/topk.py against the torch paths\n\n"
     title, _, rest = old.partition("\n\n")

@@ -295,12 +295,11 @@ def _exl3_cuda_runs(device: int) -> bool:
 @functools.cache
 def _with_exact_index_inputs(ops: Ops) -> Ops:
     from kernels import indexer
-    scores = _kernel_index_scores(functools.partial(indexer.index_scores, one_pass=True),
-                                  functools.partial(_index_scores_tiled, rows=ops.row_tile))
     table = (functools.partial(indexer.index_scores_table, one_pass=True) if "index_scores_table" in ops.kernels
              else None)
-    return dataclasses.replace(ops, name=ops.name + "+tf32-index", index_scores=scores,
-                               round_scores=_cuda_round_scores(table, scores))
+    scores, round_scores = _cuda_index_ops(functools.partial(indexer.index_scores, one_pass=True), table,
+                                           ops.row_tile)
+    return dataclasses.replace(ops, name=ops.name + "+tf32-index", index_scores=scores, round_scores=round_scores)
 
 
 @functools.cache
@@ -367,9 +366,7 @@ def _cuda_ops(kernels: bool) -> Ops:
     rows = CUDA_ROW_TILE
     dense = _dense_linear(rows)
     k = _load_kernels() if kernels else {}
-    index_scores = functools.partial(_index_scores_tiled, rows=rows)
-    if "index_scores" in k:
-        index_scores = _kernel_index_scores(k["index_scores"], index_scores)
+    index_scores, round_scores = _cuda_index_ops(k.get("index_scores"), k.get("index_scores_table"), rows)
     fp8 = _dequant_linear(dense)
     grouped = _grouped_linear
     fuse = fused = cat = fuse_parts = None
@@ -396,7 +393,7 @@ def _cuda_ops(kernels: bool) -> Ops:
         hc_expand=_or_fallback(k.get("hc_expand"), mhc.hc_expand),
         route_weights=_or_fallback(k.get("route_weights"), moe.route_weights),
         index_scores=index_scores,
-        round_scores=_cuda_round_scores(k.get("index_scores_table"), index_scores),
+        round_scores=round_scores,
         gather_round=_kernel_gather_round(k["gather_rows"]) if "gather_rows" in k else gather_round,
         ring_write=_kernel_ring_write(k["scatter_rows"]) if "scatter_rows" in k else ring_write,
         round_keys_fn=_kernel_round_keys(k["round_keys"]) if "round_keys" in k else None,
@@ -611,6 +608,15 @@ def _pad_like_row0(out: torch.Tensor, rows: int) -> torch.Tensor:
     if rows == out.shape[0]:
         return out
     return torch.cat([out, out[:1].expand(rows - out.shape[0], *out.shape[1:])])
+
+
+def _cuda_index_ops(scores_kernel: Callable | None, table_kernel: Callable | None, rows: int) -> tuple:
+    """The CUDA op set's (index_scores, round_scores): the kernels where given, the torch path in `rows`-row tiles
+    where one is absent or does not apply."""
+    scores = functools.partial(_index_scores_tiled, rows=rows)
+    if scores_kernel is not None:
+        scores = _kernel_index_scores(scores_kernel, scores)
+    return scores, _cuda_round_scores(table_kernel, scores)
 
 
 def _kernel_index_scores(k: Callable, fallback: Callable) -> Callable:
